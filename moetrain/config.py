@@ -1,0 +1,488 @@
+"""Job configuration: one dataclass per section, loaded from YAML plus dotted overrides.
+
+The dataclasses here are the source of truth for every key (``docs/config.md`` lists
+them). Every field has a docstring; each section validates its own fields in
+``validate()``, and ``JobConfig.validate()`` checks what spans sections. All of it
+runs before any model, dataset or process group is built, and every error names the
+key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is unknown, mistyped or impossible. The message names the key."""
+
+
+def _fail(key: str, msg: str) -> None:
+    raise ConfigError(f"{key}: {msg}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            _fail(f"{section}.{name}", f"must be > 0, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int | None = None
+    """Vocabulary size. null: taken from the tokenizer."""
+    dim: int = 256
+    """Model (residual stream) width D."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 8
+    """Attention (query) heads; must divide ``dim``."""
+    n_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; must divide ``n_heads``. null: ``n_heads``."""
+    ffn_dim: int = 688
+    """Hidden width of the SwiGLU FFN in dense (non-MoE) layers."""
+    max_seq_len: int = 256
+    """Longest sequence the RoPE tables cover; ``data.seq_len`` must not exceed it."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output projection."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weights."""
+
+    def validate(self) -> None:
+        _positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
+                  "ffn_dim", "max_seq_len", "rope_theta", "norm_eps", "init_std")
+        if self.dim % self.n_heads:
+            _fail("model.dim", f"{self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            _fail("model.dim", f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        kv = self.kv_heads
+        if self.n_heads % kv:
+            _fail("model.n_kv_heads", f"{kv} does not divide model.n_heads={self.n_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = 8
+    """Routed experts E per MoE layer. 0 makes every layer dense."""
+    top_k: int = 2
+    """Experts each token is sent to (K); 1 <= top_k <= num_experts."""
+    every_n_layers: int = 1
+    """Layer i (0-based) is an MoE layer when i % every_n_layers == every_n_layers - 1;
+    the others use the dense FFN. 1: every layer is MoE."""
+    expert_ffn_dim: int = 256
+    """Hidden width F of each routed expert's SwiGLU."""
+    num_shared_experts: int = 0
+    """Shared experts every token goes through (one SwiGLU of width
+    ``num_shared_experts * expert_ffn_dim`` unless ``shared_expert_ffn_dim`` is set)."""
+    shared_expert_ffn_dim: int | None = None
+    """Hidden width of the shared-expert SwiGLU. null: ``num_shared_experts * expert_ffn_dim``."""
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score function applied to the fp32 gate logits."""
+    renormalize: bool = True
+    """Rescale the K selected scores of each token to sum to 1 before combining."""
+    jitter_eps: float = 0.0
+    """Multiplicative input jitter: during training the router input is scaled by
+    U(1 - eps, 1 + eps) per element (Switch Transformer). 0: off."""
+    capacity_factor: float | None = None
+    """null: dropless. Otherwise each expert accepts at most
+    ceil(capacity_factor * group_tokens * top_k / num_experts) tokens per token group."""
+    drop_policy: Literal["probs", "position"] = "probs"
+    """Which assignments an over-full expert keeps: the highest router scores ("probs")
+    or the earliest tokens in the group ("position")."""
+    pad_to_capacity: bool = False
+    """Pad every expert's rows to exactly its capacity (static shapes). Needs a capacity_factor."""
+    token_group_seqs: int | None = None
+    """Sequences per token group: the unit over which capacity is applied and the switch
+    load-balancing statistics are taken. null: the whole local micro-batch. A fixed value
+    makes dropping and the loss independent of micro-batching and data-parallel layout."""
+    aux_loss_coef: float = 0.01
+    """Coefficient of the switch load-balancing loss E * sum_e f_e * P_e (per token group)."""
+    seq_aux_loss_coef: float = 0.0
+    """Coefficient of the sequence-level balancing loss (the same statistic per sequence)."""
+    z_loss_coef: float = 0.001
+    """Coefficient of the router z-loss mean(logsumexp(logits)^2)."""
+    expert_bias_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's
+    selection bias moves by this rate toward balance (+rate if under-loaded, -rate if
+    over-loaded). 0: off."""
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+    """Compute path of the MoE layer: "triton" kernels, pure "torch", or "auto" (Triton on
+    CUDA, torch elsewhere)."""
+
+    def validate(self) -> None:
+        if self.num_experts < 0:
+            _fail("moe.num_experts", f"must be >= 0, got {self.num_experts}")
+        if self.num_experts == 0:
+            return
+        if not 1 <= self.top_k <= self.num_experts:
+            _fail("moe.top_k", f"must be in [1, moe.num_experts={self.num_experts}], "
+                  f"got {self.top_k}")
+        _positive("moe", self, "every_n_layers", "expert_ffn_dim", "shared_expert_ffn_dim",
+                  "token_group_seqs")
+        if self.capacity_factor is not None and not (
+            self.capacity_factor > 0 and math.isfinite(self.capacity_factor)
+        ):
+            _fail("moe.capacity_factor", f"must be a finite number > 0 or null (dropless), "
+                  f"got {self.capacity_factor}")
+        if self.pad_to_capacity and self.capacity_factor is None:
+            _fail("moe.pad_to_capacity", "needs moe.capacity_factor (dropless has no capacity)")
+        if self.num_shared_experts < 0:
+            _fail("moe.num_shared_experts", f"must be >= 0, got {self.num_shared_experts}")
+        if not 0 <= self.jitter_eps < 1:
+            _fail("moe.jitter_eps", f"must be in [0, 1), got {self.jitter_eps}")
+        for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+            if getattr(self, name) < 0:
+                _fail(f"moe.{name}", f"must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "default"
+    """"default" (the embedded corpus), a Hugging Face hub dataset name, or local files:
+    a file, a directory or a glob of .txt/.json/.jsonl/.parquet files."""
+    dataset_config: str | None = None
+    """Hub dataset configuration name (the second argument of ``load_dataset``)."""
+    format: Literal["text", "json", "parquet"] | None = None
+    """Format of local files. null: inferred from the file extension."""
+    split: str = "train"
+    """Split to train on."""
+    eval_split: str | None = None
+    """Split for the held-out eval loss. null: hold out ``eval_fraction`` of the documents."""
+    eval_fraction: float = 0.02
+    """Fraction of documents held out for eval when there is no ``eval_split``."""
+    text_column: str = "text"
+    """Column holding the text."""
+    streaming: bool = False
+    """Stream the dataset instead of downloading/materialising it."""
+    trust_remote_code: bool = False
+    """Allow a hub dataset to run its own loading script. Off: nothing loaded runs code."""
+    tokenizer: str = "default"
+    """"default" (byte-level BPE trained once on the embedded corpus and cached), a
+    tokenizer.json file, or a local Hugging Face tokenizer folder."""
+    seq_len: int = 256
+    """Tokens per packed training sequence."""
+    seed: int = 0
+    """Seed of the document shuffle; the data order depends on it alone."""
+    cache_dir: str | None = None
+    """Where the default corpus, tokenizer and token caches live. null: ~/.cache/moetrain."""
+
+    def validate(self) -> None:
+        _positive("data", self, "seq_len")
+        if not self.dataset:
+            _fail("data.dataset", "must be 'default', a hub dataset name or a local path")
+        if not 0 < self.eval_fraction < 1:
+            _fail("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
+        if not self.text_column:
+            _fail("data.text_column", "must be a non-empty column name")
+        tok = self.tokenizer
+        if tok != "default" and not Path(tok).expanduser().exists():
+            _fail("data.tokenizer", f"{tok!r} does not exist; use 'default', a tokenizer.json "
+                  "file or a local Hugging Face tokenizer folder")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule as a fraction of ``lr``."""
+    warmup_steps: int = 20
+    """Linear warm-up steps from 0 to ``lr``."""
+    schedule: Literal["cosine", "constant"] = "cosine"
+    """Decay after warm-up."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms, biases and the router's expert bias)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value. null: no clipping."""
+
+    def validate(self) -> None:
+        _positive("optim", self, "lr", "eps", "grad_clip")
+        if not 0 <= self.min_lr_ratio <= 1:
+            _fail("optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0:
+            _fail("optim.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                _fail(f"optim.{name}", f"must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            _fail("optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Optimizer steps to train for."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one data-parallel rank. Gradient accumulation
+    steps = global_batch_size / (micro_batch_size * data-parallel degree)."""
+    seed: int = 0
+    """Seed of parameter initialisation and of router jitter."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where to train. auto: CUDA when available, else CPU."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Compute dtype: auto is bf16 autocast on CUDA and fp32 on CPU. Parameters stay fp32."""
+    output_dir: str = "outputs/run"
+    """Run directory: TensorBoard events in <output_dir>/tb, checkpoints in
+    <output_dir>/checkpoints."""
+    eval_every: int = 50
+    """Compute the held-out eval loss every N steps (and at the end). 0: only at the end."""
+    eval_batches: int = 8
+    """Micro-batches of the eval split per evaluation."""
+    checkpoint_every: int = 100
+    """Save a checkpoint every N steps (and at the end). 0: only at the end."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after a newer one is verified."""
+    resume: str = "auto"
+    """"auto": resume from the latest complete checkpoint in output_dir if there is one;
+    "never": start fresh (refuses a non-empty checkpoint dir); or a checkpoint path."""
+    compile: bool = False
+    """Wrap the model in torch.compile."""
+
+    def validate(self) -> None:
+        _positive("train", self, "steps", "global_batch_size", "micro_batch_size",
+                  "eval_batches", "keep_last")
+        for name in ("eval_every", "checkpoint_every"):
+            if getattr(self, name) < 0:
+                _fail(f"train.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            _fail("train.global_batch_size", f"{self.global_batch_size} is not divisible by "
+                  f"train.micro_batch_size={self.micro_batch_size}")
+
+
+@dataclass
+class LogConfig:
+    log_every: int = 10
+    """Print a log line every N steps."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to <train.output_dir>/tb."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar with loss and tokens/s (off when stderr is not a tty)."""
+    heatmap_every: int = 50
+    """Log the layer x expert token-share heatmap image every N steps. 0: never."""
+    histogram_every: int = 50
+    """Log router-score histograms every N steps. 0: never."""
+
+    def validate(self) -> None:
+        _positive("log", self, "log_every")
+        for name in ("heatmap_every", "histogram_every"):
+            if getattr(self, name) < 0:
+                _fail(f"log.{name}", f"must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. Until the distributed backbone lands only the single-process layout
+    (every degree 1) is accepted; the keys are here so that configs keep their shape."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (gradient all-reduce across them)."""
+    dp_shard: int = -1
+    """Data-parallel shard degree (ZeRO/FSDP). -1: whatever the world size leaves."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    sequence_parallel: bool = False
+    """Megatron-style sequence parallelism for norms and residuals (needs tp > 1)."""
+    pp: int = 1
+    """Pipeline-parallel stages (physical)."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = (
+        "interleaved_1f1b")
+    """Pipeline schedule."""
+    pp_microbatches: int | None = None
+    """Pipeline micro-batches per step. null: global batch / (dp * micro_batch_size)."""
+    pp_virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved schedules)."""
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    """0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP2)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: none, selective (attention), or full blocks."""
+    ep: int = 1
+    """Expert-parallel degree (carved out of the data-parallel ranks)."""
+
+    def validate(self) -> None:
+        for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages", "ep", "pp_microbatches"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                _fail(f"parallel.{name}", f"must be >= 1, got {value}")
+        if self.dp_shard == 0 or self.dp_shard < -1:
+            _fail("parallel.dp_shard", f"must be >= 1 or -1 (derived), got {self.dp_shard}")
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Transformer shape."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-Experts layers: routing, capacity, balancing."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Dataset, tokenizer and packing."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch sizes, evaluation and checkpoints."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Console and TensorBoard logging."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+
+    def validate(self) -> JobConfig:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.data.seq_len > self.model.max_seq_len:
+            _fail("data.seq_len", f"{self.data.seq_len} exceeds model.max_seq_len="
+                  f"{self.model.max_seq_len}")
+        moe = self.moe
+        if moe.token_group_seqs is not None and moe.num_experts:
+            if self.train.micro_batch_size % moe.token_group_seqs:
+                _fail("moe.token_group_seqs", f"{moe.token_group_seqs} does not divide "
+                      f"train.micro_batch_size={self.train.micro_batch_size}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to floats)."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, value, arg)
+            except ConfigError:
+                continue
+    elif origin is Literal:
+        if value in typing.get_args(tp) and type(value) in {type(a) for a in typing.get_args(tp)}:
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:  # pragma: no cover - only the types above are used in this file
+        raise TypeError(f"unsupported config type {tp}")
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown key; {prefix.rstrip('.') or 'top level'} "
+                              f"has {', '.join(names)}")
+        if dataclasses.is_dataclass(hints[key]):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{prefix}{key}: expected a mapping of keys, got {value!r}")
+            kwargs[key] = _build_section(hints[key], value, f"{prefix}{key}.")
+        else:
+            kwargs[key] = _coerce(f"{prefix}{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ``["moe.top_k=2", "train.output_dir=x"]`` into a nested dict (YAML-typed values)."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{item!r}: an override is written section.key=value")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+        _set_dotted(tree, key.lstrip("-"), value)
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML file (safe loader), apply dotted overrides, type-check and validate."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"--config: no such file {str(path)!r}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config: {path} is not valid YAML: {exc}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--config: {path} must hold a mapping of sections")
+        tree = loaded
+    tree = _merge(tree, parse_overrides(overrides or []))
+    return _build_section(JobConfig, tree, "").validate()
+
+
+def config_to_yaml(cfg: JobConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
