@@ -1,1 +1,143 @@
-"""Triton kernels and their pure-torch references (imported as moetrain.kernels)."""
+"""Triton kernels and their pure-torch references (imported as moetrain.kernels).
+
+Public API (T tokens, D model dim, E experts, K top-k, N permuted rows):
+
+    resolve_backend(name, device) -> "torch" | "triton"
+    grouped_mm(x_NK, w_EKM, offs_E, backend=...) -> y_NM
+    gather_grouped_mm(x_TK, src_N, w_EKM, offs_E, backend=...) -> y_NM
+    route(logits_TE, top_k, score_func=..., expert_bias_E=..., renormalize=..., backend=...)
+        -> RouteResult(weights_TK, ids_TK, scores_TE, lse_T, counts_E)
+    permute(x_TD, dest_TK, num_rows, backend=...) -> x_ND
+    unpermute(y_ND, dest_TK, weights_TK, backend=...) -> out_TD
+
+The Triton modules are imported lazily, so this package imports without triton.
+See docs/kernels.md for the exact contracts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from moetrain.kernels import common, torch_ops
+from moetrain.kernels.common import RouteResult, interpreter_enabled
+
+BACKENDS = ("auto", "triton", "torch")
+
+__all__ = [
+    "BACKENDS",
+    "RouteResult",
+    "gather_grouped_mm",
+    "grouped_mm",
+    "permute",
+    "resolve_backend",
+    "route",
+    "unpermute",
+]
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Map a configured backend name to the one that will run on `device`.
+
+    "auto" picks "triton" on CUDA when triton is importable, else "torch". "triton" off
+    CUDA is only possible under the Triton CPU interpreter (TRITON_INTERPRET=1).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown kernel backend {name!r}; allowed values: {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    if name == "torch":
+        return "torch"
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if not _triton_available():
+        raise RuntimeError("kernel backend 'triton' requested but triton is not installed")
+    if device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            f"kernel backend 'triton' on device {device} needs the Triton CPU interpreter: "
+            "set TRITON_INTERPRET=1 before importing moetrain.kernels, or use backend "
+            "'torch' / 'auto'"
+        )
+    return "triton"
+
+
+def grouped_mm(
+    x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor, *, backend: str = "torch"
+) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e], rows of e = [offs[e-1], offs[e]); rows past
+    offs[-1] are zero. offs: int32 cumulative end offsets. Differentiable in x and w."""
+    common.check_grouped_mm("grouped_mm", x_NK, w_EKM, offs_E)
+    if resolve_backend(backend, x_NK.device) == "triton":
+        from moetrain.kernels import grouped_gemm
+
+        return grouped_gemm.grouped_mm_triton(x_NK, w_EKM, offs_E)
+    return torch_ops.grouped_mm_torch(x_NK, w_EKM, offs_E)
+
+
+def gather_grouped_mm(
+    x_TK: torch.Tensor,
+    src_N: torch.Tensor,
+    w_EKM: torch.Tensor,
+    offs_E: torch.Tensor,
+    *,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """y[n] = x[src[n]] @ w[group(n)]; src int64, -1 = padding row (zero output).
+    The triton backend never materialises x[src]. Differentiable in x and w."""
+    common.check_grouped_mm("gather_grouped_mm", x_TK, w_EKM, offs_E)
+    common.check_gather("gather_grouped_mm", x_TK, src_N)
+    if resolve_backend(backend, x_TK.device) == "triton":
+        from moetrain.kernels import grouped_gemm
+
+        return grouped_gemm.gather_grouped_mm_triton(x_TK, src_N, w_EKM, offs_E)
+    return torch_ops.gather_grouped_mm_torch(x_TK, src_N, w_EKM, offs_E)
+
+
+def route(
+    logits_TE: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: str = "softmax",
+    expert_bias_E: torch.Tensor | None = None,
+    renormalize: bool = True,
+    backend: str = "torch",
+) -> RouteResult:
+    """Top-k routing: scores = softmax|sigmoid(logits); ids = topk(scores + bias) (the bias
+    steers selection only); weights = scores[ids], renormalised to sum 1 if asked.
+    Gradients from weights, scores and lse flow back to the logits."""
+    common.check_route("route", logits_TE, top_k, score_func, expert_bias_E)
+    if resolve_backend(backend, logits_TE.device) == "triton":
+        from moetrain.kernels import router
+
+        return router.route_triton(logits_TE, top_k, score_func, expert_bias_E, renormalize)
+    return torch_ops.route_torch(logits_TE, top_k, score_func, expert_bias_E, renormalize)
+
+
+def permute(
+    x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *, backend: str = "torch"
+) -> torch.Tensor:
+    """out = zeros(num_rows, D); out[dest[t, k]] = x[t] for dest >= 0 (-1 = dropped).
+    Each row is written at most once. Backward sums the copies of each token."""
+    common.check_permute("permute", x_TD, dest_TK, num_rows)
+    if resolve_backend(backend, x_TD.device) == "triton":
+        from moetrain.kernels import permutation
+
+        return permutation.permute_triton(x_TD, dest_TK, num_rows)
+    return torch_ops.permute_torch(x_TD, dest_TK, num_rows)
+
+
+def unpermute(
+    y_ND: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor, *, backend: str = "torch"
+) -> torch.Tensor:
+    """out[t] = sum_{k: dest >= 0} weights[t, k] * y[dest[t, k]], fp32 accumulation, y's
+    dtype out. Differentiable in y and weights."""
+    common.check_unpermute("unpermute", y_ND, dest_TK, weights_TK)
+    if resolve_backend(backend, y_ND.device) == "triton":
+        from moetrain.kernels import permutation
+
+        return permutation.unpermute_triton(y_ND, dest_TK, weights_TK)
+    return torch_ops.unpermute_torch(y_ND, dest_TK, weights_TK)
