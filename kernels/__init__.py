@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-
 from moetrain.kernels import common, torch_ops
 from moetrain.kernels.common import RouteResult, interpreter_enabled
 

@@ -82,8 +82,13 @@ def check_gather(op: str, x_TK: torch.Tensor, src_N: torch.Tensor) -> None:
         _fail(op, f"src must be on x's device {x_TK.device}, got {src_N.device}")
 
 
-def check_route(op: str, logits_TE: torch.Tensor, top_k: int, score_func: str,
-                expert_bias_E: torch.Tensor | None) -> None:
+def check_route(
+    op: str,
+    logits_TE: torch.Tensor,
+    top_k: int,
+    score_func: str,
+    expert_bias_E: torch.Tensor | None,
+) -> None:
     if logits_TE.dim() != 2:
         _fail(op, f"logits must be 2-D (T, E), got shape {tuple(logits_TE.shape)}")
     if logits_TE.dtype != torch.float32:
@@ -95,8 +100,10 @@ def check_route(op: str, logits_TE: torch.Tensor, top_k: int, score_func: str,
         _fail(op, f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
     if expert_bias_E is not None:
         if expert_bias_E.shape != (num_experts,):
-            _fail(op, f"expert_bias must have shape ({num_experts},), "
-                      f"got {tuple(expert_bias_E.shape)}")
+            _fail(
+                op,
+                f"expert_bias must have shape ({num_experts},), got {tuple(expert_bias_E.shape)}",
+            )
         if expert_bias_E.device != logits_TE.device:
             _fail(op, f"expert_bias must be on logits' device {logits_TE.device}")
 
@@ -119,8 +126,9 @@ def check_permute(op: str, x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: 
         _fail(op, f"num_rows must be >= 0, got {num_rows}")
 
 
-def check_unpermute(op: str, y_ND: torch.Tensor, dest_TK: torch.Tensor,
-                    weights_TK: torch.Tensor) -> None:
+def check_unpermute(
+    op: str, y_ND: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor
+) -> None:
     if y_ND.dim() != 2:
         _fail(op, f"y must be 2-D (rows, D), got shape {tuple(y_ND.shape)}")
     check_float(op, "y", y_ND)
@@ -128,8 +136,11 @@ def check_unpermute(op: str, y_ND: torch.Tensor, dest_TK: torch.Tensor,
         _fail(op, f"weights must be 2-D (T, K), got shape {tuple(weights_TK.shape)}")
     check_dest(op, dest_TK, weights_TK.shape[0], y_ND.device)
     if weights_TK.shape != dest_TK.shape:
-        _fail(op, f"weights {tuple(weights_TK.shape)} and dest {tuple(dest_TK.shape)} "
-                  "must have the same shape")
+        _fail(
+            op,
+            f"weights {tuple(weights_TK.shape)} and dest {tuple(dest_TK.shape)} "
+            "must have the same shape",
+        )
     check_float(op, "weights", weights_TK)
     if weights_TK.device != y_ND.device:
         _fail(op, f"weights must be on y's device {y_ND.device}, got {weights_TK.device}")

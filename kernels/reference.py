@@ -8,7 +8,6 @@ what the fast paths promise too. Autograd differentiates them directly.
 from __future__ import annotations
 
 import torch
-
 from moetrain.kernels.common import RouteResult
 
 

@@ -7,7 +7,6 @@ the benchmarks compare the Triton kernels against. No host syncs on the native p
 from __future__ import annotations
 
 import torch
-
 from moetrain.kernels.common import RouteResult
 
 # ---------------------------------------------------------------------------------------------
@@ -20,10 +19,13 @@ def _aligned(t: torch.Tensor) -> bool:
     nbytes = t.element_size()
     if t.data_ptr() % 16:
         return False
-    return all(
-        size <= 1 or stride == 1 or (stride * nbytes) % 16 == 0
-        for size, stride in zip(t.shape, t.stride(), strict=True)
-    ) and 1 in t.stride()[-2:]
+    return (
+        all(
+            size <= 1 or stride == 1 or (stride * nbytes) % 16 == 0
+            for size, stride in zip(t.shape, t.stride(), strict=True)
+        )
+        and 1 in t.stride()[-2:]
+    )
 
 
 def _native_ok(a: torch.Tensor, b: torch.Tensor, out_cols: int) -> bool:
@@ -37,12 +39,7 @@ def _native_ok(a: torch.Tensor, b: torch.Tensor, out_cols: int) -> bool:
         dtype_ok = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
     else:
         dtype_ok = False
-    return (
-        dtype_ok
-        and (out_cols * a.element_size()) % 16 == 0
-        and _aligned(a)
-        and _aligned(b)
-    )
+    return dtype_ok and (out_cols * a.element_size()) % 16 == 0 and _aligned(a) and _aligned(b)
 
 
 def _row_mask(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -108,9 +105,7 @@ class GroupedMMFunction(torch.autograd.Function):
         return dx_NK, dw_EKM, None
 
 
-def grouped_mm_torch(
-    x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor
-) -> torch.Tensor:
+def grouped_mm_torch(x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return GroupedMMFunction.apply(x_NK, w_EKM, offs_E)
 
 
@@ -220,9 +215,7 @@ class UnpermuteFunction(torch.autograd.Function):
             dy_ND.index_add_(0, idx, contrib_TKD.view(num_tokens * top_k, -1))
             dy_ND = dy_ND[: ctx.num_rows].to(dout_TD.dtype)
         if ctx.needs_input_grad[2]:
-            y_TKD = y_ND.index_select(0, dest_TK.clamp_min(0).flatten()).view(
-                num_tokens, top_k, -1
-            )
+            y_TKD = y_ND.index_select(0, dest_TK.clamp_min(0).flatten()).view(num_tokens, top_k, -1)
             dw_TK = torch.einsum("tkd,td->tk", y_TKD.float(), dout_TD.float())
             dw_TK = torch.where(keep_TK, dw_TK, 0.0).to(ctx.weights_dtype)
         return dy_ND, None, dw_TK
