@@ -1,0 +1,134 @@
+"""Capacity, dropping and token permutation: where each (token, choice) goes.
+
+The dispatch plan maps every routed assignment (token t, choice k) to a row of an
+expert-contiguous buffer, or to -1 when capacity drops it. Capacity is applied per expert
+within each *token group* (``moe.token_group_seqs`` sequences, or the whole micro-batch),
+so a reference run that forms the same groups drops exactly the same assignments.
+
+The dispatcher is the seam where expert parallelism plugs in: ``LocalDispatcher`` moves
+rows within one process; an all-to-all dispatcher exposes the same two methods.
+
+Shape legend: T tokens, K top-k, E experts, G token groups, N buffer rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moetrain.kernels import permute, unpermute
+
+
+@dataclass
+class DispatchPlan:
+    dest_TK: torch.Tensor
+    """int64 row of each assignment in the expert-contiguous buffer; -1 = dropped."""
+    offs_E: torch.Tensor
+    """int32 cumulative end row of each expert's segment (the grouped-GEMM offsets)."""
+    num_rows: int
+    """Rows of the buffer (static: T*K, or E*G*capacity when padded)."""
+    tokens_per_expert_E: torch.Tensor
+    """int64 assignments each expert was chosen for, before dropping."""
+    dropped: torch.Tensor
+    """int64 scalar: assignments dropped by capacity."""
+    capacity: int | None
+    """Per-expert, per-group capacity (None: dropless)."""
+
+
+def expert_capacity(group_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """ceil(capacity_factor * group_tokens * top_k / num_experts), at least 1."""
+    return max(1, math.ceil(capacity_factor * group_tokens * top_k / num_experts))
+
+
+def plan_dispatch(
+    ids_TK: torch.Tensor,
+    scores_TK: torch.Tensor,
+    num_experts: int,
+    num_groups: int,
+    capacity_factor: float | None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+) -> DispatchPlan:
+    """Assign buffer rows expert-major, then group, then priority within (expert, group).
+
+    ``scores_TK`` (the router scores of the chosen experts) orders assignments for the
+    "probs" drop policy; "position" keeps the earliest tokens of the group. All on device,
+    no host synchronisation: the buffer size is static.
+    """
+    T, K = ids_TK.shape
+    E, G = num_experts, num_groups
+    if T % G:
+        raise ValueError(f"{T} tokens do not split into {G} token groups")
+    device = ids_TK.device
+    ids_A = ids_TK.reshape(-1)
+    group_A = torch.arange(T, device=device).repeat_interleave(K) // (T // G)
+    tokens_per_expert_E = torch.bincount(ids_A, minlength=E)
+
+    if capacity_factor is None:
+        # Dropless: any order within an expert is fine; a stable sort by expert keeps tokens
+        # in position order, which is also what the padded/capacity paths produce.
+        order_A = torch.argsort(ids_A, stable=True)
+        dest_A = torch.empty_like(order_A)
+        dest_A[order_A] = torch.arange(order_A.numel(), device=device)
+        offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+        return DispatchPlan(dest_A.view(T, K), offs_E, T * K, tokens_per_expert_E,
+                            torch.zeros((), dtype=torch.int64, device=device), None)
+
+    cap = expert_capacity(T // G, K, E, capacity_factor)
+    # Priority first, then a stable sort by (expert, group) segment: within each segment the
+    # assignments end up in priority order.
+    if drop_policy == "probs":
+        prio_order = torch.argsort(scores_TK.reshape(-1).detach(), descending=True, stable=True)
+    elif drop_policy == "position":
+        prio_order = torch.arange(T * K, device=device)
+    else:
+        raise ValueError(f"moe.drop_policy: expected 'probs' or 'position', got {drop_policy!r}")
+    segment_A = ids_A * G + group_A
+    order_A = prio_order[torch.argsort(segment_A[prio_order], stable=True)]
+    seg_sorted = segment_A[order_A]
+    seg_counts = torch.bincount(seg_sorted, minlength=E * G)
+    seg_start = torch.cumsum(seg_counts, 0) - seg_counts
+    pos_sorted = torch.arange(T * K, device=device) - seg_start[seg_sorted]
+    keep_sorted = pos_sorted < cap
+    if pad_to_capacity:
+        dest_sorted = torch.where(keep_sorted, seg_sorted * cap + pos_sorted, -1)
+        offs_E = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (G * cap)
+        num_rows = E * G * cap
+    else:
+        dest_sorted = torch.where(keep_sorted, torch.cumsum(keep_sorted, 0) - 1, -1)
+        kept_E = torch.minimum(seg_counts, torch.tensor(cap, device=device)).view(E, G).sum(1)
+        offs_E = torch.cumsum(kept_E, 0).to(torch.int32)
+        num_rows = T * K
+    dest_A = torch.empty_like(dest_sorted)
+    dest_A[order_A] = dest_sorted
+    dropped = (~keep_sorted).sum()
+    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, cap)
+
+
+class Dispatcher(Protocol):
+    """Moves token rows to the experts that process them and back.
+
+    ``dispatch`` returns the rows this rank's experts process and their int32 group offsets;
+    ``combine`` takes the experts' output rows and returns the weighted sum per token.
+    """
+
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan,
+                 backend: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def combine(self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
+                backend: str) -> torch.Tensor: ...
+
+
+class LocalDispatcher:
+    """All experts live in this process: dispatch is a permutation, combine its inverse."""
+
+    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan,
+                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend), plan.offs_E
+
+    def combine(self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
+                backend: str) -> torch.Tensor:
+        return unpermute(y_ND, plan.dest_TK, weights_TK, backend=backend)

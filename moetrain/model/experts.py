@@ -1,0 +1,36 @@
+"""Routed experts stored as grouped weights, computed with one grouped GEMM per projection.
+
+Shape legend: E experts, D model dim, F expert FFN dim, N permuted rows (expert-contiguous).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.kernels import grouped_mm
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: y = (silu(x W1[e]) * (x W3[e])) W2[e] for the rows of expert e."""
+
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, top_k: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k  # only for active-parameter accounting
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        for w in (self.w1, self.w3, self.w2):
+            nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
+
+    def forward(self, x_ND: torch.Tensor, offs_E: torch.Tensor, backend: str) -> torch.Tensor:
+        """offs_E: int32 cumulative end row of each expert; rows past offs_E[-1] give zeros."""
+        w1, w3, w2 = (w.to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
+        h_NF = F.silu(grouped_mm(x_ND, w1, offs_E, backend=backend)) * grouped_mm(
+            x_ND, w3, offs_E, backend=backend
+        )
+        return grouped_mm(h_NF, w2, offs_E, backend=backend)

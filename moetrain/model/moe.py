@@ -1,0 +1,176 @@
+"""The MoE feed-forward layer, read as its phases:
+
+    route -> plan (capacity) -> dispatch (permute) -> experts -> combine (unpermute)
+    (+ shared experts) -> balancing losses
+
+Aux losses reach the optimizer through ``AuxLossInjector`` (their gradient rides on the
+layer output) and their values, token counts and drop counts accumulate in this module's
+buffers until the trainer reads them with ``pop_stats()``: nothing goes through globals.
+
+Shape legend: B batch, S sequence, T = B*S tokens, D model dim, E experts, K top-k,
+N buffer rows.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetrain.config import MoEConfig
+from moetrain.kernels import RouteResult, resolve_backend, route
+from moetrain.model.dispatch import Dispatcher, DispatchPlan, LocalDispatcher, plan_dispatch
+from moetrain.model.experts import GroupedExperts
+from moetrain.model.losses import (
+    AuxLossInjector,
+    balance_probs,
+    load_balancing_loss,
+    router_entropy,
+    z_loss,
+)
+
+STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
+
+
+class Router(nn.Module):
+    """fp32 linear gate, scores, (biased) top-k selection and combine weights."""
+
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(dim, cfg.num_experts, bias=False)
+        # Aux-loss-free balancing: added to the scores for selection only, never to the
+        # combine weights. A persistent buffer (saved in checkpoints), not a parameter.
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, x_TD: torch.Tensor, backend: str) -> RouteResult:
+        if self.training and self.cfg.jitter_eps > 0:
+            eps = self.cfg.jitter_eps
+            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
+        # The gate runs in fp32 even under bf16 autocast: routing decisions are sensitive
+        # to small logit differences.
+        with torch.autocast(device_type=x_TD.device.type, enabled=False):
+            logits_TE = nn.functional.linear(x_TD.float(), self.gate.weight.float())
+        bias = self.expert_bias if self.cfg.expert_bias_rate > 0 else None
+        return route(logits_TE, self.cfg.top_k, score_func=self.cfg.score_func,
+                     expert_bias_E=bias, renormalize=self.cfg.renormalize, backend=backend)
+
+
+class SharedExperts(nn.Module):
+    """The shared experts, fused into one SwiGLU every token goes through."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class MoELayer(nn.Module):
+    def __init__(self, dim: int, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.num_experts
+        self.router = Router(dim, cfg)
+        self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_dim, cfg.top_k)
+        self.shared_experts: SharedExperts | None = None
+        if cfg.num_shared_experts > 0:
+            hidden = cfg.shared_expert_ffn_dim or cfg.num_shared_experts * cfg.expert_ffn_dim
+            self.shared_experts = SharedExperts(dim, hidden)
+        # The seam for expert parallelism: moetrain.parallel swaps in an all-to-all dispatcher.
+        self.dispatcher: Dispatcher = LocalDispatcher()
+        self.aux_loss_scale = 1.0
+        # Statistics since the last pop_stats(), training forwards only.
+        self.register_buffer("stat_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        self.register_buffer("stat_sums", torch.zeros(len(STAT_NAMES)), persistent=False)
+        self.register_buffer("stat_counts", torch.zeros(3), persistent=False)  # calls, assignments, dropped
+
+    def token_groups(self, batch: int) -> int:
+        n = self.cfg.token_group_seqs
+        if n is None:
+            return 1
+        if batch % n:
+            raise ValueError(f"moe.token_group_seqs={n} does not divide the micro-batch of {batch}")
+        return batch // n
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        B, S, D = x_BSD.shape
+        x_TD = x_BSD.reshape(B * S, D)
+        backend = resolve_backend(self.cfg.kernels, x_TD.device)
+
+        r = self.router(x_TD, backend)
+        plan = plan_dispatch(r.ids_TK, r.scores_TE.gather(1, r.ids_TK), self.num_experts,
+                             self.token_groups(B), self.cfg.capacity_factor,
+                             self.cfg.drop_policy, self.cfg.pad_to_capacity)
+        x_ND, offs_E = self.dispatcher.dispatch(x_TD, plan, backend)
+        y_ND = self.experts(x_ND, offs_E, backend)
+        y_TD = self.dispatcher.combine(y_ND, plan, r.weights_TK, backend)
+        if self.shared_experts is not None:
+            y_TD = y_TD + self.shared_experts(x_TD)
+
+        y_TD = self._balance(y_TD, r, plan, B)
+        return y_TD.view(B, S, D)
+
+    def _balance(self, y_TD: torch.Tensor, r: RouteResult, plan: DispatchPlan,
+                 batch: int) -> torch.Tensor:
+        """Compute the balancing losses, inject their gradient, record their values."""
+        cfg = self.cfg
+        probs_TE = balance_probs(r.scores_TE, cfg.score_func)
+        values = {
+            "aux_loss": (cfg.aux_loss_coef, lambda: load_balancing_loss(
+                probs_TE, r.ids_TK, self.token_groups(batch))),
+            "seq_aux_loss": (cfg.seq_aux_loss_coef, lambda: load_balancing_loss(
+                probs_TE, r.ids_TK, batch)),
+            "z_loss": (cfg.z_loss_coef, lambda: z_loss(r.lse_T)),
+            "entropy": (0.0, lambda: router_entropy(probs_TE)),
+        }
+        total = None
+        stats = []
+        for name in STAT_NAMES:
+            coef, fn = values[name]
+            track_grad = coef > 0 and torch.is_grad_enabled() and self.training
+            with torch.set_grad_enabled(track_grad):
+                value = fn()
+            if track_grad:
+                total = coef * value if total is None else total + coef * value
+            stats.append(value.detach().float())
+        if total is not None:
+            y_TD = AuxLossInjector.apply(y_TD, total, self.aux_loss_scale)
+        if self.training:
+            with torch.no_grad():
+                self.stat_sums += torch.stack(stats)
+                self.stat_tokens_per_expert += plan.tokens_per_expert_E.float()
+                self.stat_counts += torch.stack([
+                    torch.ones((), device=y_TD.device),
+                    torch.tensor(float(r.ids_TK.numel()), device=y_TD.device),
+                    plan.dropped.float(),
+                ])
+        return y_TD
+
+    @torch.no_grad()
+    def pop_stats(self) -> dict[str, torch.Tensor]:
+        """Statistics accumulated by training forwards since the last call, then reset.
+
+        Returns sums (divide by ``calls`` for per-micro-batch means), so that the trainer can
+        add them across micro-batches and ranks before normalising.
+        """
+        out = {name: self.stat_sums[i].clone() for i, name in enumerate(STAT_NAMES)}
+        out["tokens_per_expert"] = self.stat_tokens_per_expert.clone()
+        out["calls"], out["assignments"], out["dropped"] = self.stat_counts.clone().unbind()
+        out["expert_bias"] = self.router.expert_bias.clone()
+        self.stat_sums.zero_()
+        self.stat_tokens_per_expert.zero_()
+        self.stat_counts.zero_()
+        return out
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
+        """Aux-loss-free balancing step: raise the bias of under-loaded experts and lower
+        that of over-loaded ones by ``moe.expert_bias_rate`` (sign of the load error)."""
+        rate = self.cfg.expert_bias_rate
+        if rate == 0:
+            return
+        load = tokens_per_expert_E.float()
+        self.router.expert_bias += rate * torch.sign(load.mean() - load)
