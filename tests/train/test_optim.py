@@ -1,0 +1,176 @@
+"""Optimizer groups, the learning-rate schedule against hand-computed values, clipping."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from moetrain.config import OptimConfig
+from moetrain.train.optim import (
+    WarmupCosine,
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm_,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class TinyMoE(nn.Module):
+    """Every kind of tensor the real model has: embedding, norm, linear with bias, expert
+    weights (3-D), a router gate, an expert-bias buffer and a frozen parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 4)
+        self.norm = nn.LayerNorm(4)
+        self.proj = nn.Linear(4, 4)
+        self.gate = nn.Linear(4, 3, bias=False)
+        self.experts_w = nn.Parameter(torch.randn(3, 4, 5))
+        self.register_buffer("expert_bias", torch.zeros(3))
+        self.frozen = nn.Parameter(torch.ones(2, 2), requires_grad=False)
+
+
+def _run_steps(sched: torch.optim.lr_scheduler.LambdaLR, n: int) -> list[float]:
+    """The lr each of the next ``n`` optimizer steps uses (read before the step, as the
+    optimizer does)."""
+    lrs = []
+    for _ in range(n):
+        lrs.append(sched.get_last_lr()[0])
+        sched.optimizer.step()
+        sched.step()
+    return lrs
+
+
+def _sched(**kw) -> torch.optim.lr_scheduler.LambdaLR:
+    total = kw.pop("total_steps")
+    cfg = OptimConfig(**kw)
+    opt = build_optimizer(nn.Linear(2, 2), cfg)
+    return build_scheduler(opt, cfg, total_steps=total)
+
+
+def test_param_groups_membership() -> None:
+    model = TinyMoE()
+    opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
+    decay, no_decay = opt.param_groups
+    ids = lambda group: {id(p) for p in group["params"]}
+    assert ids(decay) == {id(model.embed.weight), id(model.proj.weight), id(model.gate.weight),
+                          id(model.experts_w)}
+    assert ids(no_decay) == {id(model.norm.weight), id(model.norm.bias), id(model.proj.bias)}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert id(model.frozen) not in ids(decay) | ids(no_decay)
+    assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8 and decay["lr"] == 3e-3
+
+
+def test_tied_parameter_appears_once_and_empty_group_kept() -> None:
+    emb = nn.Embedding(7, 3)
+    head = nn.Linear(3, 7, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    opt = build_optimizer(model, OptimConfig())
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 0]
+
+
+def test_weight_decay_only_hits_matrices() -> None:
+    # With a zero gradient AdamW's update is exactly the decoupled decay p *= 1 - lr * wd.
+    model = nn.Linear(3, 2)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+        model.bias.fill_(1.0)
+    cfg = OptimConfig(lr=0.5, weight_decay=0.1)
+    opt = build_optimizer(model, cfg)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    torch.testing.assert_close(model.weight, torch.full((2, 3), 1.0 - 0.5 * 0.1))
+    torch.testing.assert_close(model.bias, torch.ones(2))
+
+
+def test_warmup_cosine_values() -> None:
+    # lr 1.0, warmup 4, total 14, min ratio 0.1: warm-up (s+1)/5, then cosine over 10 steps.
+    sched = _sched(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    lrs = _run_steps(sched, 17)
+    assert lrs[:5] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0], abs=1e-12)
+    # s = 9: progress 0.5 -> 0.1 + 0.9 * 0.5 = 0.55.
+    assert lrs[9] == pytest.approx(0.55, abs=1e-12)
+    # s = 6: progress 0.2 -> 0.1 + 0.9 * (1 + cos(0.2 pi)) / 2 = 0.1 + 0.45 * 1.809017 = 0.9140576
+    assert lrs[6] == pytest.approx(0.9140576, abs=1e-6)
+    # s = 14 = total: exactly the floor, and it stays there.
+    assert lrs[14] == pytest.approx(0.1, abs=1e-12)
+    assert lrs[16] == pytest.approx(0.1, abs=1e-12)
+    assert all(a >= b for a, b in zip(lrs[4:], lrs[5:], strict=False))
+
+
+def test_constant_and_no_warmup() -> None:
+    lrs = _run_steps(_sched(lr=2.0, warmup_steps=2, total_steps=10, schedule="constant"), 6)
+    assert lrs == pytest.approx([2.0 / 3, 4.0 / 3, 2.0, 2.0, 2.0, 2.0], abs=1e-12)
+    lrs = _run_steps(_sched(lr=1.0, warmup_steps=0, total_steps=2, min_lr_ratio=0.0), 3)
+    assert lrs == pytest.approx([1.0, 0.5, 0.0], abs=1e-12)
+
+
+def test_scheduler_applies_to_both_groups() -> None:
+    cfg = OptimConfig(lr=1.0, warmup_steps=1)
+    opt = build_optimizer(TinyMoE(), cfg)
+    build_scheduler(opt, cfg, total_steps=10)
+    assert [g["lr"] for g in opt.param_groups] == [0.5, 0.5]
+
+
+def test_scheduler_state_round_trip_weights_only() -> None:
+    cfg = OptimConfig(lr=1.0, warmup_steps=3, min_lr_ratio=0.2)
+    sched = build_scheduler(build_optimizer(nn.Linear(2, 2), cfg), cfg, total_steps=20)
+    _run_steps(sched, 7)
+    buf = io.BytesIO()
+    torch.save(sched.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+
+    # A run resumed with a different configuration continues the saved schedule.
+    other = OptimConfig(lr=5.0, warmup_steps=0, schedule="constant")
+    resumed = build_scheduler(build_optimizer(nn.Linear(2, 2), other), other, total_steps=50)
+    resumed.load_state_dict(state)
+    assert resumed.last_epoch == 7
+    assert _run_steps(resumed, 5) == pytest.approx(_run_steps(sched, 5), abs=1e-15)
+    assert resumed.lr_lambdas[0].total_steps == 20
+
+
+def test_warmup_cosine_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="total_steps"):
+        WarmupCosine(0, 0, 0.1)
+    with pytest.raises(ValueError, match="schedule"):
+        WarmupCosine(0, 10, 0.1, "linear")  # type: ignore[arg-type]
+
+
+def _with_grads(values: list[list[float]]) -> list[nn.Parameter]:
+    params = []
+    for v in values:
+        p = nn.Parameter(torch.zeros(len(v)))
+        p.grad = torch.tensor(v)
+        params.append(p)
+    return params
+
+
+def test_clip_grad_norm() -> None:
+    params = _with_grads([[3.0, 0.0], [0.0, 4.0]])  # global norm 5
+    assert clip_grad_norm_(params, 1.0) == pytest.approx(5.0)
+    torch.testing.assert_close(params[0].grad, torch.tensor([0.6, 0.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(params[1].grad, torch.tensor([0.0, 0.8]), atol=1e-6, rtol=0)
+
+    params = _with_grads([[3.0, 0.0], [0.0, 4.0]])
+    assert clip_grad_norm_(params, None) == pytest.approx(5.0)
+    assert clip_grad_norm_(params, 10.0) == pytest.approx(5.0)
+    torch.testing.assert_close(params[1].grad, torch.tensor([0.0, 4.0]))
+
+    no_grad = nn.Parameter(torch.zeros(2))
+    assert clip_grad_norm_([no_grad], 1.0) == 0.0
+
+
+@pytest.mark.parametrize("bad", [math.inf, math.nan])
+def test_clip_grad_norm_non_finite_left_alone(bad: float) -> None:
+    params = _with_grads([[bad, 1.0], [2.0, 0.0]])
+    norm = clip_grad_norm_(params, 1.0)
+    assert not math.isfinite(norm)
+    torch.testing.assert_close(params[1].grad, torch.tensor([2.0, 0.0]))
