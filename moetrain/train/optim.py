@@ -25,8 +25,7 @@ from torch import nn
 
 from moetrain.config import OptimConfig
 
-__all__ = ["WarmupCosine", "build_optimizer", "build_scheduler", "clip_grad_norm_",
-           "param_groups"]
+__all__ = ["WarmupCosine", "build_optimizer", "build_scheduler", "clip_grad_norm_", "param_groups"]
 
 
 def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -65,8 +64,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
 
 
 class WarmupCosine:
@@ -78,8 +78,13 @@ class WarmupCosine:
     schedule it was saved with.
     """
 
-    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float,
-                 schedule: Literal["cosine", "constant"] = "cosine") -> None:
+    def __init__(
+        self,
+        warmup_steps: int,
+        total_steps: int,
+        min_lr_ratio: float,
+        schedule: Literal["cosine", "constant"] = "cosine",
+    ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
         if total_steps < 1:
@@ -104,12 +109,15 @@ class WarmupCosine:
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine
 
     def __repr__(self) -> str:
-        return (f"WarmupCosine(warmup_steps={self.warmup_steps}, total_steps={self.total_steps}, "
-                f"min_lr_ratio={self.min_lr_ratio}, schedule={self.schedule!r})")
+        return (
+            f"WarmupCosine(warmup_steps={self.warmup_steps}, total_steps={self.total_steps}, "
+            f"min_lr_ratio={self.min_lr_ratio}, schedule={self.schedule!r})"
+        )
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig,
-                    total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up then cosine (or constant) decay, one multiplier shared by all groups.
 
     Creating the scheduler already sets the groups' lr to the step-0 value. Its
@@ -134,8 +142,9 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float | None) -> f
         return 0.0
     grads = [p.grad for p in params]
     # foreach=None: torch's fused multi-tensor path wherever the device supports it.
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False,
-                                          foreach=None)
+    total = torch.nn.utils.get_total_norm(
+        grads, norm_type=2.0, error_if_nonfinite=False, foreach=None
+    )
     # A DTensor norm is read out whole for the float, but handed to torch's clipping as is,
     # the way torch.nn.utils.clip_grad_norm_ does, so it scales DTensor gradients.
     full_tensor = getattr(total, "full_tensor", None)

@@ -58,8 +58,12 @@ def test_param_groups_membership() -> None:
     opt = build_optimizer(model, OptimConfig(weight_decay=0.1))
     decay, no_decay = opt.param_groups
     ids = lambda group: {id(p) for p in group["params"]}
-    assert ids(decay) == {id(model.embed.weight), id(model.proj.weight), id(model.gate.weight),
-                          id(model.experts_w)}
+    assert ids(decay) == {
+        id(model.embed.weight),
+        id(model.proj.weight),
+        id(model.gate.weight),
+        id(model.experts_w),
+    }
     assert ids(no_decay) == {id(model.norm.weight), id(model.norm.bias), id(model.proj.bias)}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert id(model.frozen) not in ids(decay) | ids(no_decay)
