@@ -152,13 +152,14 @@ class Transformer(nn.Module):
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
 
-    def moe_layers(self) -> list[MoELayer]:
-        return [m for m in self.modules() if isinstance(m, MoELayer)]
+    def moe_layers(self) -> dict[int, MoELayer]:
+        """The MoE layers this module holds, by layer index (a pipeline stage holds some)."""
+        return {int(i): b.ffn for i, b in self.layers.items() if isinstance(b.ffn, MoELayer)}
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """Scale of the balancing losses' injected gradient: 1 / gradient-accumulation steps,
         so that aux losses are averaged over micro-batches exactly like the LM loss."""
-        for layer in self.moe_layers():
+        for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale
 
     def num_params(self, active: bool = False) -> int:

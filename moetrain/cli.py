@@ -1,0 +1,60 @@
+"""The ``moetrain`` command line.
+
+    moetrain [train] --config configs/tiny.yaml key.sub=value ...
+    python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moetrain.config import ConfigError, load_config
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="moetrain train",
+        description="Train an MoE language model. Overrides are dotted keys: moe.top_k=2.",
+    )
+    parser.add_argument("--config", help="YAML experiment file (see configs/)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"moetrain: config error: {exc}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        from moetrain.config import config_to_yaml
+
+        print(config_to_yaml(cfg), end="")
+        return 0
+    from moetrain.train.trainer import run
+
+    try:
+        run(cfg)
+    except ConfigError as exc:
+        print(f"moetrain: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+COMMANDS = {"train": train_main}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:
+        return COMMANDS[argv[0]](argv[1:])
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ncommands: " + ", ".join(COMMANDS) + " (default: train)")
+        return 0
+    return train_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

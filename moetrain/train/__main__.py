@@ -1,0 +1,7 @@
+"""``python -m moetrain.train`` / ``torchrun -m moetrain.train``: the training entry point."""
+
+import sys
+
+from moetrain.cli import train_main
+
+sys.exit(train_main())
