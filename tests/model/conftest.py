@@ -22,7 +22,7 @@ TOLERANCES: dict[torch.dtype, dict[str, float]] = {
 
 def _assert_close(
     actual: torch.Tensor,
-    expected: torch.Tensor | float,
+    expected: torch.Tensor | float | list,
     dtype: torch.dtype | None = None,
     what: str = "",
 ) -> None:
@@ -31,7 +31,10 @@ def _assert_close(
     dtype = dtype or actual.dtype
     tol = TOLERANCES[dtype]
     actual64 = actual.detach().double()
-    expected64 = torch.as_tensor(expected).detach().double().to(actual64.device)
+    if isinstance(expected, torch.Tensor):
+        expected64 = expected.detach().double().to(actual64.device)
+    else:  # Python numbers and lists: straight to float64, never through float32
+        expected64 = torch.tensor(expected, dtype=torch.float64, device=actual64.device)
     assert actual64.shape == expected64.shape, (
         f"{what}: shape {tuple(actual64.shape)} != expected {tuple(expected64.shape)}"
     )

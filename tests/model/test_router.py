@@ -83,8 +83,11 @@ def test_expert_bias_changes_selection_not_weights(score_func, assert_close):
     assert biased.ids_TK.tolist() == [[3, 0]]
     scores_TE = scores_reference(logits_TE, score_func)
     chosen_TK = scores_TE[:, [3, 0]]
-    assert_close(biased.weights_TK, chosen_TK / chosen_TK.sum(-1, keepdim=True),
-                 what="weights must come from the unbiased scores")
+    assert_close(
+        biased.weights_TK,
+        chosen_TK / chosen_TK.sum(-1, keepdim=True),
+        what="weights must come from the unbiased scores",
+    )
     assert_close(biased.scores_TE, scores_TE, what="scores_TE must stay unbiased")
 
 
@@ -119,8 +122,11 @@ def test_jitter_scales_router_input_within_eps_in_training_only(assert_close):
     assert (factors_TE.std(-1) > eps / 10).all()
 
     router.eval()
-    assert_close(_jitter_factors(router, x_TE).float(), torch.ones_like(x_TE),
-                 what="eval-mode router input must not be jittered")
+    assert_close(
+        _jitter_factors(router, x_TE).float(),
+        torch.ones_like(x_TE),
+        what="eval-mode router input must not be jittered",
+    )
 
 
 def test_jitter_off_when_eps_zero(assert_close):
@@ -134,8 +140,15 @@ def test_jitter_does_not_reach_the_experts(assert_close):
     # One expert, top-1: the router weight is exactly 1 whatever its input, so the layer output
     # is the expert applied to the *unjittered* tokens even in training mode with jitter on.
     dim, ffn = 8, 16
-    cfg = MoEConfig(num_experts=1, top_k=1, expert_ffn_dim=ffn, jitter_eps=0.5,
-                    aux_loss_coef=0.0, z_loss_coef=0.0, kernels="torch")
+    cfg = MoEConfig(
+        num_experts=1,
+        top_k=1,
+        expert_ffn_dim=ffn,
+        jitter_eps=0.5,
+        aux_loss_coef=0.0,
+        z_loss_coef=0.0,
+        kernels="torch",
+    )
     torch.manual_seed(0)
     layer = MoELayer(dim, cfg).train()
     dense = FeedForward(dim, ffn)
@@ -163,7 +176,15 @@ def test_gate_runs_in_fp32_under_bf16_autocast(assert_close):
     assert r.scores_TE.dtype == torch.float32
     assert r.weights_TK.dtype == torch.float32
     logits_TE = x_TD.double() @ router.gate.weight.double().T
-    assert_close(r.scores_TE, scores_reference(logits_TE, "softmax"), dtype=torch.float32,
-                 what="scores under bf16 autocast")
-    assert_close(r.lse_T, torch.logsumexp(logits_TE, -1), dtype=torch.float32,
-                 what="logsumexp under bf16 autocast")
+    assert_close(
+        r.scores_TE,
+        scores_reference(logits_TE, "softmax"),
+        dtype=torch.float32,
+        what="scores under bf16 autocast",
+    )
+    assert_close(
+        r.lse_T,
+        torch.logsumexp(logits_TE, -1),
+        dtype=torch.float32,
+        what="logsumexp under bf16 autocast",
+    )
