@@ -29,18 +29,22 @@ def grouped_mm_reference(
 def gather_grouped_mm_reference(
     x_TK: torch.Tensor, src_N: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor
 ) -> torch.Tensor:
-    """y[n] = x[src[n]] @ w[group(n)], per row; src -1 and rows past offs[-1] give zero."""
+    """y[n] = x[src[n]] @ w[group(n)], per row; src -1 and rows past offs[-1] give zero.
+
+    Padding rows multiply a zero row (by w[0] past the last group), which keeps the output
+    attached to the autograd graph even when every row is padding.
+    """
     ends = offs_E.tolist()
+    zero_K = torch.zeros(x_TK.shape[1], dtype=torch.float32, device=x_TK.device)
     rows = []
     group = 0
     for n in range(src_N.shape[0]):
         while group < len(ends) and n >= ends[group]:
             group += 1
         s = int(src_N[n])
-        if s < 0 or group == len(ends):
-            rows.append(torch.zeros(w_EKM.shape[2], dtype=x_TK.dtype, device=x_TK.device))
-        else:
-            rows.append((x_TK[s].float() @ w_EKM[group].float()).to(x_TK.dtype))
+        x_K = zero_K if s < 0 or group == len(ends) else x_TK[s].float()
+        w_KM = w_EKM[min(group, len(ends) - 1)].float()
+        rows.append((x_K @ w_KM).to(x_TK.dtype))
     if not rows:
         return x_TK.new_zeros(0, w_EKM.shape[2])
     return torch.stack(rows)
