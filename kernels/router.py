@@ -59,7 +59,7 @@ def _route_fwd_kernel(
         scores = tl.where(mask, 1.0 / (1.0 + tl.exp(-logits)), 0.0)
     else:
         scores = ex / denom[:, None]
-    tl.store(scores_ptr + rows64[:, None] * E + cols[None, :], scores, mask=mask)
+    tl.store(scores_ptr + te_offs, scores, mask=mask)
     tl.store(lse_ptr + rows, lse, mask=row_mask)
 
     select = scores
