@@ -45,9 +45,8 @@ def _route_fwd_kernel(
     cols = tl.arange(0, E_POW2)
     col_mask = cols < E
     mask = row_mask[:, None] & col_mask[None, :]
-    logits = tl.load(
-        logits_ptr + rows64[:, None] * E + cols[None, :], mask=mask, other=-float("inf")
-    )
+    te_offs = rows64[:, None] * E + cols[None, :]
+    logits = tl.load(logits_ptr + te_offs, mask=mask, other=-float("inf"))
     # Rows past T become all-zero rather than all -inf, so they stay finite (never stored).
     logits = tl.where(row_mask[:, None], logits, 0.0)
 
