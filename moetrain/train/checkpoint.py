@@ -96,6 +96,21 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {exc}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {FORMAT} manifest")
+    # Shape checks up front so that verification never trips over a hand-edited manifest.
+    files = manifest.get("files")
+    well_formed = (
+        isinstance(manifest.get("step"), int)
+        and isinstance(manifest.get("world_size"), int)
+        and isinstance(files, dict)
+        and all(
+            isinstance(info, dict) and isinstance(info.get("size"), int) for info in files.values()
+        )
+    )
+    if not well_formed:
+        raise CheckpointError(
+            f"checkpoint {path}: {MANIFEST} is malformed (needs an int step, "
+            "an int world_size and a size for every file)"
+        )
     return manifest
 
 
@@ -123,7 +138,7 @@ def _problems(path: Path) -> list[str]:
     except CheckpointError as exc:
         return [str(exc).removeprefix(f"checkpoint {path}: ")]
     problems = []
-    files: dict[str, dict[str, Any]] = manifest.get("files", {})
+    files: dict[str, dict[str, Any]] = manifest["files"]
     sizes: dict[str, int] = {}
     for rel, info in sorted(files.items()):
         try:
@@ -159,7 +174,7 @@ def _problems(path: Path) -> list[str]:
                     problems.append(
                         f"{rel} is {sizes[rel]} bytes but {DCP_METADATA} needs {end} (truncated)"
                     )
-    world_size = int(manifest.get("world_size", 1))
+    world_size = manifest["world_size"]
     ranks = range(world_size) if manifest.get("per_rank_extra") else [None]
     for rank in ranks:
         if _extra_name(rank) not in files:

@@ -331,6 +331,12 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "step_00000001" / "manifest.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="manifest.json is unreadable"):
         verify_checkpoint(tmp_path / "step_00000001")
+    (tmp_path / "step_00000001" / "manifest.json").write_text(
+        '{"format": "moetrain-checkpoint/1", "step": 1, "world_size": 1, "files": {"a": {}}}'
+    )
+    with pytest.raises(CheckpointError, match="manifest.json is malformed"):
+        verify_checkpoint(tmp_path / "step_00000001")
+    assert CheckpointManager(tmp_path, keep_last=1).latest() is None
 
 
 def test_fingerprint_mismatch_names_the_keys(tmp_path: Path) -> None:
