@@ -35,6 +35,8 @@ def gather_grouped_mm_reference(
     attached to the autograd graph even when every row is padding.
     """
     ends = offs_E.tolist()
+    # Cast once, so autograd accumulates the gradients of repeated rows in fp32.
+    x_f32, w_f32 = x_TK.float(), w_EKM.float()
     zero_K = torch.zeros(x_TK.shape[1], dtype=torch.float32, device=x_TK.device)
     rows = []
     group = 0
@@ -42,8 +44,8 @@ def gather_grouped_mm_reference(
         while group < len(ends) and n >= ends[group]:
             group += 1
         s = int(src_N[n])
-        x_K = zero_K if s < 0 or group == len(ends) else x_TK[s].float()
-        w_KM = w_EKM[min(group, len(ends) - 1)].float()
+        x_K = zero_K if s < 0 or group == len(ends) else x_f32[s]
+        w_KM = w_f32[min(group, len(ends) - 1)]
         rows.append((x_K @ w_KM).to(x_TK.dtype))
     if not rows:
         return x_TK.new_zeros(0, w_EKM.shape[2])
@@ -83,29 +85,31 @@ def route_reference(
 
 def permute_reference(x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """out[dest[t, k]] = x[t] for dest >= 0; other rows zero."""
+    x_f32 = x_TD.float()  # the backward sums a token's copies in fp32
     rows = [None] * num_rows
     for t in range(dest_TK.shape[0]):
         for k in range(dest_TK.shape[1]):
             d = int(dest_TK[t, k])
             if d >= 0:
-                rows[d] = x_TD[t]
-    zero = x_TD.new_zeros(x_TD.shape[1])
+                rows[d] = x_f32[t]
+    zero = x_f32.new_zeros(x_TD.shape[1])
     if num_rows == 0:
         return x_TD.new_zeros(0, x_TD.shape[1])
-    return torch.stack([zero if r is None else r for r in rows])
+    return torch.stack([zero if r is None else r for r in rows]).to(x_TD.dtype)
 
 
 def unpermute_reference(
     y_ND: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor
 ) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * y[dest[t, k]] over dest >= 0, in fp32."""
+    y_f32, w_f32 = y_ND.float(), weights_TK.float()
     outs = []
     for t in range(dest_TK.shape[0]):
         acc = torch.zeros(y_ND.shape[1], dtype=torch.float32, device=y_ND.device)
         for k in range(dest_TK.shape[1]):
             d = int(dest_TK[t, k])
             if d >= 0:
-                acc = acc + weights_TK[t, k].float() * y_ND[d].float()
+                acc = acc + w_f32[t, k] * y_f32[d]
         outs.append(acc.to(y_ND.dtype))
     if not outs:
         return y_ND.new_zeros(0, y_ND.shape[1])

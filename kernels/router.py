@@ -153,7 +153,7 @@ def _route_bwd_kernel(
                 # Below the clamp S is a constant: only the direct term survives.
                 proj = tl.where(total > 1e-20, tl.sum(dw_dense * scores, 1) / clamped, 0.0)
             else:
-                clamped = total
+                clamped = tl.where(row_mask, total, 1.0)  # rows past T select nothing
                 proj = tl.sum(dw_dense * scores, 1) / clamped
             dscores += selected * (dw_dense - proj[:, None]) / clamped[:, None]
         else:

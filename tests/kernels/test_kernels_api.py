@@ -1,0 +1,108 @@
+"""resolve_backend and the argument checks every backend shares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import BACKENDS, DEVICE, HAS_CUDA, offsets
+from moetrain.kernels import (
+    gather_grouped_mm,
+    grouped_mm,
+    permute,
+    resolve_backend,
+    route,
+    unpermute,
+)
+
+from moetrain import kernels
+
+
+def test_resolve_backend_names():
+    assert resolve_backend("torch", torch.device("cpu")) == "torch"
+    assert resolve_backend("torch", "cuda") == "torch"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    # "auto" on CUDA picks triton whenever triton imports (it does in this environment).
+    assert resolve_backend("auto", torch.device("cuda")) == "triton"
+    with pytest.raises(ValueError, match="allowed values: auto, triton, torch"):
+        resolve_backend("cutlass", torch.device("cpu"))
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="exercises the CPU interpreter switch")
+def test_resolve_backend_triton_on_cpu(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_backend("triton", torch.device("cpu")) == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        resolve_backend("triton", torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        grouped_mm(torch.randn(2, 4), torch.randn(1, 4, 4), offsets([2]), backend="triton")
+
+
+def _gmm_args():
+    return torch.randn(6, 16, device=DEVICE), torch.randn(2, 16, 8, device=DEVICE), offsets([2, 6])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda x, w, o: (x, w, o.long()), "offs must be int32"),
+        (lambda x, w, o: (x[None], w, o), "x must be 2-D"),
+        (lambda x, w, o: (x, w[0], o), "w must be 3-D"),
+        (lambda x, w, o: (x[:, :15], w, o), "K=15 columns but w has K=16"),
+        (lambda x, w, o: (x, w, o[:1]), "one end offset per expert"),
+        (lambda x, w, o: (x.double(), w.double(), o), "float32, bfloat16 or float16"),
+        (lambda x, w, o: (x.bfloat16(), w, o), "must share a dtype"),
+    ],
+    ids=["offs-int64", "x-3d", "w-2d", "K-mismatch", "offs-length", "fp64", "mixed-dtype"],
+)
+def test_grouped_mm_bad_args(backend, mutate, match):
+    with pytest.raises(ValueError, match=match):
+        grouped_mm(*mutate(*_gmm_args()), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gather_grouped_mm_bad_src(backend):
+    x, w, o = _gmm_args()
+    with pytest.raises(ValueError, match="src must be int64"):
+        gather_grouped_mm(x, torch.zeros(6, dtype=torch.int32, device=DEVICE), w, o,
+                          backend=backend)  # fmt: skip
+    with pytest.raises(ValueError, match="src must be 1-D"):
+        gather_grouped_mm(x, torch.zeros(6, 1, dtype=torch.int64, device=DEVICE), w, o,
+                          backend=backend)  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_route_bad_args(backend):
+    logits = torch.randn(4, 6, device=DEVICE)
+    with pytest.raises(ValueError, match="logits must be float32"):
+        route(logits.bfloat16(), 2, backend=backend)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, E=6\]"):
+        route(logits, 7, backend=backend)
+    with pytest.raises(ValueError, match="score_func must be 'softmax' or 'sigmoid'"):
+        route(logits, 2, score_func="relu", backend=backend)
+    with pytest.raises(ValueError, match=r"expert_bias must have shape \(6,\)"):
+        route(logits, 2, expert_bias_E=torch.zeros(5, device=DEVICE), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_permute_bad_args(backend):
+    x = torch.randn(4, 8, device=DEVICE)
+    dest = torch.arange(8, device=DEVICE).view(4, 2)
+    with pytest.raises(ValueError, match="dest must be int64"):
+        permute(x, dest.int(), 8, backend=backend)
+    with pytest.raises(ValueError, match=r"dest must be 2-D \(T=4, K\)"):
+        permute(x, dest.view(2, 4), 8, backend=backend)
+    with pytest.raises(ValueError, match="weights .* and dest .* must have the same shape"):
+        unpermute(x, dest, torch.ones(4, 3, device=DEVICE), backend=backend)
+    with pytest.raises(ValueError, match="y must be 2-D"):
+        unpermute(x[None], dest, torch.ones(4, 2, device=DEVICE), backend=backend)
+
+
+def test_public_api_surface():
+    assert set(kernels.__all__) >= {
+        "resolve_backend", "grouped_mm", "gather_grouped_mm", "route", "permute", "unpermute",
+        "RouteResult",
+    }  # fmt: skip
+    assert kernels.RouteResult._fields == ("weights_TK", "ids_TK", "scores_TE", "lse_T",
+                                           "counts_E")  # fmt: skip

@@ -1,0 +1,130 @@
+"""grouped_mm and gather_grouped_mm, every backend, against the per-expert loop reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_testing import BACKENDS, DEVICE, HAS_CUDA, assert_close, gpu, grads, offsets
+from kernel_testing import requires_cuda as _requires_cuda
+from moetrain.kernels import gather_grouped_mm, grouped_mm, torch_ops
+from moetrain.kernels.reference import gather_grouped_mm_reference, grouped_mm_reference
+
+# name: (rows per expert, tail rows past offs[-1], K, M)
+CASES = {
+    "uneven_empty_tail": ([5, 0, 15, 10], 7, 33, 70),
+    "all_rows_one_expert": ([0, 0, 33, 0], 0, 32, 48),
+    "one_row": ([0, 1, 0], 0, 16, 24),
+    "seven_rows": ([3, 4], 0, 24, 20),
+    "no_routed_rows": ([0, 0, 0], 5, 16, 16),
+}
+CPU_DTYPES = {"torch": [torch.float32, torch.bfloat16, torch.float16], "triton": [torch.float32]}
+
+
+def _inputs(sizes, tail, k_dim, m_dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_rows = sum(sizes) + tail
+    x_NK = torch.randn(num_rows, k_dim, generator=gen)
+    w_EKM = torch.randn(len(sizes), k_dim, m_dim, generator=gen) / k_dim**0.5
+    x_NK = x_NK.to(DEVICE, dtype).requires_grad_()
+    w_EKM = w_EKM.to(DEVICE, dtype).requires_grad_()
+    return x_NK, w_EKM, offsets(sizes)
+
+
+def _check_grouped_mm(backend, sizes, tail, k_dim, m_dim, dtype):
+    x_NK, w_EKM, offs_E = _inputs(sizes, tail, k_dim, m_dim, dtype)
+    y_NM = grouped_mm(x_NK, w_EKM, offs_E, backend=backend)
+    y_ref = grouped_mm_reference(x_NK, w_EKM, offs_E)
+    assert_close(y_NM, y_ref, "y")
+    if tail:
+        assert torch.count_nonzero(y_NM[sum(sizes) :]) == 0, "rows past offs[-1] must be zero"
+    dy_NM = torch.randn_like(y_ref)
+    dx, dw = grads(y_NM, [x_NK, w_EKM], dy_NM)
+    dx_ref, dw_ref = grads(y_ref, [x_NK, w_EKM], dy_NM)
+    assert_close(dx, dx_ref, "dx")
+    assert_close(dw, dw_ref, "dw")
+
+
+def _check_gather(backend, sizes, tail, k_dim, m_dim, dtype, num_tokens=9):
+    _, w_EKM, offs_E = _inputs(sizes, tail, k_dim, m_dim, dtype)
+    gen = torch.Generator().manual_seed(1)
+    num_rows = sum(sizes) + tail
+    x_TK = torch.randn(num_tokens, k_dim, generator=gen).to(DEVICE, dtype).requires_grad_()
+    src_N = torch.randint(-1, num_tokens, (num_rows,), generator=gen).to(DEVICE)
+    y_NM = gather_grouped_mm(x_TK, src_N, w_EKM, offs_E, backend=backend)
+    y_ref = gather_grouped_mm_reference(x_TK, src_N, w_EKM, offs_E)
+    assert_close(y_NM, y_ref, "y")
+    dy_NM = torch.randn_like(y_ref)
+    dx, dw = grads(y_NM, [x_TK, w_EKM], dy_NM)
+    dx_ref, dw_ref = grads(y_ref, [x_TK, w_EKM], dy_NM)
+    assert_close(dx, dx_ref, "dx")
+    assert_close(dw, dw_ref, "dw")
+
+
+def _cpu_params():
+    return [
+        pytest.param(b, c, d, id=f"{b}-{c}-{str(d)[6:]}")
+        for b in BACKENDS
+        for c in CASES
+        for d in (CPU_DTYPES[b] if not HAS_CUDA else [torch.float32])
+    ]
+
+
+@pytest.mark.parametrize("backend,case,dtype", _cpu_params())
+def test_grouped_mm_matches_reference(backend, case, dtype):
+    _check_grouped_mm(backend, *CASES[case], dtype)
+
+
+@pytest.mark.parametrize("backend,case,dtype", _cpu_params())
+def test_gather_grouped_mm_matches_reference(backend, case, dtype):
+    _check_gather(backend, *CASES[case], dtype)
+
+
+def test_gather_equals_grouped_mm_of_gathered_rows():
+    """The fused gather is exactly grouped_mm on x[src] (padding rows zeroed)."""
+    x_TK = torch.randn(6, 32, device=DEVICE)
+    w_EKM = torch.randn(3, 32, 16, device=DEVICE)
+    src_N = torch.tensor([0, 5, -1, 2, 2, 3, 1, 4], device=DEVICE)
+    offs_E = offsets([3, 0, 5])
+    x_NK = x_TK[src_N.clamp_min(0)] * (src_N >= 0).unsqueeze(1)
+    for backend in BACKENDS:
+        assert_close(
+            gather_grouped_mm(x_TK, src_N, w_EKM, offs_E, backend=backend),
+            grouped_mm(x_NK, w_EKM, offs_E, backend="torch"),
+            f"gather vs grouped_mm ({backend})",
+        )
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU torch._grouped_mm selection")
+def test_torch_backend_uses_native_grouped_mm_when_aligned():
+    """Aligned fp32/bf16 on CPU must take torch._grouped_mm, so the tests above cover it."""
+    x_NK = torch.randn(8, 32)
+    w_EKM = torch.randn(2, 32, 48)
+    assert torch_ops._native_ok(x_NK, w_EKM, 48)
+    assert torch_ops._native_ok(x_NK.bfloat16(), w_EKM.bfloat16(), 48)
+    assert not torch_ops._native_ok(torch.randn(8, 33), torch.randn(2, 33, 48), 48)
+    assert not torch_ops._native_ok(x_NK.half(), w_EKM.half(), 48)
+
+
+@gpu
+@_requires_cuda
+class TestGroupedMMGPU:
+    """bf16 through the Triton kernels: only meaningful on a GPU (the interpreter's bf16
+    tl.dot is wrong), with shapes large enough to span several tiles and autotune."""
+
+    GPU_CASES = {
+        "uneven": ([130, 0, 300, 77, 1], 19, 256, 384),
+        "one_expert": ([0, 513, 0, 0], 0, 128, 320),
+        "odd_features": ([40, 90, 7], 3, 72, 200),
+    }
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    @pytest.mark.parametrize("case", list(GPU_CASES))
+    def test_grouped_mm(self, backend, dtype, case):
+        _check_grouped_mm(backend, *self.GPU_CASES[case], dtype)
+
+    @pytest.mark.parametrize("backend", BACKENDS)
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+    @pytest.mark.parametrize("case", list(GPU_CASES))
+    def test_gather_grouped_mm(self, backend, dtype, case):
+        _check_gather(backend, *self.GPU_CASES[case], dtype, num_tokens=200)
