@@ -37,9 +37,18 @@ FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parqu
 """File extension -> ``datasets`` builder, used when ``data.format`` is null."""
 
 # Hugging Face's own split keywords for files in a folder (train.jsonl, dev/x.parquet, ...).
-_SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation",
-                "valid": "validation", "val": "validation", "dev": "validation",
-                "test": "test", "testing": "test", "eval": "test", "evaluation": "test"}
+_SPLIT_WORDS = {
+    "train": "train",
+    "training": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "dev": "validation",
+    "test": "test",
+    "testing": "test",
+    "eval": "test",
+    "evaluation": "test",
+}
 
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -75,14 +84,17 @@ def _local_files(spec: str, fmt: str | None) -> list[Path] | None:
         return [path]
     if path.is_dir():
         found = sorted(
-            p for p in path.rglob("*")
+            p
+            for p in path.rglob("*")
             if p.is_file()
             and not any(part.startswith(".") for part in p.relative_to(path).parts)
             and (fmt is not None or p.suffix.lower() in FORMATS)
         )
         if not found:
-            raise DataError(f"data.dataset: directory {spec!r} holds no "
-                            f"{'/'.join(FORMATS)} files")
+            raise DataError(
+                f"data.dataset: directory {spec!r} holds no "
+                f"{'/'.join(FORMATS)} files (set data.format to read others)"
+            )
         return found
     if glob.has_magic(spec):
         matches = sorted(Path(m) for m in glob.glob(str(path), recursive=True))
@@ -102,11 +114,15 @@ def _builder(files: list[Path], cfg: DataConfig) -> str:
     kinds = {FORMATS.get(f.suffix.lower()) for f in files}
     if None in kinds:
         odd = next(f for f in files if f.suffix.lower() not in FORMATS)
-        raise DataError(f"data.format: cannot infer the format of {str(odd)!r} from its "
-                        f"extension; set data.format to text, json or parquet")
+        raise DataError(
+            f"data.format: cannot infer the format of {str(odd)!r} from its "
+            f"extension; set data.format to text, json or parquet"
+        )
     if len(kinds) > 1:
-        raise DataError(f"data.format: {cfg.dataset!r} mixes formats {sorted(kinds)}; point "
-                        "data.dataset at files of one format or set data.format")
+        raise DataError(
+            f"data.format: {cfg.dataset!r} mixes formats {sorted(kinds)}; point "
+            "data.dataset at files of one format or set data.format"
+        )
     return kinds.pop()
 
 
@@ -138,8 +154,9 @@ def load_local_files(
     data_files = files if isinstance(files, dict) else {"train": files}
     # Zero-byte files hold no rows, and some builders stumble on them (json raises
     # StopIteration): leave them out, and call a split made only of them empty.
-    data_files = {split: [f for f in fs if os.path.getsize(f) > 0] for split, fs in
-                  data_files.items()}
+    data_files = {
+        split: [f for f in fs if os.path.getsize(f) > 0] for split, fs in data_files.items()
+    }
     empty = [split for split, fs in data_files.items() if not fs]
     if empty:
         raise DataError(f"data.dataset: the files of split {empty[0]!r} are all empty")
@@ -152,8 +169,10 @@ def load_local_files(
         )
     except Exception as exc:  # a malformed file surfaces as any of pyarrow's/datasets' errors
         cause = exc.__cause__ or exc
-        raise DataError(f"data.dataset: cannot read {builder} files {_short(data_files)}: "
-                        f"{type(cause).__name__}: {cause}") from exc
+        raise DataError(
+            f"data.dataset: cannot read {builder} files {_short(data_files)}: "
+            f"{type(cause).__name__}: {cause}"
+        ) from exc
 
 
 def plan_split(cfg: DataConfig, role: Role, kind: str) -> tuple[str, str, bool | None]:
@@ -193,8 +212,10 @@ def _load(source: Source, split: str, key: str, cfg: DataConfig) -> AnyDataset:
         assert source.files is not None and source.builder is not None
         loaded = load_local_files(source.files, source.builder, cfg.cache_dir, cfg.streaming)
         if split not in loaded:
-            raise DataError(f"{key}: {split!r} is not a split of {source.name!r}; it has "
-                            f"{', '.join(sorted(loaded))}")
+            raise DataError(
+                f"{key}: {split!r} is not a split of {source.name!r}; it has "
+                f"{', '.join(sorted(loaded))}"
+            )
         return loaded[split]
     return _load_hub(source.name, split, key, cfg)
 
@@ -203,45 +224,58 @@ def _load_hub(name: str, split: str, key: str, cfg: DataConfig) -> AnyDataset:
     kwargs: dict[str, Any] = {}
     if cfg.trust_remote_code:
         if "trust_remote_code" not in inspect.signature(datasets.load_dataset).parameters:
-            raise DataError(f"data.trust_remote_code: datasets {datasets.__version__} no longer "
-                            "runs dataset loading scripts; use a dataset stored as data files "
-                            "(parquet/json) or set data.trust_remote_code=false")
+            raise DataError(
+                f"data.trust_remote_code: datasets {datasets.__version__} no longer "
+                "runs dataset loading scripts; use a dataset stored as data files "
+                "(parquet/json) or set data.trust_remote_code=false"
+            )
         kwargs["trust_remote_code"] = True
     try:
-        return datasets.load_dataset(name, cfg.dataset_config, split=split,
-                                     streaming=cfg.streaming, **kwargs)
+        return datasets.load_dataset(
+            name, cfg.dataset_config, split=split, streaming=cfg.streaming, **kwargs
+        )
     except ValueError as exc:
         msg = str(exc)
         if "split" in msg.lower():
-            raise DataError(f"{key}: {split!r} is not a split of hub dataset {name!r}: "
-                            f"{msg}") from None
+            raise DataError(
+                f"{key}: {split!r} is not a split of hub dataset {name!r}: {msg}"
+            ) from None
         if "config" in msg.lower():
-            raise DataError(f"data.dataset_config: {cfg.dataset_config!r} is not a "
-                            f"configuration of {name!r}: {msg}") from None
+            raise DataError(
+                f"data.dataset_config: {cfg.dataset_config!r} is not a "
+                f"configuration of {name!r}: {msg}"
+            ) from None
         raise DataError(f"data.dataset: cannot load hub dataset {name!r}: {msg}") from None
     except (OSError, datasets.exceptions.DatasetNotFoundError) as exc:
         # ConnectionError and FileNotFoundError are OSErrors: offline, unknown or private.
-        raise DataError(f"data.dataset: hub dataset {name!r} not found or unreachable "
-                        f"({exc}); if you meant local files, that path does not exist") from None
+        raise DataError(
+            f"data.dataset: hub dataset {name!r} not found or unreachable "
+            f"({exc}); if you meant local files, that path does not exist"
+        ) from None
 
 
 def _check_rows(ds: AnyDataset, cfg: DataConfig, what: str) -> None:
     col = cfg.text_column
     if isinstance(ds, Dataset):
         if col not in ds.column_names:
-            raise DataError(f"data.text_column: {what} has no column {col!r}; its columns are "
-                            f"{', '.join(ds.column_names)}")
+            raise DataError(
+                f"data.text_column: {what} has no column {col!r}; its columns are "
+                f"{', '.join(ds.column_names)}"
+            )
         feature = ds.features[col]
         dtype = getattr(feature, "dtype", None)
         if not isinstance(feature, datasets.Value) or dtype not in ("string", "large_string"):
-            raise DataError(f"data.text_column: column {col!r} of {what} holds {feature}, "
-                            "not strings")
+            raise DataError(
+                f"data.text_column: column {col!r} of {what} holds {feature}, not strings"
+            )
         if ds.num_rows == 0:
             raise DataError(f"data.dataset: {what} is empty")
         column = ds.data.column(col)
         if column.null_count:
-            raise DataError(f"data.text_column: {column.null_count} rows of column {col!r} of "
-                            f"{what} are null, not strings")
+            raise DataError(
+                f"data.text_column: {column.null_count} rows of column {col!r} of "
+                f"{what} are null, not strings"
+            )
         if not pc.max(pc.utf8_length(column)).as_py():
             raise DataError(f"data.dataset: every row of column {col!r} of {what} is empty")
         return
@@ -249,22 +283,25 @@ def _check_rows(ds: AnyDataset, cfg: DataConfig, what: str) -> None:
     try:
         rows = list(ds.take(64))
     except Exception as exc:  # malformed files only show up when read
-        raise DataError(f"data.dataset: cannot read {what}: {type(exc).__name__}: "
-                        f"{exc}") from exc
+        raise DataError(f"data.dataset: cannot read {what}: {type(exc).__name__}: {exc}") from exc
     if not rows:
         raise DataError(f"data.dataset: {what} is empty")
     if col not in rows[0]:
-        raise DataError(f"data.text_column: {what} has no column {col!r}; its columns are "
-                        f"{', '.join(rows[0])}")
+        raise DataError(
+            f"data.text_column: {what} has no column {col!r}; its columns are {', '.join(rows[0])}"
+        )
     for i, row in enumerate(rows):
         check_text(row[col], col, i)
 
 
-def check_text(value: Any, column: str, index: int) -> str:
+def check_text(value: Any, column: str, index: int | None = None) -> str:
     """``value`` if it is a string, else the ``data.text_column`` error (streaming rows)."""
     if not isinstance(value, str):
-        raise DataError(f"data.text_column: row {index} of column {column!r} is "
-                        f"{type(value).__name__} {value!r:.40}, not a string")
+        where = f"row {index}" if index is not None else "a row"
+        raise DataError(
+            f"data.text_column: {where} of column {column!r} is "
+            f"{type(value).__name__} {value!r:.40}, not a string"
+        )
     return value
 
 
@@ -279,13 +316,16 @@ def is_held_out(index: int | Any, fraction: float) -> bool | Any:
 
 def _hold_out(ds: AnyDataset, fraction: float, keep_held_out: bool, what: str) -> AnyDataset:
     if isinstance(ds, IterableDataset):
-        return ds.filter(lambda _, i: bool(is_held_out(i, fraction)) == keep_held_out,
-                         with_indices=True)
+        return ds.filter(
+            lambda _, i: bool(is_held_out(i, fraction)) == keep_held_out, with_indices=True
+        )
     mask = is_held_out(np.arange(ds.num_rows), fraction) == keep_held_out
     if not mask.any():
         side = "eval" if keep_held_out else "train"
-        raise DataError(f"data.eval_fraction: {what!r} has {ds.num_rows} document(s), too few "
-                        f"to hold out a {side} share; set data.eval_split or add documents")
+        raise DataError(
+            f"data.eval_fraction: {what!r} has {ds.num_rows} document(s), too few "
+            f"to hold out a {side} share; set data.eval_split or add documents"
+        )
     return ds.select(np.flatnonzero(mask))
 
 

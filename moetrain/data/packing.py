@@ -98,8 +98,14 @@ class StreamingDocs:
     texts out of the shuffle buffer (read, not tokenized).
     """
 
-    def __init__(self, ds: IterableDataset, tokenizer: Tokenizer, column: str, seed: int,
-                 buffer_size: int = STREAM_SHUFFLE_BUFFER) -> None:
+    def __init__(
+        self,
+        ds: IterableDataset,
+        tokenizer: Tokenizer,
+        column: str,
+        seed: int,
+        buffer_size: int = STREAM_SHUFFLE_BUFFER,
+    ) -> None:
         self.ds = ds
         self.tokenizer = tokenizer
         self.column = column
@@ -107,11 +113,9 @@ class StreamingDocs:
         self.buffer_size = buffer_size
 
     def _texts(self) -> Iterator[str]:
-        index = 0
         for batch in self.ds.iter(batch_size=256):
             for value in batch[self.column]:
-                text = check_text(value, self.column, index)
-                index += 1
+                text = check_text(value, self.column)
                 if text:  # an empty row would add a bare EOS to the stream
                     yield text
 
@@ -156,8 +160,9 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger[Any]]:
     return np.uint16 if vocab_size <= 1 << 16 else np.uint32
 
 
-def tokenize_dataset(ds: Dataset, tokenizer: Tokenizer, column: str) -> tuple[np.ndarray,
-                                                                             np.ndarray]:
+def tokenize_dataset(
+    ds: Dataset, tokenizer: Tokenizer, column: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Flat token array (EOS after each non-empty document) and document offsets (n + 1)."""
     dtype = token_dtype(tokenizer.vocab_size)
     chunks: list[np.ndarray] = []
@@ -174,8 +179,11 @@ def tokenize_dataset(ds: Dataset, tokenizer: Tokenizer, column: str) -> tuple[np
     return tokens, offsets
 
 
-def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Literal["train", "eval"],
-                     ) -> DocSource:
+def build_doc_source(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    role: Literal["train", "eval"],
+) -> DocSource:
     """The tokenized documents training ("train") or evaluation ("eval") reads.
 
     Map-style splits are tokenized once and cached as ``<cache_dir>/tokens/<key>.npz``; for
@@ -262,17 +270,26 @@ class PackedBatches:
     and ``reset()`` rewinds it so every evaluation reads the same sequences.
     """
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer,
-                 split: Literal["train", "eval"] = "train", global_batch_size: int = 16,
-                 micro_batch_size: int = 8, dp_rank: int = 0, dp_size: int = 1) -> None:
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: Tokenizer,
+        split: Literal["train", "eval"] = "train",
+        global_batch_size: int = 16,
+        micro_batch_size: int = 8,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> None:
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} is not in [0, dp_size={dp_size})")
         if micro_batch_size <= 0 or global_batch_size % (dp_size * micro_batch_size):
-            raise DataError(f"train.global_batch_size: {global_batch_size} is not a multiple of "
-                            f"micro_batch_size {micro_batch_size} x data-parallel degree "
-                            f"{dp_size}")
+            raise DataError(
+                f"train.global_batch_size: {global_batch_size} is not a multiple of "
+                f"micro_batch_size {micro_batch_size} x data-parallel degree "
+                f"{dp_size}"
+            )
         self.cfg = cfg
         self.split = split
         self.seq_len = cfg.seq_len
@@ -299,12 +316,17 @@ class PackedBatches:
         """This rank's micro-batches of the next optimizer step."""
         rows = self.next_global_batch()
         per_rank = self.global_batch_size // self.dp_size
-        mine = torch.from_numpy(rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
-                                .astype(np.int64))
+        mine = torch.from_numpy(
+            rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank].astype(np.int64)
+        )
         mb = self.micro_batch_size
-        return [{"input_ids": mine[i : i + mb, :-1].contiguous(),
-                 "labels": mine[i : i + mb, 1:].contiguous()}
-                for i in range(0, per_rank, mb)]
+        return [
+            {
+                "input_ids": mine[i : i + mb, :-1].contiguous(),
+                "labels": mine[i : i + mb, 1:].contiguous(),
+            }
+            for i in range(0, per_rank, mb)
+        ]
 
     def __iter__(self) -> Iterator[list[Batch]]:
         return self
@@ -320,8 +342,14 @@ class PackedBatches:
     def state_dict(self) -> dict[str, int]:
         """The stream position: plain ints, the same on every rank and for every layout."""
         p = self._packer
-        return {"version": _STATE_VERSION, "seed": self.cfg.seed, "epoch": p.epoch,
-                "doc": p.doc, "offset": p.offset, "steps": self.steps}
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.cfg.seed,
+            "epoch": p.epoch,
+            "doc": p.doc,
+            "offset": p.offset,
+            "steps": self.steps,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue exactly where the iterator that saved ``state`` stopped."""
@@ -329,9 +357,11 @@ class PackedBatches:
         if missing:
             raise ValueError(f"data state is missing {sorted(missing)}")
         if int(state["seed"]) != self.cfg.seed:
-            raise DataError(f"data.seed: the checkpoint's data order used seed {state['seed']}, "
-                            f"this run has {self.cfg.seed}; resuming would replay or skip "
-                            "documents")
+            raise DataError(
+                f"data.seed: the checkpoint's data order used seed {state['seed']}, "
+                f"this run has {self.cfg.seed}; resuming would replay or skip "
+                "documents"
+            )
         self._packer.seek(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
         self.steps = int(state.get("steps", 0))
 
@@ -353,8 +383,7 @@ def token_entropy(tokens: np.ndarray | torch.Tensor | list[int]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def unigram_entropy(tokenizer: Tokenizer, cfg: DataConfig,
-                    max_tokens: int = 20_000_000) -> float:
+def unigram_entropy(tokenizer: Tokenizer, cfg: DataConfig, max_tokens: int = 20_000_000) -> float:
     """Unigram entropy (nats/token) of the training split's tokens, EOS included.
 
     An eval loss below it means the model uses context. Streaming splits are sampled from

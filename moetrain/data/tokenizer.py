@@ -46,8 +46,9 @@ class Tokenizer:
         """Id of the end-of-text token that separates packed documents."""
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         # Some tokenizer.json files have ids past get_vocab_size(); the model must cover them.
-        self.vocab_size: int = max(tokenizer.get_vocab_size(with_added_tokens=True),
-                                   max(vocab.values(), default=-1) + 1)
+        self.vocab_size: int = max(
+            tokenizer.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1
+        )
         """Number of token ids (largest id + 1)."""
         self.source = source
         self.fingerprint = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
@@ -65,8 +66,10 @@ class Tokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
-                f"eos={self.eos_token!r}:{self.eos_id})")
+        return (
+            f"Tokenizer(source={self.source!r}, vocab_size={self.vocab_size}, "
+            f"eos={self.eos_token!r}:{self.eos_id})"
+        )
 
 
 def load_tokenizer(spec: str, cache_dir: str | None = None) -> Tokenizer:
@@ -81,31 +84,38 @@ def load_tokenizer(spec: str, cache_dir: str | None = None) -> Tokenizer:
     if path.is_dir():
         file = path / "tokenizer.json"
         if not file.is_file():
-            raise DataError(f"data.tokenizer: folder {str(path)!r} has no tokenizer.json "
-                            "(only fast Hugging Face tokenizers are supported)")
+            raise DataError(
+                f"data.tokenizer: folder {str(path)!r} has no tokenizer.json "
+                "(only fast Hugging Face tokenizers are supported)"
+            )
         tok = _read(file)
         return Tokenizer(tok, _folder_eos(path, tok), str(path))
     if path.is_file():
         tok = _read(path)
         return Tokenizer(tok, _guess_eos(tok, str(path)), str(path))
-    raise DataError(f"data.tokenizer: {spec!r} does not exist; use 'default', a tokenizer.json "
-                    "file or a local Hugging Face tokenizer folder")
+    raise DataError(
+        f"data.tokenizer: {spec!r} does not exist; use 'default', a tokenizer.json "
+        "file or a local Hugging Face tokenizer folder"
+    )
 
 
 def _read(path: Path) -> HFTokenizer:
     try:
         return HFTokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON
-        raise DataError(f"data.tokenizer: {str(path)!r} is not a valid tokenizer.json: "
-                        f"{exc}") from None
+        raise DataError(
+            f"data.tokenizer: {str(path)!r} is not a valid tokenizer.json: {exc}"
+        ) from None
 
 
 def _guess_eos(tok: HFTokenizer, source: str) -> str:
     for candidate in _EOS_CANDIDATES:
         if tok.token_to_id(candidate) is not None:
             return candidate
-    raise DataError(f"data.tokenizer: {source} has none of the end-of-text tokens "
-                    f"{', '.join(_EOS_CANDIDATES)}; add one as a special token")
+    raise DataError(
+        f"data.tokenizer: {source} has none of the end-of-text tokens "
+        f"{', '.join(_EOS_CANDIDATES)}; add one as a special token"
+    )
 
 
 def _folder_eos(folder: Path, tok: HFTokenizer) -> str:

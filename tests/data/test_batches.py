@@ -1,0 +1,164 @@
+"""Packed batches of the default corpus: contents, determinism, layout independence, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from moetrain.data import PackedBatches, build_doc_source, token_entropy, unigram_entropy
+from moetrain.data.packing import EVAL_SEED, InMemoryDocs
+
+SEQ = 64  # short sequences keep every test in milliseconds
+
+
+def _steps(batches: PackedBatches, n: int) -> list[torch.Tensor]:
+    """``n`` steps, each as this rank's [sequences, seq_len + 1] token rows."""
+    out = []
+    for _ in range(n):
+        mbs = batches.next_step()
+        out.append(torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], 1) for b in mbs]))
+    return out
+
+
+def _reference_stream(source: InMemoryDocs, seed: int, n_tokens: int) -> np.ndarray:
+    """The token stream written out directly: epochs of seeded permutations, EOS-terminated."""
+    parts, total, epoch = [], 0, 0
+    while total < n_tokens:
+        for d in np.random.default_rng([seed, epoch]).permutation(source.n_docs):
+            doc = source.tokens[source.offsets[d] : source.offsets[d + 1]]
+            parts.append(doc)
+            total += len(doc)
+        epoch += 1
+    return np.concatenate(parts)[:n_tokens]
+
+
+def test_batches_are_shifted_packed_sequences_of_the_stream(data_cfg, tokenizer):
+    cfg = data_cfg(seq_len=SEQ, seed=3)
+    batches = PackedBatches(cfg, tokenizer, "train", global_batch_size=8, micro_batch_size=2)
+    mbs = batches.next_step()
+    assert len(mbs) == batches.micro_batches_per_step == 4
+    for b in mbs:
+        assert set(b) == {"input_ids", "labels"}
+        assert b["input_ids"].dtype == b["labels"].dtype == torch.long
+        assert b["input_ids"].shape == b["labels"].shape == (2, SEQ)
+        assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])  # labels shifted by one
+    rows = _steps(batches, 3)
+    got = (
+        torch.cat(
+            [torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], 1) for b in mbs])] + rows
+        )
+        .flatten()
+        .numpy()
+    )
+    want = _reference_stream(batches.source, seed=3, n_tokens=4 * 8 * (SEQ + 1))
+    np.testing.assert_array_equal(got, want)
+    assert (want == tokenizer.eos_id).sum() > 0  # documents are joined by EOS
+
+
+def test_documents_are_joined_with_eos(data_cfg, tokenizer):
+    source = build_doc_source(data_cfg(), tokenizer, "train")
+    ends = source.offsets[1:] - 1
+    assert (source.tokens[ends] == tokenizer.eos_id).all()
+    assert (source.tokens == tokenizer.eos_id).sum() == source.n_docs
+    first = source.tokens[source.offsets[0] : source.offsets[1] - 1]
+    assert "\n" in tokenizer.decode(first.tolist())
+
+
+def test_same_seed_same_batches_other_seed_other_batches(data_cfg, tokenizer):
+    a = _steps(PackedBatches(data_cfg(seq_len=SEQ, seed=1), tokenizer, "train", 4, 2), 3)
+    b = _steps(PackedBatches(data_cfg(seq_len=SEQ, seed=1), tokenizer, "train", 4, 2), 3)
+    c = _steps(PackedBatches(data_cfg(seq_len=SEQ, seed=2), tokenizer, "train", 4, 2), 3)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not any(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+@pytest.mark.parametrize("dp_size,micro", [(1, 8), (1, 1), (2, 4), (2, 1), (4, 2), (8, 1)])
+def test_global_batch_does_not_depend_on_the_layout(data_cfg, tokenizer, dp_size, micro):
+    cfg = data_cfg(seq_len=SEQ, seed=5)
+    ref = _steps(PackedBatches(cfg, tokenizer, "train", 8, 4), 3)
+    ranks = [
+        _steps(PackedBatches(cfg, tokenizer, "train", 8, micro, r, dp_size), 3)
+        for r in range(dp_size)
+    ]
+    for step in range(3):
+        # Rank r holds the contiguous block r of the global batch, micro-batches in order.
+        assert torch.equal(torch.cat([ranks[r][step] for r in range(dp_size)]), ref[step])
+    one_rank = PackedBatches(cfg, tokenizer, "train", 8, micro, 0, dp_size).next_step()
+    assert len(one_rank) == 8 // (dp_size * micro)
+
+
+def test_resume_gives_the_batches_of_the_uninterrupted_run(data_cfg, tokenizer):
+    cfg = data_cfg(seq_len=SEQ, seed=7)
+    full = _steps(PackedBatches(cfg, tokenizer, "train", 4, 2), 9)
+    first = PackedBatches(cfg, tokenizer, "train", 4, 2)
+    _steps(first, 5)
+    state = json.loads(json.dumps(first.state_dict()))  # plain ints survive any checkpoint
+    assert all(type(v) is int for v in state.values()) and len(state) <= 8
+    fresh = PackedBatches(cfg, tokenizer, "train", 4, 2)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(_steps(fresh, 4), full[5:], strict=True))
+    # The state is the position in the global stream: it resumes under another layout too.
+    ranks = [PackedBatches(cfg, tokenizer, "train", 4, 1, r, 2) for r in range(2)]
+    for r in ranks:
+        r.load_state_dict(state)
+    for step in range(4):
+        assert torch.equal(torch.cat([_steps(r, 1)[0] for r in ranks]), full[5 + step])
+
+
+def test_epochs_wrap_with_a_new_order_and_resume_across_the_boundary(data_cfg, tokenizer):
+    cfg = data_cfg(seq_len=255, seed=11)
+    # The eval split is small (~17k tokens): a few steps of 16 x 256 tokens wrap it.
+    batches = PackedBatches(cfg, tokenizer, "eval", 16, 16)
+    n_tokens = int(batches.source.tokens.size)
+    steps_per_epoch = n_tokens // (16 * 256)
+    _steps(batches, steps_per_epoch)
+    state = batches.state_dict()
+    assert state["epoch"] == 0
+    after = _steps(batches, 3)
+    assert batches.state_dict()["epoch"] >= 1
+    fresh = PackedBatches(cfg, tokenizer, "eval", 16, 16)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(x, y) for x, y in zip(_steps(fresh, 3), after, strict=True))
+    # Epoch 1 reads the documents in another order than epoch 0.
+    orders = [batches.source.order(e) for e in (0, 1)]
+    assert sorted(orders[0]) == sorted(orders[1]) and not np.array_equal(*orders)
+
+
+def test_eval_batches_are_identical_every_time_and_independent_of_the_seed(data_cfg, tokenizer):
+    evals = PackedBatches(data_cfg(seq_len=SEQ, seed=1), tokenizer, "eval", 8, 4)
+    first = _steps(evals, 2)
+    evals.reset()
+    assert all(torch.equal(x, y) for x, y in zip(_steps(evals, 2), first, strict=True))
+    other_seed = PackedBatches(data_cfg(seq_len=SEQ, seed=99), tokenizer, "eval", 8, 4)
+    assert torch.equal(_steps(other_seed, 1)[0], first[0])
+    assert evals.source.seed == EVAL_SEED
+    train = PackedBatches(data_cfg(seq_len=SEQ, seed=1), tokenizer, "train", 8, 4)
+    assert not torch.equal(_steps(train, 1)[0], first[0])
+
+
+def test_loading_a_state_with_another_seed_is_refused(data_cfg, tokenizer):
+    state = PackedBatches(data_cfg(seed=1), tokenizer, "train", 4, 2).state_dict()
+    with pytest.raises(ValueError, match=r"^data\.seed: "):
+        PackedBatches(data_cfg(seed=2), tokenizer, "train", 4, 2).load_state_dict(state)
+
+
+def test_token_entropy_against_the_formula():
+    assert token_entropy([3, 3, 3]) == 0.0
+    assert math.isclose(token_entropy([0, 1, 0, 1]), math.log(2))
+    assert math.isclose(token_entropy(torch.arange(4).repeat(5)), math.log(4))
+    p = np.array([0.5, 0.25, 0.25])
+    assert math.isclose(token_entropy([7, 7, 1, 2]), float(-(p * np.log(p)).sum()))
+
+
+def test_unigram_entropy_of_the_training_tokens(data_cfg, tokenizer):
+    cfg = data_cfg()
+    h = unigram_entropy(tokenizer, cfg)
+    source = build_doc_source(cfg, tokenizer, "train")
+    counts = np.bincount(source.tokens, minlength=tokenizer.vocab_size)
+    p = counts[counts > 0] / counts.sum()
+    assert math.isclose(h, float(-(p * np.log(p)).sum()), rel_tol=1e-9)
+    assert 4.0 < h < math.log(tokenizer.vocab_size)  # far from uniform, far from constant
