@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 
+from moetrain.config import MoEConfig
 from moetrain.model.dispatch import expert_capacity, plan_dispatch
+from moetrain.model.moe import MoELayer
 
 
 @pytest.mark.parametrize(
@@ -239,3 +241,20 @@ def test_plan_invariants(num_groups, capacity_factor, drop_policy, pad):
     else:
         # Segments hold exactly the kept rows, back to back.
         assert plan.offs_E.tolist() == torch.cumsum(kept_E, 0).tolist()
+
+
+def test_plan_rejects_bad_groups_and_policy():
+    ids_TK = torch.zeros(6, 1, dtype=torch.int64)
+    scores_TK = torch.rand(6, 1)
+    with pytest.raises(ValueError, match="token groups"):
+        plan_dispatch(ids_TK, scores_TK, 2, 4, 1.0)
+    with pytest.raises(ValueError, match="drop_policy"):
+        plan_dispatch(ids_TK, scores_TK, 2, 1, 1.0, drop_policy="random")
+
+
+def test_layer_rejects_batch_not_divisible_by_token_group_seqs():
+    cfg = MoEConfig(num_experts=2, top_k=1, expert_ffn_dim=4, token_group_seqs=2, kernels="torch")
+    layer = MoELayer(4, cfg)
+    assert layer.token_groups(4) == 2
+    with pytest.raises(ValueError, match="token_group_seqs"):
+        layer(torch.randn(3, 2, 4))

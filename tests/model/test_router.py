@@ -161,7 +161,8 @@ def test_jitter_does_not_reach_the_experts(assert_close):
         assert_close(layer(x_BSD), dense(x_BSD))
 
 
-def test_gate_runs_in_fp32_under_bf16_autocast(assert_close):
+@pytest.mark.parametrize("autocast", [True, False])
+def test_gate_runs_in_fp32_for_bf16_input(autocast, assert_close):
     dim, num_experts = 64, 8
     cfg = MoEConfig(num_experts=num_experts, top_k=2)
     torch.manual_seed(0)
@@ -170,7 +171,7 @@ def test_gate_runs_in_fp32_under_bf16_autocast(assert_close):
         router.gate.weight.normal_()  # logits of magnitude ~8: bf16 would round them by ~0.03
     x_TD = torch.randn(32, dim).bfloat16()
 
-    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16, enabled=autocast):
         r = router(x_TD, "torch")
 
     assert r.scores_TE.dtype == torch.float32
