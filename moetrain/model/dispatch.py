@@ -39,8 +39,11 @@ class DispatchPlan:
 
 
 def expert_capacity(group_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
-    """ceil(capacity_factor * group_tokens * top_k / num_experts), at least 1."""
-    return max(1, math.ceil(capacity_factor * group_tokens * top_k / num_experts))
+    """ceil(capacity_factor * group_tokens * top_k / num_experts), at least 1.
+
+    Rounded to 9 decimals before the ceiling so that a factor like 1.1, whose binary value is
+    a hair above 1.1, does not add a row (1.1 * 50 tokens -> 55, not 56)."""
+    return max(1, math.ceil(round(capacity_factor * group_tokens * top_k / num_experts, 9)))
 
 
 def plan_dispatch(

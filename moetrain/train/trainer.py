@@ -33,7 +33,7 @@ from moetrain.train.metrics import (
     merge_stats,
     peak_flops,
 )
-from moetrain.train.optim import build_optimizer, build_scheduler
+from moetrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
 log = logging.getLogger("moetrain")
 
@@ -216,9 +216,7 @@ class Trainer:
             (loss / self.grad_accum).backward()
             total += loss.detach()
             tokens += batch["input_ids"].numel()
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.optim.grad_clip if self.cfg.optim.grad_clip else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -243,8 +241,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def fit(self) -> dict[str, float]:
+    def fit(self, stop_at: int | None = None) -> dict[str, float]:
+        """Train to ``train.steps`` (or stop early at ``stop_at`` with a checkpoint, as an
+        interruption would) and return the final eval loss and the unigram entropy."""
         cfg, tcfg = self.cfg, self.cfg.train
+        end = tcfg.steps if stop_at is None else min(stop_at, tcfg.steps)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.yaml").write_text(config_to_yaml(cfg))
         self.maybe_resume()
@@ -266,7 +267,7 @@ class Trainer:
         window: list[StepResult] = []
         summary: dict[str, float] = {"unigram_entropy": entropy}
         eval_loss = None
-        while self.step < tcfg.steps:
+        while self.step < end:
             res = self.train_step()
             window.append(res)
             tok_s = res.tokens / res.seconds
@@ -280,7 +281,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tok_s:,.0f}")
-            last = self.step == tcfg.steps
+            last = self.step == end
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
                 eval_loss = self.evaluate()
                 self.writer.scalars({"eval/loss": eval_loss}, self.step)

@@ -1,0 +1,113 @@
+"""Config loading: every bad input fails before anything runs, with a message naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrain.cli import main as cli_main
+from moetrain.config import ConfigError, JobConfig, load_config, parse_overrides
+
+REPO = Path(__file__).resolve().parent.parent
+
+BAD_OVERRIDES = [
+    # (overrides, text the message must contain)
+    (["moe.top_k=9"], "moe.top_k: must be in [1, moe.num_experts=8], got 9"),
+    (["moe.top_k=0"], "moe.top_k: must be in [1, moe.num_experts=8], got 0"),
+    (["moe.capacity_factor=0"], "moe.capacity_factor: must be a finite number > 0 or null"),
+    (["moe.capacity_factor=-1.5"], "moe.capacity_factor: must be a finite number > 0"),
+    (["moe.capacity_factor=.inf"], "moe.capacity_factor: must be a finite number > 0"),
+    (["model.dim=100"], "model.dim: 100 is not divisible by model.n_heads=8"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads: 3 does not divide model.n_heads=8"),
+    (["model.dim=24", "model.n_heads=8"], "model.dim: head dim 3 must be even for RoPE"),
+    (["data.seq_len=0"], "data.seq_len: must be > 0, got 0"),
+    (["data.seq_len=-4"], "data.seq_len: must be > 0, got -4"),
+    (["data.seq_len=512"], "data.seq_len: 512 exceeds model.max_seq_len=256"),
+    (["moe.foo=1"], "moe.foo: unknown key; moe has num_experts, top_k"),
+    (["modle.dim=4"], "modle: unknown key; top level has model, moe"),
+    (["moe.top_k=two"], "moe.top_k: expected int, got 'two'"),
+    (["moe.top_k=2.5"], "moe.top_k: expected int, got 2.5"),
+    (["moe.renormalize=maybe"], "moe.renormalize: expected bool, got 'maybe'"),
+    (["moe.score_func=relu"], "moe.score_func: expected 'softmax' | 'sigmoid', got 'relu'"),
+    (["moe.drop_policy=random"], "moe.drop_policy: expected 'probs' | 'position'"),
+    (["moe.kernels=cuda"], "moe.kernels: expected 'auto' | 'torch' | 'triton'"),
+    (["moe.pad_to_capacity=true"], "moe.pad_to_capacity: needs moe.capacity_factor"),
+    (["moe.jitter_eps=1.5"], "moe.jitter_eps: must be in [0, 1), got 1.5"),
+    (["moe.num_experts=-1"], "moe.num_experts: must be >= 0, got -1"),
+    (["moe.aux_loss_coef=-0.1"], "moe.aux_loss_coef: must be >= 0"),
+    (["moe.expert_ffn_dim=0"], "moe.expert_ffn_dim: must be > 0, got 0"),
+    (["moe.every_n_layers=0"], "moe.every_n_layers: must be > 0, got 0"),
+    (["moe.token_group_seqs=3"], "moe.token_group_seqs: 3 does not divide train.micro_batch_size=8"),
+    (["train.global_batch_size=12"], "train.global_batch_size: 12 is not divisible by "
+                                     "train.micro_batch_size=8"),
+    (["train.steps=0"], "train.steps: must be > 0, got 0"),
+    (["train.device=tpu"], "train.device: expected 'auto' | 'cpu' | 'cuda', got 'tpu'"),
+    (["optim.lr=0"], "optim.lr: must be > 0, got 0.0"),
+    (["optim.beta2=1.0"], "optim.beta2: must be in [0, 1), got 1.0"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio: must be in [0, 1], got 2.0"),
+    (["data.eval_fraction=0"], "data.eval_fraction: must be in (0, 1)"),
+    (["data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer: '/no/such/tokenizer.json' "
+                                                  "does not exist"),
+    (["parallel.tp=0"], "parallel.tp: must be >= 1, got 0"),
+    (["parallel.zero_stage=4"], "parallel.zero_stage: expected 0 | 1 | 2 | 3, got 4"),
+    (["moe=3"], "moe: expected a mapping of keys, got 3"),
+    (["noequals"], "'noequals': an override is written section.key=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_OVERRIDES, ids=[o[0][0] for o in BAD_OVERRIDES])
+def test_bad_override_names_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value), str(info.value)
+
+
+def test_bad_yaml_files(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match="--config: no such file"):
+        load_config(missing)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("moe: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("3\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of sections"):
+        load_config(scalar)
+    unsafe = tmp_path / "unsafe.yaml"
+    unsafe.write_text("model: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(unsafe)
+
+
+def test_overrides_are_yaml_typed_and_merge_over_the_file(tmp_path: Path) -> None:
+    assert parse_overrides(["moe.capacity_factor=null", "moe.top_k=1", "a.b.c=x"]) == {
+        "moe": {"capacity_factor": None, "top_k": 1}, "a": {"b": {"c": "x"}}}
+    path = tmp_path / "c.yaml"
+    path.write_text("moe:\n  top_k: 1\n  num_experts: 4\ntrain:\n  steps: 7\n")
+    cfg = load_config(path, ["moe.num_experts=6", "optim.lr=1e-3"])
+    assert (cfg.moe.top_k, cfg.moe.num_experts, cfg.train.steps) == (1, 6, 7)
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert isinstance(load_config(None, ["optim.grad_clip=2"]).optim.grad_clip, float)
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path: Path) -> None:
+    assert isinstance(load_config(path), JobConfig)
+
+
+def test_config_docs_are_current() -> None:
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "gen_config_docs.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_cli_reports_config_errors_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["train", "--config", str(REPO / "configs" / "tiny.yaml"), "moe.top_k=99"]) == 2
+    assert "moe.top_k: must be in [1, moe.num_experts=8], got 99" in capsys.readouterr().err
+    assert cli_main(["--config", str(REPO / "configs" / "tiny.yaml"), "--print-config",
+                     "moe.top_k=1"]) == 0
+    assert "top_k: 1" in capsys.readouterr().out

@@ -1,0 +1,81 @@
+"""End to end on CPU: a micro model trains, logs every metric, and resumes exactly."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from moetrain.config import load_config
+from moetrain.train.trainer import Trainer
+
+MICRO = [
+    "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "model.ffn_dim=128", "model.max_seq_len=64",
+    "moe.num_experts=4", "moe.top_k=2", "moe.expert_ffn_dim=64", "moe.capacity_factor=1.0",
+    "moe.token_group_seqs=2", "moe.num_shared_experts=1", "moe.expert_bias_rate=0.01",
+    "moe.jitter_eps=0.01", "moe.seq_aux_loss_coef=0.001",
+    "data.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
+    "train.eval_every=2", "train.eval_batches=2", "train.checkpoint_every=3",
+    "log.log_every=2", "log.progress_bar=false", "optim.warmup_steps=2",
+]
+
+
+def micro_config(out: Path, *extra: str):
+    return load_config(None, [*MICRO, f"train.output_dir={out}", *extra])
+
+
+def scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.timeout(300)
+def test_trains_logs_every_metric_and_resumes_exactly(tmp_path: Path) -> None:
+    full_dir, split_dir = tmp_path / "full", tmp_path / "split"
+    summary = Trainer(micro_config(full_dir, "train.steps=6")).fit()
+    assert math.isfinite(summary["eval_loss"]) and summary["step"] == 6
+
+    full = scalars(full_dir)
+    for tag in ["train/loss", "eval/loss", "train/lr", "train/grad_norm", "perf/tokens_per_s",
+                "perf/mfu", "data/unigram_entropy"]:
+        assert tag in full, f"missing {tag}"
+    for layer in (0, 1):
+        for name in ["max_over_mean", "cv", "dropped_fraction", "router_entropy", "aux_loss",
+                     "seq_aux_loss", "z_loss", "dead_experts", "tokens/expert0",
+                     "expert_bias/expert3"]:
+            assert f"moe/layer{layer}/{name}" in full, f"missing moe/layer{layer}/{name}"
+    assert [s for s, _ in full["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    shares = [full[f"moe/layer0/tokens/expert{e}"][0][1] for e in range(4)]
+    assert sum(shares) == pytest.approx(1.0, abs=1e-5)
+    # The expert bias moved (rate 0.01, sign updates), and stays a multiple of the rate.
+    bias = full["moe/layer0/expert_bias/expert0"][-1][1]
+    assert bias != 0 and abs(bias / 0.01 - round(bias / 0.01)) < 1e-3
+
+    # Interrupted after 3 steps (a checkpoint is written at 3), then resumed to 6.
+    Trainer(micro_config(split_dir, "train.steps=6")).fit(stop_at=3)
+    Trainer(micro_config(split_dir, "train.steps=6")).fit()
+    split = scalars(split_dir)
+    for tag in ["train/loss", "train/grad_norm", "moe/layer1/aux_loss", "moe/layer0/z_loss",
+                "moe/layer1/expert_bias/expert2"]:
+        assert [v for _, v in split[tag] if _ > 3] == [v for _, v in full[tag] if _ > 3], tag
+    assert split["eval/loss"][-1] == full["eval/loss"][-1]
+
+
+def test_resume_never_refuses_existing_checkpoints(tmp_path: Path) -> None:
+    from moetrain.config import ConfigError
+
+    Trainer(micro_config(tmp_path, "train.steps=1")).fit()
+    with pytest.raises(ConfigError, match="train.resume: 'never'"):
+        Trainer(micro_config(tmp_path, "train.steps=2", "train.resume=never")).fit()
+
+
+def test_checkpoint_from_another_model_shape_is_refused(tmp_path: Path) -> None:
+    from moetrain.train.checkpoint import CheckpointError
+
+    Trainer(micro_config(tmp_path, "train.steps=1")).fit()
+    with pytest.raises(CheckpointError, match="num_experts"):
+        Trainer(micro_config(tmp_path, "train.steps=2", "moe.num_experts=8")).fit()
