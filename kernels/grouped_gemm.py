@@ -85,6 +85,7 @@ def _grouped_mm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_N: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_col_tiles = tl.cdiv(M, BLOCK_M)
@@ -135,7 +136,8 @@ def _grouped_mm_kernel(
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
+            # All anchor shapes have K % BLOCK_K == 0: drop the K mask from the hot loop then.
+            k_mask = (ks < K) if not EVEN_K else tl.full((BLOCK_K,), True, tl.int1)
             a = tl.load(
                 a_ptrs + ks[None, :] * stride_xk, mask=a_mask[:, None] & k_mask[None, :], other=0.0
             )
@@ -226,7 +228,9 @@ if _INTERPRET:
 else:
     # Keyed on the layer's feature sizes, not the row count, which changes every step.
     _fwd_launch = triton.autotune(configs=_fwd_configs(), key=["K", "M", "HAS_SRC"])(
-        _grouped_mm_kernel
+        triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
+            _grouped_mm_kernel
+        )
     )
     _wgrad_launch = triton.autotune(configs=_wgrad_configs(), key=["K", "M", "HAS_SRC"])(
         _grouped_wgrad_kernel
@@ -284,7 +288,8 @@ def launch_grouped_mm(
         return (row_tiles * triton.cdiv(m_dim, meta["BLOCK_M"]),)
 
     if _INTERPRET:
-        _fwd_launch[grid(_INTERP_BLOCKS)](*args, **consts, **_INTERP_BLOCKS)
+        even_k = k_dim % _INTERP_BLOCKS["BLOCK_K"] == 0
+        _fwd_launch[grid(_INTERP_BLOCKS)](*args, **consts, **_INTERP_BLOCKS, EVEN_K=even_k)
     else:
         _fwd_launch[grid](*args, **consts)
     return y

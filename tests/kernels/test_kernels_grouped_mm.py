@@ -14,7 +14,7 @@ CASES = {
     "uneven_empty_tail": ([5, 0, 15, 10], 7, 33, 70),
     "all_rows_one_expert": ([0, 0, 33, 0], 0, 32, 48),
     "one_row": ([0, 1, 0], 0, 16, 24),
-    "seven_rows": ([3, 4], 0, 24, 20),
+    "seven_rows_even_k": ([3, 4], 0, 64, 20),  # K % BLOCK_K == 0: the unmasked-K loop
     "no_routed_rows": ([0, 0, 0], 5, 16, 16),
 }
 CPU_DTYPES = {"torch": [torch.float32, torch.bfloat16, torch.float16], "triton": [torch.float32]}
