@@ -35,9 +35,6 @@ Batch = dict[str, torch.Tensor]
 STREAM_SHUFFLE_BUFFER = 10_000
 """Documents held in the seeded shuffle buffer of a streaming dataset."""
 
-EVAL_SEED = 1234
-"""Seed of the eval documents' order: fixed, so runs with different ``data.seed`` are
-evaluated on the same sequences."""
 
 _TOKENIZE_BATCH = 1024  # documents per encode_batch call (tokenizers parallelizes inside)
 _STATE_VERSION = 1
@@ -59,9 +56,12 @@ class DocSource(Protocol):
 
 
 class InMemoryDocs:
-    """A map-style split tokenized into one flat array; epoch order = a seeded permutation."""
+    """A map-style split tokenized into one flat array.
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seed: int) -> None:
+    Epoch order: a permutation seeded by (seed, epoch), or storage order when seed is None.
+    """
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seed: int | None) -> None:
         if len(offsets) < 2:
             raise DataError("data.dataset: the split has no non-empty documents")
         self.tokens = tokens
@@ -75,6 +75,8 @@ class InMemoryDocs:
 
     def order(self, epoch: int) -> np.ndarray:
         """Document indices of ``epoch``: a permutation drawn from (seed, epoch) alone."""
+        if self.seed is None:
+            return np.arange(self.n_docs)
         if self._order is None or self._order[0] != epoch:
             perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_docs)
             self._order = (epoch, perm)
@@ -95,7 +97,7 @@ class StreamingDocs:
     """An ``IterableDataset`` read through a seeded shuffle buffer and tokenized on the fly.
 
     Each epoch re-reads the stream from its start; resuming at document k skips the first k
-    texts out of the shuffle buffer (read, not tokenized).
+    texts out of the shuffle buffer (read, not tokenized). seed None: stream order, no buffer.
     """
 
     def __init__(
@@ -103,7 +105,7 @@ class StreamingDocs:
         ds: IterableDataset,
         tokenizer: Tokenizer,
         column: str,
-        seed: int,
+        seed: int | None,
         buffer_size: int = STREAM_SHUFFLE_BUFFER,
     ) -> None:
         self.ds = ds
@@ -120,6 +122,9 @@ class StreamingDocs:
                     yield text
 
     def _shuffled(self, epoch: int) -> Iterator[str]:
+        if self.seed is None or self.buffer_size <= 1:
+            yield from self._texts()
+            return
         # random.Random seeded by a string is stable across Python versions and platforms.
         rng = random.Random(f"moetrain-stream:{self.seed}:{epoch}")
         buffer: list[str] = []
@@ -190,7 +195,9 @@ def build_doc_source(
     the default corpus the key is known without loading the corpus, so a second run starts
     in about a second.
     """
-    seed = cfg.seed if role == "train" else EVAL_SEED
+    # Eval reads its documents in stored order: the same sequences whatever data.seed is,
+    # and a streamed eval needs no shuffle buffer to fill before the first batch.
+    seed = cfg.seed if role == "train" else None
     if cfg.streaming:
         ds = load_split(cfg, role)
         assert isinstance(ds, IterableDataset)
@@ -266,8 +273,8 @@ class PackedBatches:
     ``next_step()`` returns this rank's micro-batches of the next optimizer step: a list of
     ``global_batch_size / (dp_size * micro_batch_size)`` dicts with ``input_ids`` and
     ``labels``, LongTensors of shape [micro_batch_size, seq_len]. The "train" split is
-    shuffled by ``data.seed`` with a new order per epoch; the "eval" split by a fixed seed,
-    and ``reset()`` rewinds it so every evaluation reads the same sequences.
+    shuffled by ``data.seed`` with a new order per epoch; the "eval" split is read in stored
+    order, and ``reset()`` rewinds it so every evaluation reads the same sequences.
     """
 
     def __init__(
@@ -365,7 +372,7 @@ class PackedBatches:
         self._packer.seek(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
         self.steps = int(state.get("steps", 0))
 
-    def sample_tokens(self, max_tokens: int = 20_000_000) -> np.ndarray:
+    def sample_tokens(self, max_tokens: int = 2_000_000) -> np.ndarray:
         """Tokens of this split (a prefix of the stream when streaming)."""
         return self.source.sample_tokens(max_tokens)
 
@@ -383,7 +390,7 @@ def token_entropy(tokens: np.ndarray | torch.Tensor | list[int]) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def unigram_entropy(tokenizer: Tokenizer, cfg: DataConfig, max_tokens: int = 20_000_000) -> float:
+def unigram_entropy(tokenizer: Tokenizer, cfg: DataConfig, max_tokens: int = 2_000_000) -> float:
     """Unigram entropy (nats/token) of the training split's tokens, EOS included.
 
     An eval loss below it means the model uses context. Streaming splits are sampled from

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moetrain.data import PackedBatches, build_doc_source, token_entropy, unigram_entropy
-from moetrain.data.packing import EVAL_SEED, InMemoryDocs
+from moetrain.data.packing import InMemoryDocs
 
 SEQ = 64  # short sequences keep every test in milliseconds
 
@@ -46,14 +46,8 @@ def test_batches_are_shifted_packed_sequences_of_the_stream(data_cfg, tokenizer)
         assert b["input_ids"].dtype == b["labels"].dtype == torch.long
         assert b["input_ids"].shape == b["labels"].shape == (2, SEQ)
         assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])  # labels shifted by one
-    rows = _steps(batches, 3)
-    got = (
-        torch.cat(
-            [torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], 1) for b in mbs])] + rows
-        )
-        .flatten()
-        .numpy()
-    )
+    batches.reset()
+    got = torch.cat(_steps(batches, 4)).flatten().numpy()
     want = _reference_stream(batches.source, seed=3, n_tokens=4 * 8 * (SEQ + 1))
     np.testing.assert_array_equal(got, want)
     assert (want == tokenizer.eos_id).sum() > 0  # documents are joined by EOS
@@ -109,7 +103,7 @@ def test_resume_gives_the_batches_of_the_uninterrupted_run(data_cfg, tokenizer):
         assert torch.equal(torch.cat([_steps(r, 1)[0] for r in ranks]), full[5 + step])
 
 
-def test_epochs_wrap_with_a_new_order_and_resume_across_the_boundary(data_cfg, tokenizer):
+def test_epochs_wrap_and_resume_across_the_boundary(data_cfg, tokenizer):
     cfg = data_cfg(seq_len=255, seed=11)
     # The eval split is small (~17k tokens): a few steps of 16 x 256 tokens wrap it.
     batches = PackedBatches(cfg, tokenizer, "eval", 16, 16)
@@ -123,8 +117,13 @@ def test_epochs_wrap_with_a_new_order_and_resume_across_the_boundary(data_cfg, t
     fresh = PackedBatches(cfg, tokenizer, "eval", 16, 16)
     fresh.load_state_dict(state)
     assert all(torch.equal(x, y) for x, y in zip(_steps(fresh, 3), after, strict=True))
-    # Epoch 1 reads the documents in another order than epoch 0.
-    orders = [batches.source.order(e) for e in (0, 1)]
+    # Eval wraps in stored order: epoch 1 starts with the tokens epoch 0 started with.
+    batches.reset()
+    stream = torch.cat(_steps(batches, steps_per_epoch + 3)).flatten()
+    assert torch.equal(stream[n_tokens : n_tokens + 500], stream[:500])
+    # Training reads every epoch in a new order.
+    train = build_doc_source(cfg, tokenizer, "train")
+    orders = [train.order(e) for e in (0, 1)]
     assert sorted(orders[0]) == sorted(orders[1]) and not np.array_equal(*orders)
 
 
@@ -135,7 +134,7 @@ def test_eval_batches_are_identical_every_time_and_independent_of_the_seed(data_
     assert all(torch.equal(x, y) for x, y in zip(_steps(evals, 2), first, strict=True))
     other_seed = PackedBatches(data_cfg(seq_len=SEQ, seed=99), tokenizer, "eval", 8, 4)
     assert torch.equal(_steps(other_seed, 1)[0], first[0])
-    assert evals.source.seed == EVAL_SEED
+    assert evals.source.seed is None  # stored order
     train = PackedBatches(data_cfg(seq_len=SEQ, seed=1), tokenizer, "train", 8, 4)
     assert not torch.equal(_steps(train, 1)[0], first[0])
 
