@@ -255,7 +255,7 @@ class Trainer:
                  n_params / 1e6, n_active / 1e6, len(self.model.moe_layers()), self.device,
                  str(self.dtype).removeprefix("torch."))
         log.info("data: unigram entropy of the training tokens %.3f nats/token; MFU against "
-                 "%.1f TFLOP/s (%s)", entropy, self.peak_flops / 1e12, self.peak_source)
+                 "%.1f GFLOP/s (%s)", entropy, self.peak_flops / 1e9, self.peak_source)
         self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
         self.writer.scalars({"data/unigram_entropy": entropy}, self.step)
 
