@@ -152,6 +152,15 @@ class Trainer:
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device)
 
+    def full_model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and persistent buffers as plain CPU tensors."""
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def close(self) -> None:
+        """Flush and close the TensorBoard writer."""
+        self.writer.flush()
+        self.writer.close()
+
     # ------------------------------------------------------------------ checkpoints
 
     def _app_state(self) -> dict[str, Any]:
