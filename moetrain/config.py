@@ -285,12 +285,22 @@ class LogConfig:
     """Log the layer x expert token-share heatmap image every N steps. 0: never."""
     histogram_every: int = 50
     """Log router-score histograms every N steps. 0: never."""
+    dead_expert_window: int = 20
+    """An expert is dead when it received no tokens over the last N steps: the
+    ``dead_experts`` scalar counts them, and a warning is logged when one dies."""
+    imbalance_warn_threshold: float | None = 3.0
+    """Log a warning when a layer's load imbalance (max/mean tokens per expert over a step)
+    rises past this value; again only after it has come back under. null: never warn."""
 
     def validate(self) -> None:
-        _positive("log", self, "log_every")
+        _positive("log", self, "log_every", "dead_expert_window")
         for name in ("heatmap_every", "histogram_every"):
             if getattr(self, name) < 0:
                 _fail(f"log.{name}", f"must be >= 0, got {getattr(self, name)}")
+        t = self.imbalance_warn_threshold
+        if t is not None and not (t >= 1 and math.isfinite(t)):
+            _fail("log.imbalance_warn_threshold", f"must be a finite number >= 1 (max/mean is "
+                  f"never below 1) or null, got {t}")
 
 
 @dataclass

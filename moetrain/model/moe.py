@@ -6,12 +6,15 @@
 Aux losses reach the optimizer through ``AuxLossInjector`` (their gradient rides on the
 layer output) and their values, token counts and drop counts accumulate in this module's
 buffers until the trainer reads them with ``pop_stats()``: nothing goes through globals.
+Offline ablation changes routing at eval time through ``Router.routing_override``.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, E experts, K top-k,
 N buffer rows.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,6 +32,51 @@ from moetrain.model.losses import (
 )
 
 STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
+SCORE_HIST_BINS = 20
+"""Router-score histogram: fixed bins over [0, 1] (softmax and sigmoid scores both lie there)."""
+
+
+@dataclass
+class RoutingOverride:
+    """Eval-only routing changes for offline ablation (``tools/offline_ablation.py``).
+
+    Set ``Router.routing_override`` and run the model in eval mode; a training forward with an
+    override raises. Applied in field order: replay, then top-1, then zeroing.
+    """
+
+    replay_ids_TK: torch.Tensor | None = None
+    """Expert ids to use instead of the router's choice (a recorded routing, (T, K))."""
+    top1: bool = False
+    """Keep only each token's first choice (its combine weight renormalised as configured)."""
+    zero_experts: tuple[int, ...] = ()
+    """Experts whose output is zeroed: their combine weights become 0. Their tokens still take
+    their capacity slots, so every other expert sees exactly the tokens it saw before."""
+
+    def apply(self, r: RouteResult, renormalize: bool, score_func: str) -> RouteResult:
+        ids_TK, weights_TK = r.ids_TK, r.weights_TK
+        if self.replay_ids_TK is not None:
+            if tuple(self.replay_ids_TK.shape) != tuple(ids_TK.shape):
+                raise ValueError(f"routing_override.replay_ids_TK: shape "
+                                 f"{tuple(self.replay_ids_TK.shape)}, the router chose "
+                                 f"{tuple(ids_TK.shape)}")
+            ids_TK = self.replay_ids_TK.to(ids_TK.device, torch.int64)
+        if self.top1:
+            ids_TK = ids_TK[:, :1]
+        if ids_TK is not r.ids_TK:
+            # The same ops as the router's own combine weights: replaying the recorded
+            # routing of this model reproduces its outputs bit for bit.
+            weights_TK = r.scores_TE.gather(1, ids_TK)
+            if renormalize:
+                denom_T1 = weights_TK.sum(-1, keepdim=True)
+                if score_func == "sigmoid":
+                    denom_T1 = denom_T1.clamp_min(1e-20)
+                weights_TK = weights_TK / denom_T1
+        if self.zero_experts:
+            zero_E = torch.zeros(r.scores_TE.shape[1], dtype=torch.bool, device=ids_TK.device)
+            zero_E[list(self.zero_experts)] = True
+            weights_TK = weights_TK.masked_fill(zero_E[ids_TK], 0.0)
+        counts_E = torch.bincount(ids_TK.flatten(), minlength=r.scores_TE.shape[1])
+        return RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
 
 
 class Router(nn.Module):
@@ -41,6 +89,8 @@ class Router(nn.Module):
         # Aux-loss-free balancing: added to the scores for selection only, never to the
         # combine weights. A persistent buffer (saved in checkpoints), not a parameter.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        # Eval-only routing change for offline ablation; always None in training.
+        self.routing_override: RoutingOverride | None = None
 
     def forward(self, x_TD: torch.Tensor, backend: str) -> RouteResult:
         if self.training and self.cfg.jitter_eps > 0:
@@ -51,8 +101,13 @@ class Router(nn.Module):
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             logits_TE = nn.functional.linear(x_TD.float(), self.gate.weight.float())
         bias = self.expert_bias if self.cfg.expert_bias_rate > 0 else None
-        return route(logits_TE, self.cfg.top_k, score_func=self.cfg.score_func,
-                     expert_bias_E=bias, renormalize=self.cfg.renormalize, backend=backend)
+        r = route(logits_TE, self.cfg.top_k, score_func=self.cfg.score_func,
+                  expert_bias_E=bias, renormalize=self.cfg.renormalize, backend=backend)
+        if self.routing_override is not None:
+            if self.training:
+                raise RuntimeError("Router.routing_override is eval-only: call model.eval()")
+            r = self.routing_override.apply(r, self.cfg.renormalize, self.cfg.score_func)
+        return r
 
 
 class SharedExperts(nn.Module):
@@ -83,9 +138,12 @@ class MoELayer(nn.Module):
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss_scale = 1.0
         # Statistics since the last pop_stats(), training forwards only.
-        self.register_buffer("stat_tokens_per_expert", torch.zeros(cfg.num_experts), persistent=False)
+        E = cfg.num_experts
+        self.register_buffer("stat_tokens_per_expert", torch.zeros(E), persistent=False)
         self.register_buffer("stat_sums", torch.zeros(len(STAT_NAMES)), persistent=False)
-        self.register_buffer("stat_counts", torch.zeros(3), persistent=False)  # calls, assignments, dropped
+        # calls, assignments, dropped
+        self.register_buffer("stat_counts", torch.zeros(3), persistent=False)
+        self.register_buffer("stat_score_hist", torch.zeros(SCORE_HIST_BINS), persistent=False)
 
     def token_groups(self, batch: int) -> int:
         n = self.cfg.token_group_seqs
@@ -147,6 +205,9 @@ class MoELayer(nn.Module):
                     torch.tensor(float(r.ids_TK.numel()), device=y_TD.device),
                     plan.dropped.float(),
                 ])
+                # All T*E router scores, binned: the TensorBoard score histograms.
+                self.stat_score_hist += torch.histc(r.scores_TE.detach().float(),
+                                                    bins=SCORE_HIST_BINS, min=0.0, max=1.0)
         return y_TD
 
     @torch.no_grad()
@@ -160,6 +221,11 @@ class MoELayer(nn.Module):
         out["tokens_per_expert"] = self.stat_tokens_per_expert.clone()
         out["calls"], out["assignments"], out["dropped"] = self.stat_counts.clone().unbind()
         out["expert_bias"] = self.router.expert_bias.clone()
+        # Expert-parallel telemetry: token bytes this rank sent to other EP ranks (0 locally).
+        out["a2a_bytes"] = torch.tensor(self.dispatcher.pop_comm_bytes(),
+                                        device=self.stat_sums.device)
+        out["score_hist"] = self.stat_score_hist.clone()
+        self.stat_score_hist.zero_()
         self.stat_sums.zero_()
         self.stat_tokens_per_expert.zero_()
         self.stat_counts.zero_()
