@@ -256,6 +256,11 @@ class _Packer:
                     self.seek(self.epoch + 1, 0, 0)  # wrap: a new epoch, a new order
                     continue
             cur = self._current
+            if self.offset >= len(cur):
+                raise ValueError(
+                    f"data state: offset {self.offset} is past the end of document {self.doc} "
+                    f"({len(cur)} tokens); the state was saved for other data"
+                )
             k = min(len(cur) - self.offset, need)
             parts.append(cur[self.offset : self.offset + k])
             self.offset += k

@@ -139,10 +139,14 @@ def test_eval_batches_are_identical_every_time_and_independent_of_the_seed(data_
     assert not torch.equal(_steps(train, 1)[0], first[0])
 
 
-def test_loading_a_state_with_another_seed_is_refused(data_cfg, tokenizer):
+def test_a_state_for_another_seed_or_other_data_is_refused(data_cfg, tokenizer):
     state = PackedBatches(data_cfg(seed=1), tokenizer, "train", 4, 2).state_dict()
     with pytest.raises(ValueError, match=r"^data\.seed: "):
         PackedBatches(data_cfg(seed=2), tokenizer, "train", 4, 2).load_state_dict(state)
+    batches = PackedBatches(data_cfg(seed=1), tokenizer, "train", 4, 2)
+    batches.load_state_dict({**state, "offset": 10**9})
+    with pytest.raises(ValueError, match="past the end of document 0"):
+        batches.next_step()
 
 
 def test_token_entropy_against_the_formula():

@@ -93,10 +93,15 @@ def test_streaming_reads_the_same_held_out_documents(data_cfg, jsonl_file):
         assert _texts(load_split(streamed, role)) == _texts(load_split(plain, role))
 
 
-def test_streaming_default_corpus(data_cfg):
-    ds = load_split(data_cfg(streaming=True), "eval")
-    first = next(iter(ds))
+def test_streaming_default_corpus_evaluates_on_the_same_sequences(data_cfg, tokenizer):
+    first = next(iter(load_split(data_cfg(streaming=True), "eval")))
     assert first["domain"] in ("prose", "code") and first["text"]
+    # Eval reads stored order in both modes, so the sequences are the same.
+    batches = [
+        _flat(PackedBatches(data_cfg(streaming=s, seq_len=64), tokenizer, "eval", 8, 4), 2)
+        for s in (False, True)
+    ]
+    assert torch.equal(*batches)
 
 
 def test_shuffle_buffer_is_a_seeded_permutation_per_epoch(data_cfg, tokenizer, jsonl_file, docs):
