@@ -71,6 +71,7 @@ class InMemoryDocs:
 
     @property
     def n_docs(self) -> int:
+        """Number of (non-empty) documents in the split."""
         return len(self.offsets) - 1
 
     def order(self, epoch: int) -> np.ndarray:
