@@ -124,6 +124,10 @@ class Dispatcher(Protocol):
     def combine(self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
                 backend: str) -> torch.Tensor: ...
 
+    def pop_comm_bytes(self) -> float:
+        """Token bytes sent to other ranks by forward dispatch + combine since the last call."""
+        ...
+
 
 class LocalDispatcher:
     """All experts live in this process: dispatch is a permutation, combine its inverse."""
@@ -135,3 +139,6 @@ class LocalDispatcher:
     def combine(self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
                 backend: str) -> torch.Tensor:
         return unpermute(y_ND, plan.dest_TK, weights_TK, backend=backend)
+
+    def pop_comm_bytes(self) -> float:
+        return 0.0

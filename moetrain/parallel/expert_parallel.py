@@ -1,0 +1,152 @@
+"""Expert parallelism: place E / ep experts on each rank and swap in a cross-rank dispatcher.
+
+Layout. ``parallel.ep`` is carved out of the data-parallel ranks: the dp ranks split into
+``edp = dp / ep`` expert-data-parallel replicas of ``ep`` ranks each (ep innermost, as
+torchtitan does). EP rank r of a group owns experts ``[r * E/ep, (r+1) * E/ep)``. Ranks
+of one EP group see different data, so an EP group is also part of the data-parallel
+group; with tensor parallelism every TP rank holds the same experts (replicated) and
+dispatches over the EP group of its own TP index.
+
+Gradients. A rank's expert gradient already sums the contributions of every source rank
+of its EP group (the all-to-all backward carries them home), so expert parameters need an
+all-reduce over the *expert*-data-parallel group only, and then the same ``1 / dp`` scale
+as every other parameter (the loss is a mean over all dp ranks). Non-expert parameters are
+reduced over the full dp group as usual. ``reduce_expert_grads`` does the expert half when
+the expert parameters are kept out of FSDP/DDP (``ignored_params``); with FSDP2 on the edp
+mesh instead, set the gradient divide factor to dp (``expert_fsdp_divide_factor``).
+
+Losses. The router, capacity decision and balancing losses run on the source rank with
+its own tokens, before dispatch (see ``docs/expert_parallel.md``): EP changes none of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.config import ConfigError
+from moetrain.model.ep_dispatch import AllGatherDispatcher, AllToAllDispatcher
+from moetrain.model.moe import MoELayer
+
+DISPATCHERS = ("all_to_all", "all_gather")
+
+
+def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
+    """Raise ``ConfigError`` naming the keys unless ep divides the experts and the dp size.
+
+    ``dp`` is the data-parallel degree (``parallel.dp_replicate * parallel.dp_shard``)."""
+    if ep < 1:
+        raise ConfigError(f"parallel.ep: must be >= 1, got {ep}")
+    if ep == 1:
+        return
+    if num_experts == 0:
+        raise ConfigError(f"parallel.ep: {ep} needs MoE layers, but moe.num_experts is 0")
+    if num_experts % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide moe.num_experts={num_experts}")
+    if dp % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide the data-parallel size "
+                          f"{dp} (parallel.dp_replicate * parallel.dp_shard)")
+
+
+def _group(mesh_or_group):
+    if mesh_or_group is None:
+        return None
+    if hasattr(mesh_or_group, "get_group"):  # a 1-D DeviceMesh
+        return mesh_or_group.get_group()
+    return mesh_or_group
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def apply_ep(model: nn.Module, ep_mesh, dispatcher: str = "all_to_all") -> list[nn.Parameter]:
+    """Keep this rank's E / ep experts in every MoE layer and install the EP dispatcher.
+
+    ``ep_mesh``: a 1-D DeviceMesh (or a ProcessGroup) over the ranks of this rank's EP group.
+    Call it on a model whose experts were initialised identically on every rank (same seed,
+    as the trainer does), before FSDP/ZeRO wrapping. Returns the expert parameters, which
+    are then reduced over the expert-data-parallel group (see ``reduce_expert_grads``).
+    Each expert parameter is marked ``param._moetrain_expert = True``.
+    """
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"EP dispatcher: expected one of {', '.join(DISPATCHERS)}, "
+                         f"got {dispatcher!r}")
+    group = _group(ep_mesh)
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    params: list[nn.Parameter] = []
+    for layer in moe_layers(model):
+        E = layer.num_experts
+        if E % ep:
+            raise ConfigError(f"parallel.ep: {ep} does not divide moe.num_experts={E}")
+        L = E // ep
+        experts = layer.experts
+        if experts.num_experts == E:
+            for name in ("w1", "w3", "w2"):
+                w = getattr(experts, name)
+                local = nn.Parameter(w.detach()[rank * L:(rank + 1) * L].clone(),
+                                     requires_grad=w.requires_grad)
+                setattr(experts, name, local)
+            experts.num_experts = L
+        elif experts.num_experts != L:
+            raise ValueError(f"MoE layer already holds {experts.num_experts} experts; "
+                             f"expected {E} or {L}")
+        cls = AllToAllDispatcher if dispatcher == "all_to_all" else AllGatherDispatcher
+        layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
+        for p in experts.parameters():
+            p._moetrain_expert = True  # type: ignore[attr-defined]
+            params.append(p)
+    return params
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "_moetrain_expert", False))
+
+
+def expert_fsdp_divide_factor(dp: int) -> int:
+    """With FSDP2 sharding the experts on the edp mesh, the reduce-scatter must divide by
+    the full dp size (not edp): ``experts_module.set_gradient_divide_factor(dp)``."""
+    return dp
+
+
+@torch.no_grad()
+def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group, dp: int) -> None:
+    """Sum expert gradients over the expert-data-parallel group and scale them by 1 / dp.
+
+    ``edp_group``: DeviceMesh or ProcessGroup of the ranks holding the same experts (None
+    or size 1: no communication). ``dp``: the full data-parallel degree, the same divisor
+    DDP/FSDP apply to the other parameters, so both halves of the model see exactly the
+    gradient of the global-batch mean loss. One coalesced all-reduce.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    group = _group(edp_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+    for g in grads:
+        g.div_(dp)
+
+
+@torch.no_grad()
+def gather_experts(model: nn.Module, ep_mesh) -> dict[str, torch.Tensor]:
+    """Full (E, ...) expert weights of every MoE layer, gathered over the EP group, keyed by
+    parameter name: for checks and for exporting a layout-independent state dict."""
+    group = _group(ep_mesh)
+    ep = dist.get_world_size(group)
+    out = {}
+    for name, p in model.named_parameters():
+        if not is_expert_param(p):
+            continue
+        full = p.new_empty((ep * p.shape[0], *p.shape[1:]))
+        dist.all_gather_into_tensor(full, p.detach().contiguous(), group=group)
+        out[name] = full
+    return out
