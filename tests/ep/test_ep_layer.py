@@ -1,0 +1,169 @@
+"""An MoE layer under expert parallelism reproduces the single-process layer.
+
+Every rank holds a slice of one global batch; the reference layer sees the whole batch in
+one process. Compared: the layer output, the input gradient, the gradient of every
+parameter (expert gradients after the expert-data-parallel reduction, the others after a
+plain data-parallel mean), token and drop counts, the balancing losses, and the all-to-all
+bytes against what the reference routing predicts. Dropless, capacity and padded plans;
+all-to-all and all-gather dispatchers; maximal skew (every token picks the same experts).
+
+Tolerance: fp32, atol 1e-5, rtol 1e-4 (the table of tests/model); counts and bytes exact.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from multirank import run_ranks
+
+from moetrain.config import ConfigError, MoEConfig
+from moetrain.model.dispatch import plan_dispatch
+from moetrain.model.moe import MoELayer
+from moetrain.parallel.expert_parallel import (
+    apply_ep,
+    check_ep_layout,
+    is_expert_param,
+    reduce_expert_grads,
+)
+
+ATOL, RTOL = 1e-5, 1e-4
+DIM, SEQ, SEQS_PER_RANK, E, K = 64, 32, 2, 8, 2
+
+MODES = {
+    "dropless": dict(capacity_factor=None),
+    "capacity": dict(capacity_factor=1.0),
+    "padded": dict(capacity_factor=1.25, pad_to_capacity=True),
+}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    torch.testing.assert_close(got.double(), want.double(), atol=ATOL, rtol=RTOL,
+                               msg=lambda m: f"{what}: {m}")
+
+
+def _cfg(mode: str) -> MoEConfig:
+    return MoEConfig(num_experts=E, top_k=K, expert_ffn_dim=32, num_shared_experts=1,
+                     token_group_seqs=1, aux_loss_coef=0.01, seq_aux_loss_coef=0.003,
+                     z_loss_coef=0.001, kernels="torch", **MODES[mode])
+
+
+def _predicted_bytes(ref: MoELayer, x_TD: torch.Tensor, ws: int, rank: int, mode: str,
+                     dispatcher: str) -> int:
+    """Token bytes this rank sends to other ranks (dispatch + combine), from the reference
+    routing of the global batch alone."""
+    T = SEQ * SEQS_PER_RANK
+    row = DIM * 4
+    if dispatcher == "all_gather":
+        return 2 * (ws - 1) * T * row
+    cfg, L = ref.cfg, E // ws
+    with torch.no_grad():
+        r = ref.router(x_TD, "torch")
+        plan = plan_dispatch(r.ids_TK, r.scores_TE.gather(1, r.ids_TK), E, ws * SEQS_PER_RANK,
+                             cfg.capacity_factor, cfg.drop_policy, cfg.pad_to_capacity)
+    if cfg.pad_to_capacity:  # every (source, expert) block is full: G * capacity rows
+        kept_PE = torch.full((ws, E), SEQS_PER_RANK * plan.capacity)
+    else:
+        kept = (plan.dest_TK >= 0).view(ws, T * K)
+        kept_PE = torch.stack([torch.bincount(r.ids_TK.view(ws, T * K)[p][kept[p]],
+                                              minlength=E) for p in range(ws)])
+    owner_E = torch.arange(E) // L
+    sent = kept_PE[rank][owner_E != rank].sum()  # dispatch: my rows for others' experts
+    returned = kept_PE[:, owner_E == rank].sum() - kept_PE[rank, owner_E == rank].sum()
+    return int(sent + returned) * row
+
+
+def _check_case(rank: int, ws: int, mode: str, dispatcher: str, skew: bool) -> None:
+    what = f"ep={ws} {mode} {dispatcher}{' skew' if skew else ''} rank {rank}"
+    torch.manual_seed(0)
+    ref = MoELayer(DIM, _cfg(mode))
+    gen = torch.Generator().manual_seed(1)
+    x_global = torch.randn(ws * SEQS_PER_RANK, SEQ, DIM, generator=gen)
+    c_global = torch.randn(ws * SEQS_PER_RANK, SEQ, DIM, generator=gen)
+    if skew:  # every token's top-2 is experts (0, 1): all rows go to EP rank 0
+        with torch.no_grad():
+            ref.router.gate.weight.zero_()
+            ref.router.gate.weight[0, 0], ref.router.gate.weight[1, 0] = 20.0, 10.0
+        x_global[..., 0] = x_global[..., 0].abs() + 1.0
+    layer = copy.deepcopy(ref)
+    ref.train()
+    layer.train()
+
+    # Reference: the whole global batch, loss = mean over tokens of <y, c>.
+    x_ref = x_global.clone().requires_grad_()
+    y_ref = ref(x_ref)
+    ((y_ref * c_global).sum() / y_ref[..., 0].numel()).backward()
+
+    expert_params = apply_ep(layer, dist.group.WORLD, dispatcher)
+    sl = slice(rank * SEQS_PER_RANK, (rank + 1) * SEQS_PER_RANK)
+    x = x_global[sl].clone().requires_grad_()
+    y = layer(x)
+    ((y * c_global[sl]).sum() / y[..., 0].numel()).backward()
+    for p in layer.parameters():  # the data-parallel mean of the non-expert gradients
+        if not is_expert_param(p):
+            dist.all_reduce(p.grad)
+            p.grad.div_(ws)
+    reduce_expert_grads(expert_params, None, ws)
+
+    _close(y, y_ref[sl], f"{what} output")
+    _close(x.grad / ws, x_ref.grad[sl], f"{what} input grad")  # local loss = ws * share
+    L = E // ws
+    ref_params = dict(ref.named_parameters())
+    for name, p in layer.named_parameters():
+        want = ref_params[name].grad
+        if is_expert_param(p):
+            assert p.shape[0] == L, f"{what}: {name} holds {p.shape[0]} experts, not {L}"
+            want = want[rank * L:(rank + 1) * L]
+        _close(p.grad, want, f"{what} grad {name}")
+
+    stats, ref_stats = layer.pop_stats(), ref.pop_stats()
+    for key in ("tokens_per_expert", "dropped", "assignments"):  # sums over ranks, exact
+        total = stats[key].clone()
+        dist.all_reduce(total)
+        assert torch.equal(total, ref_stats[key]), f"{what} {key}: {total} vs {ref_stats[key]}"
+    for key in ("aux_loss", "seq_aux_loss", "z_loss", "entropy"):  # means over ranks
+        mean = stats[key].clone()
+        dist.all_reduce(mean)
+        _close(mean / ws, ref_stats[key], f"{what} {key}")
+    if skew and mode != "dropless":
+        assert float(ref_stats["dropped"]) > 0, f"{what}: the skewed batch should drop"
+    want_bytes = _predicted_bytes(ref, x_global.view(-1, DIM), ws, rank, mode, dispatcher)
+    assert float(stats["a2a_bytes"]) == want_bytes, (
+        f"{what} a2a bytes {float(stats['a2a_bytes'])} vs predicted {want_bytes}")
+    # A second forward/backward pair still works (no stale dispatcher state).
+    layer(x_global[sl]).sum().backward()
+
+
+def _layer_worker(rank: int, world_size: int, cases: list[tuple[str, str, bool]]) -> int:
+    for mode, dispatcher, skew in cases:
+        _check_case(rank, world_size, mode, dispatcher, skew)
+    return len(cases)
+
+
+CASES = [
+    *[(mode, d, False) for mode in MODES for d in ("all_to_all", "all_gather")],
+    ("dropless", "all_to_all", True),
+    ("capacity", "all_to_all", True),
+    ("padded", "all_to_all", True),
+    ("dropless", "all_gather", True),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ep", [2, 4])
+def test_ep_layer_matches_single_process(ep: int) -> None:
+    assert run_ranks(_layer_worker, ep, CASES, timeout=240) == [len(CASES)] * ep
+
+
+def test_check_ep_layout_names_the_keys() -> None:
+    check_ep_layout(num_experts=8, ep=4, dp=8)
+    check_ep_layout(num_experts=0, ep=1, dp=3)
+    with pytest.raises(ConfigError, match=r"parallel\.ep.*moe\.num_experts=6"):
+        check_ep_layout(num_experts=6, ep=4, dp=8)
+    with pytest.raises(ConfigError, match=r"parallel\.ep.*data-parallel size 6.*dp_shard"):
+        check_ep_layout(num_experts=8, ep=4, dp=6)
+    with pytest.raises(ConfigError, match=r"parallel\.ep.*moe\.num_experts is 0"):
+        check_ep_layout(num_experts=0, ep=2, dp=2)
