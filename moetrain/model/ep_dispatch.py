@@ -36,8 +36,9 @@ from moetrain.model.dispatch import DispatchPlan
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
-                           input_split_sizes=in_splits, group=group)
+    dist.all_to_all_single(
+        out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
+    )
     return out
 
 
@@ -46,8 +47,7 @@ class AllToAllFunction(torch.autograd.Function):
     splits swapped."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int],  # type: ignore[override]
-                group) -> torch.Tensor:
+    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
         ctx.splits, ctx.group = (out_splits, in_splits), group
         return _a2a(x, out_splits, in_splits, group)
 
@@ -113,8 +113,9 @@ def regroup_index(counts_PL: torch.Tensor, total: int) -> torch.Tensor:
     P, L = counts_PL.shape
     src_start_PL = _exclusive_cumsum(counts_PL.reshape(-1)).view(P, L)
     counts_LP = counts_PL.t().reshape(-1)
-    block_R = torch.repeat_interleave(torch.arange(P * L, device=counts_PL.device), counts_LP,
-                                      output_size=total)
+    block_R = torch.repeat_interleave(
+        torch.arange(P * L, device=counts_PL.device), counts_LP, output_size=total
+    )
     offset_R = torch.arange(total, device=counts_PL.device) - _exclusive_cumsum(counts_LP)[block_R]
     return src_start_PL.t().reshape(-1)[block_R] + offset_R
 
@@ -156,8 +157,9 @@ class AllToAllDispatcher(_CommCounter):
         self.local_experts = num_experts // self.ep
         self._ctx: tuple | None = None
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         P, L = self.ep, self.local_experts
         x_ND = permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend)
         if self.padded:
@@ -184,8 +186,9 @@ class AllToAllDispatcher(_CommCounter):
         self._ctx = (send, recv, index_R, plan.num_rows, n_kept, row_bytes)
         return x_RD, offs_L
 
-    def combine(self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
-                backend: str) -> torch.Tensor:
+    def combine(
+        self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
+    ) -> torch.Tensor:
         assert self._ctx is not None, "combine() without a matching dispatch()"
         send, recv, index_R, num_rows, n_kept, row_bytes = self._ctx
         self._ctx = None
@@ -194,7 +197,6 @@ class AllToAllDispatcher(_CommCounter):
         self.bytes_sent += (sum(recv) - recv[self.rank]) * y_RD.shape[1] * y_RD.element_size()
         y_ND = torch.nn.functional.pad(y_kept, (0, 0, 0, num_rows - n_kept))
         return unpermute(y_ND, plan.dest_TK, weights_TK, backend=backend)
-
 
 
 # ----------------------------------------------------------------------------- all-gather
@@ -220,8 +222,9 @@ class AllGatherDispatcher(_CommCounter):
         self.local_experts = num_experts // self.ep
         self._ctx: torch.Tensor | None = None
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         P, L, E = self.ep, self.local_experts, self.num_experts
         T, K = plan.dest_TK.shape
         lo = self.rank * L
@@ -229,7 +232,7 @@ class AllGatherDispatcher(_CommCounter):
         dest_PA = _all_gather_nograd(plan.dest_TK.reshape(1, -1), self.group)  # (P, T*K)
         offs_PE = _all_gather_nograd(plan.offs_E.long().view(1, E), self.group)  # (P, E)
         counts_PE = torch.diff(offs_PE, dim=1, prepend=offs_PE.new_zeros(P, 1))
-        counts_PL = counts_PE[:, lo:lo + L]
+        counts_PL = counts_PE[:, lo : lo + L]
         # Expert of each gathered assignment: its row lies in [offs[e-1], offs[e]).
         e_PA = torch.searchsorted(offs_PE, dest_PA, right=True)
         local_PA = e_PA - lo
@@ -247,8 +250,9 @@ class AllGatherDispatcher(_CommCounter):
         self._ctx = local_dest
         return x_RD, offs_L
 
-    def combine(self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
-                backend: str) -> torch.Tensor:
+    def combine(
+        self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
+    ) -> torch.Tensor:
         assert self._ctx is not None, "combine() without a matching dispatch()"
         local_dest, self._ctx = self._ctx, None
         weights_all = AllGatherFunction.apply(weights_TK, self.group)

@@ -47,8 +47,10 @@ def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
     if num_experts % ep:
         raise ConfigError(f"parallel.ep: {ep} does not divide moe.num_experts={num_experts}")
     if dp % ep:
-        raise ConfigError(f"parallel.ep: {ep} does not divide the data-parallel size "
-                          f"{dp} (parallel.dp_replicate * parallel.dp_shard)")
+        raise ConfigError(
+            f"parallel.ep: {ep} does not divide the data-parallel size "
+            f"{dp} (parallel.dp_replicate * parallel.dp_shard)"
+        )
 
 
 def _group(mesh_or_group):
@@ -73,8 +75,9 @@ def apply_ep(model: nn.Module, ep_mesh, dispatcher: str = "all_to_all") -> list[
     Each expert parameter is marked ``param._moetrain_expert = True``.
     """
     if dispatcher not in DISPATCHERS:
-        raise ValueError(f"EP dispatcher: expected one of {', '.join(DISPATCHERS)}, "
-                         f"got {dispatcher!r}")
+        raise ValueError(
+            f"EP dispatcher: expected one of {', '.join(DISPATCHERS)}, got {dispatcher!r}"
+        )
     group = _group(ep_mesh)
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     params: list[nn.Parameter] = []
@@ -87,13 +90,15 @@ def apply_ep(model: nn.Module, ep_mesh, dispatcher: str = "all_to_all") -> list[
         if experts.num_experts == E:
             for name in ("w1", "w3", "w2"):
                 w = getattr(experts, name)
-                local = nn.Parameter(w.detach()[rank * L:(rank + 1) * L].clone(),
-                                     requires_grad=w.requires_grad)
+                local = nn.Parameter(
+                    w.detach()[rank * L : (rank + 1) * L].clone(), requires_grad=w.requires_grad
+                )
                 setattr(experts, name, local)
             experts.num_experts = L
         elif experts.num_experts != L:
-            raise ValueError(f"MoE layer already holds {experts.num_experts} experts; "
-                             f"expected {E} or {L}")
+            raise ValueError(
+                f"MoE layer already holds {experts.num_experts} experts; expected {E} or {L}"
+            )
         cls = AllToAllDispatcher if dispatcher == "all_to_all" else AllGatherDispatcher
         layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
         for p in experts.parameters():
@@ -130,7 +135,7 @@ def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group, dp: int) -> N
         dist.all_reduce(flat, group=group)
         offset = 0
         for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
     for g in grads:
         g.div_(dp)

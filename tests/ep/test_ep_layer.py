@@ -40,18 +40,29 @@ MODES = {
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    torch.testing.assert_close(got.double(), want.double(), atol=ATOL, rtol=RTOL,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        got.double(), want.double(), atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}"
+    )
 
 
 def _cfg(mode: str) -> MoEConfig:
-    return MoEConfig(num_experts=E, top_k=K, expert_ffn_dim=32, num_shared_experts=1,
-                     token_group_seqs=1, aux_loss_coef=0.01, seq_aux_loss_coef=0.003,
-                     z_loss_coef=0.001, kernels="torch", **MODES[mode])
+    return MoEConfig(
+        num_experts=E,
+        top_k=K,
+        expert_ffn_dim=32,
+        num_shared_experts=1,
+        token_group_seqs=1,
+        aux_loss_coef=0.01,
+        seq_aux_loss_coef=0.003,
+        z_loss_coef=0.001,
+        kernels="torch",
+        **MODES[mode],
+    )
 
 
-def _predicted_bytes(ref: MoELayer, x_TD: torch.Tensor, ws: int, rank: int, mode: str,
-                     dispatcher: str) -> int:
+def _predicted_bytes(
+    ref: MoELayer, x_TD: torch.Tensor, ws: int, rank: int, mode: str, dispatcher: str
+) -> int:
     """Token bytes this rank sends to other ranks (dispatch + combine), from the reference
     routing of the global batch alone."""
     T = SEQ * SEQS_PER_RANK
@@ -61,14 +72,22 @@ def _predicted_bytes(ref: MoELayer, x_TD: torch.Tensor, ws: int, rank: int, mode
     cfg, L = ref.cfg, E // ws
     with torch.no_grad():
         r = ref.router(x_TD, "torch")
-        plan = plan_dispatch(r.ids_TK, r.scores_TE.gather(1, r.ids_TK), E, ws * SEQS_PER_RANK,
-                             cfg.capacity_factor, cfg.drop_policy, cfg.pad_to_capacity)
+        plan = plan_dispatch(
+            r.ids_TK,
+            r.scores_TE.gather(1, r.ids_TK),
+            E,
+            ws * SEQS_PER_RANK,
+            cfg.capacity_factor,
+            cfg.drop_policy,
+            cfg.pad_to_capacity,
+        )
     if cfg.pad_to_capacity:  # every (source, expert) block is full: G * capacity rows
         kept_PE = torch.full((ws, E), SEQS_PER_RANK * plan.capacity)
     else:
         kept = (plan.dest_TK >= 0).view(ws, T * K)
-        kept_PE = torch.stack([torch.bincount(r.ids_TK.view(ws, T * K)[p][kept[p]],
-                                              minlength=E) for p in range(ws)])
+        kept_PE = torch.stack(
+            [torch.bincount(r.ids_TK.view(ws, T * K)[p][kept[p]], minlength=E) for p in range(ws)]
+        )
     owner_E = torch.arange(E) // L
     sent = kept_PE[rank][owner_E != rank].sum()  # dispatch: my rows for others' experts
     returned = kept_PE[:, owner_E == rank].sum() - kept_PE[rank, owner_E == rank].sum()
@@ -115,7 +134,7 @@ def _check_case(rank: int, ws: int, mode: str, dispatcher: str, skew: bool) -> N
         want = ref_params[name].grad
         if is_expert_param(p):
             assert p.shape[0] == L, f"{what}: {name} holds {p.shape[0]} experts, not {L}"
-            want = want[rank * L:(rank + 1) * L]
+            want = want[rank * L : (rank + 1) * L]
         _close(p.grad, want, f"{what} grad {name}")
 
     stats, ref_stats = layer.pop_stats(), ref.pop_stats()
@@ -131,7 +150,8 @@ def _check_case(rank: int, ws: int, mode: str, dispatcher: str, skew: bool) -> N
         assert float(ref_stats["dropped"]) > 0, f"{what}: the skewed batch should drop"
     want_bytes = _predicted_bytes(ref, x_global.view(-1, DIM), ws, rank, mode, dispatcher)
     assert float(stats["a2a_bytes"]) == want_bytes, (
-        f"{what} a2a bytes {float(stats['a2a_bytes'])} vs predicted {want_bytes}")
+        f"{what} a2a bytes {float(stats['a2a_bytes'])} vs predicted {want_bytes}"
+    )
     # A second forward/backward pair still works (no stale dispatcher state).
     layer(x_global[sl]).sum().backward()
 
