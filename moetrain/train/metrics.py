@@ -2,16 +2,28 @@
 
 The MoE layers hand over raw sums (``MoELayer.pop_stats``); this module derives the
 per-layer figures users look at: load imbalance, coefficient of variation, dropped
-fraction, router entropy, the balancing losses and the expert bias.
+fraction, router entropy, the balancing losses and the expert bias. It also writes the
+expert-load dashboard (a custom-scalars layout, a layer x expert token-share heatmap image,
+router-score histograms), warns when an expert dies or a layer's imbalance passes
+``log.imbalance_warn_threshold``, and reads a run's scalars back for the tools.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import re
+import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+from moetrain.config import LogConfig
+
+log = logging.getLogger("moetrain")
 
 # bf16 dense tensor-core peaks (FLOP/s) by device-name fragment; ANCHORS.md.
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40": 181e12}
@@ -35,7 +47,9 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def merge_stats(a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def merge_stats(
+    a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Add two layers' ``pop_stats`` sums (the expert bias is a state, not a sum: keep b's)."""
     if a is None:
         return {k: v.clone() for k, v in b.items()}
@@ -66,10 +80,115 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
     return 2 * n**3 * reps / (time.perf_counter() - start), "measured fp32 matmul"
 
 
-class MetricsWriter:
-    """TensorBoard writer for scalars and per-layer MoE figures (rank 0 only)."""
+def custom_scalars_layout(layers: list[int]) -> dict[str, dict[str, list]]:
+    """The TensorBoard custom-scalars layout: a training group, then one group per MoE layer
+    with its load imbalance, drops, router entropy, dead experts, losses and expert bias."""
+    layout: dict[str, dict[str, list]] = {
+        "training": {
+            "loss (train, eval)": ["Multiline", ["train/loss", "eval/loss"]],
+            "tokens/s": ["Multiline", ["perf/tokens_per_s"]],
+        },
+    }
+    for layer in layers:
+        p = f"moe/layer{layer}"
+        layout[f"MoE layer {layer}"] = {
+            "load imbalance (max/mean, CV)": ["Multiline", [f"{p}/max_over_mean", f"{p}/cv"]],
+            "dropped-token fraction": ["Multiline", [f"{p}/dropped_fraction"]],
+            "router entropy": ["Multiline", [f"{p}/router_entropy"]],
+            "dead experts": ["Multiline", [f"{p}/dead_experts"]],
+            "aux and z losses": ["Multiline", [f"{p}/aux_loss", f"{p}/seq_aux_loss",
+                                               f"{p}/z_loss"]],
+            "expert bias": ["Multiline", [rf"{p}/expert_bias/expert\d+"]],
+            "token share per expert": ["Multiline", [rf"{p}/tokens/expert\d+"]],
+        }
+    return layout
 
-    def __init__(self, log_dir: Path | None):
+
+class ExpertLoadMonitor:
+    """Dead experts over a sliding window of steps, and imbalance warnings, per layer.
+
+    An expert is dead when it received no tokens in the last ``window`` steps (counted from
+    the first step this monitor saw). A warning is logged when an expert dies and when a
+    layer's max/mean load rises past ``imbalance_threshold``; each fires again only after
+    the expert has come back or the imbalance has fallen back under the threshold.
+    """
+
+    def __init__(self, window: int, imbalance_threshold: float | None):
+        self.window = window
+        self.imbalance_threshold = imbalance_threshold
+        self.last_active: dict[int, torch.Tensor] = {}  # layer -> step each expert last had tokens
+        self.dead: dict[int, set[int]] = {}
+        self.over: dict[int, bool] = {}
+
+    def update(self, layer: int, load_E: torch.Tensor, max_over_mean: float, step: int) -> int:
+        """Record one step of a layer's load; log what changed; return its dead-expert count."""
+        if layer not in self.last_active:
+            # Before the first step seen, count every expert as active: a window must pass.
+            self.last_active[layer] = torch.full((load_E.numel(),), step - 1, dtype=torch.long)
+            self.dead[layer] = set()
+            self.over[layer] = False
+        last = self.last_active[layer]
+        last[load_E.cpu() > 0] = step
+        dead_now = set(torch.nonzero(step - last >= self.window).flatten().tolist())
+        for e in sorted(dead_now - self.dead[layer]):
+            log.warning("moe layer %d: expert %d is dead (no tokens in the last %d steps) "
+                        "at step %d", layer, e, self.window, step)
+        for e in sorted(self.dead[layer] - dead_now):
+            log.info("moe layer %d: expert %d receives tokens again at step %d", layer, e, step)
+        self.dead[layer] = dead_now
+        t = self.imbalance_threshold
+        if t is not None:
+            over = max_over_mean > t
+            if over and not self.over[layer]:
+                log.warning("moe layer %d: load imbalance max/mean %.2f passed "
+                            "log.imbalance_warn_threshold=%g at step %d", layer, max_over_mean,
+                            t, step)
+            self.over[layer] = over
+        return len(dead_now)
+
+
+def render_share_heatmap(share_LE: np.ndarray, layers: list[int], title: str) -> np.ndarray:
+    """A layer x expert token-share heatmap as an RGB image (H, W, 3) uint8 (Agg, no pyplot)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    L, E = share_LE.shape
+    fig = Figure(figsize=(max(4.0, 0.5 * E + 2.0), max(2.5, 0.45 * L + 1.5)), dpi=100)
+    canvas = FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    im = ax.imshow(share_LE, aspect="auto", cmap="viridis", vmin=0.0,
+                   vmax=max(float(share_LE.max()), 2.0 / E))
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_xticks(range(E))
+    ax.set_yticks(range(L), [str(layer) for layer in layers])
+    ax.set_title(title, fontsize=9)
+    if L * E <= 256:
+        for (i, j), v in np.ndenumerate(share_LE):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if v < share_LE.max() * 0.6 else "black")
+    fig.colorbar(im, ax=ax, label="token share")
+    fig.tight_layout()
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[:, :, :3].copy()
+
+
+class MetricsWriter:
+    """TensorBoard writer for scalars and the per-layer MoE dashboard (rank 0 only).
+
+    The expert-load monitor (dead experts, imbalance warnings) runs even without a
+    TensorBoard directory, so the warnings reach the log either way.
+    """
+
+    def __init__(self, log_dir: Path | None, log_cfg: LogConfig | None = None):
+        cfg = log_cfg or LogConfig()
+        self.heatmap_every = cfg.heatmap_every
+        self.histogram_every = cfg.histogram_every
+        self.monitor = ExpertLoadMonitor(cfg.dead_expert_window, cfg.imbalance_warn_threshold)
+        self._layout_written = False
+        # Sums since the last heatmap image / score histogram, per layer.
+        self._heat_tokens: dict[int, torch.Tensor] = {}
+        self._score_hist: dict[int, torch.Tensor] = {}
         self.writer = None
         if log_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
@@ -83,15 +202,26 @@ class MetricsWriter:
             self.writer.add_scalar(tag, value, step)
 
     def moe_layers(self, per_layer: dict[int, dict[str, torch.Tensor]], step: int) -> None:
-        if self.writer is None:
+        """One training step's per-layer ``pop_stats`` sums: scalars, monitor, dashboard."""
+        summaries = {}
+        for layer, stats in sorted(per_layer.items()):
+            summary = layer_summary(stats)
+            summary["dead_experts"] = float(self.monitor.update(
+                layer, stats["tokens_per_expert"], summary["max_over_mean"], step))
+            summaries[layer] = summary
+        if self.writer is None or not per_layer:
             return
+        if not self._layout_written:
+            self.writer.add_custom_scalars(custom_scalars_layout(sorted(per_layer)))
+            self._layout_written = True
         for layer, stats in sorted(per_layer.items()):
             prefix = f"moe/layer{layer}"
-            for name, value in layer_summary(stats).items():
+            for name, value in summaries[layer].items():
                 self.writer.add_scalar(f"{prefix}/{name}", value, step)
-            load_E = stats["tokens_per_expert"].double()
+            load_E = stats["tokens_per_expert"].double().cpu()
             share_E = load_E / load_E.sum().clamp_min(1)
-            for e, (share, bias) in enumerate(zip(share_E.tolist(), stats["expert_bias"].tolist())):
+            bias_E = stats["expert_bias"].tolist()
+            for e, (share, bias) in enumerate(zip(share_E.tolist(), bias_E, strict=True)):
                 self.writer.add_scalar(f"{prefix}/tokens/expert{e}", share, step)
                 self.writer.add_scalar(f"{prefix}/expert_bias/expert{e}", bias, step)
             # One bucket per expert: the histogram view shows the load across experts.
@@ -103,6 +233,39 @@ class MetricsWriter:
                 bucket_limits=[e + 0.5 for e in range(E)], bucket_counts=load_E.tolist(),
                 global_step=step,
             )
+            self._heat_tokens[layer] = self._heat_tokens.get(layer, 0) + load_E
+            if "score_hist" in stats:
+                self._score_hist[layer] = (self._score_hist.get(layer, 0)
+                                           + stats["score_hist"].double().cpu())
+        if self.heatmap_every and step % self.heatmap_every == 0:
+            self._write_heatmap(step)
+        if self.histogram_every and step % self.histogram_every == 0:
+            self._write_score_histograms(step)
+
+    def _write_heatmap(self, step: int) -> None:
+        layers = sorted(self._heat_tokens)
+        share_LE = torch.stack([
+            self._heat_tokens[layer] / self._heat_tokens[layer].sum().clamp_min(1)
+            for layer in layers
+        ]).numpy()
+        image = render_share_heatmap(share_LE, layers, f"token share per expert, up to step "
+                                     f"{step}")
+        self.writer.add_image("moe/token_share_heatmap", image, step, dataformats="HWC")
+        self._heat_tokens.clear()
+
+    def _write_score_histograms(self, step: int) -> None:
+        """Router scores of every (token, expert) pair since the last histogram, per layer."""
+        for layer, counts in sorted(self._score_hist.items()):
+            n = counts.numel()
+            centers = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+            self.writer.add_histogram_raw(
+                f"moe/layer{layer}/router_scores", min=0.0, max=1.0, num=int(counts.sum()),
+                sum=float((centers * counts).sum()),
+                sum_squares=float((centers**2 * counts).sum()),
+                bucket_limits=((torch.arange(n) + 1.0) / n).tolist(),
+                bucket_counts=counts.tolist(), global_step=step,
+            )
+        self._score_hist.clear()
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         if self.writer is not None:
@@ -125,3 +288,57 @@ def format_log_line(step: int, total: int, values: dict[str, Any]) -> str:
         if key in values:
             parts.append(f"{key} " + fmt.format(values[key]))
     return " | ".join(parts)
+
+
+# ----------------------------------------------------------------------------- reading back
+
+SUMMARY_FIGURES = ("max_over_mean", "cv", "dropped_fraction", "router_entropy", "dead_experts")
+
+
+def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of a run (``<run_dir>/tb``) as (step, value) sorted by step; where a
+    resumed run wrote a step twice, the later write wins."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        by_step = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}
+        out[tag] = sorted(by_step.items())
+    return out
+
+
+def moe_layer_ids(scalars: dict[str, list[tuple[int, float]]]) -> list[int]:
+    return sorted({int(m.group(1)) for tag in scalars
+                   if (m := re.fullmatch(r"moe/layer(\d+)/max_over_mean", tag))})
+
+
+def run_summary(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, float]:
+    """A run's figures for comparing runs, from its scalars:
+
+    - ``eval_loss``, ``train_loss``: the last logged value;
+    - each of ``SUMMARY_FIGURES``: mean over MoE layers of its mean over the second half of
+      training (steps > last_step // 2), which is less noisy than one step;
+    - ``tokens_per_s``: the median over steps, leaving out step 1 (warm-up) when there are
+      more;
+    - ``steps``: the last training step.
+    """
+    nan = float("nan")
+    out: dict[str, float] = {}
+    for key, tag in (("eval_loss", "eval/loss"), ("train_loss", "train/loss")):
+        out[key] = scalars[tag][-1][1] if scalars.get(tag) else nan
+    last = scalars["train/loss"][-1][0] if scalars.get("train/loss") else 0
+    out["steps"] = float(last)
+    layers = moe_layer_ids(scalars)
+    for name in SUMMARY_FIGURES:
+        per_layer = []
+        for layer in layers:
+            values = [v for s, v in scalars.get(f"moe/layer{layer}/{name}", []) if s > last // 2]
+            if values:
+                per_layer.append(sum(values) / len(values))
+        out[name] = sum(per_layer) / len(per_layer) if per_layer else nan
+    tok = scalars.get("perf/tokens_per_s", [])
+    tok = [v for s, v in tok if s > 1] or [v for _, v in tok]
+    out["tokens_per_s"] = statistics.median(tok) if tok else nan
+    return {k: (v if math.isfinite(v) else nan) for k, v in out.items()}

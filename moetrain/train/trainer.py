@@ -148,7 +148,8 @@ class Trainer:
         self.step = 0
         torch.manual_seed(tcfg.seed)  # router jitter draws from the global generator
 
-        self.writer = MetricsWriter(self.out_dir / "tb" if cfg.log.tensorboard else None)
+        self.writer = MetricsWriter(self.out_dir / "tb" if cfg.log.tensorboard else None,
+                                    cfg.log)  # dashboard cadence, dead-expert/imbalance warnings
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device)
 
