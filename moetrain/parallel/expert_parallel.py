@@ -53,6 +53,24 @@ def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
         )
 
 
+def build_ep_meshes(pp: int, dp: int, tp: int, ep: int, device_type: str = "cpu"):
+    """The ``ep`` and ``edp`` 1-D meshes over the rank order of ``moetrain.parallel.dims``.
+
+    The world is ``(pp, dp, tp)`` row-major with dp = dp_replicate x dp_shard; dp splits
+    into ``(edp, ep)`` with ep innermost, so EP groups are ``ep`` consecutive dp ranks of
+    one pipeline stage and TP index. Every rank must call this (it creates groups).
+    Returns ``(ep_mesh, edp_mesh)``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dp % ep:
+        raise ConfigError(f"parallel.ep: {ep} does not divide the data-parallel size {dp}")
+    mesh = init_device_mesh(
+        device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp")
+    )
+    return mesh["ep"], mesh["edp"]
+
+
 def _group(mesh_or_group):
     if mesh_or_group is None:
         return None
@@ -155,3 +173,20 @@ def gather_experts(model: nn.Module, ep_mesh) -> dict[str, torch.Tensor]:
         dist.all_gather_into_tensor(full, p.detach().contiguous(), group=group)
         out[name] = full
     return out
+
+
+@torch.no_grad()
+def expert_grad_sq_norm(params: Iterable[nn.Parameter], ep_mesh) -> torch.Tensor:
+    """Squared L2 norm of the expert gradients of the whole model, summed over the EP group.
+
+    Expert-data-parallel replicas (and TP ranks) hold identical reduced expert gradients, so
+    the EP group alone covers every expert once. Add it to the non-expert squared norm of
+    this stage before any reduction over pipeline stages."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        total += g.detach().float().pow(2).sum()
+    group = _group(ep_mesh)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total
