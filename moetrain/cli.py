@@ -1,6 +1,7 @@
 """The ``moetrain`` command line.
 
     moetrain [train] --config configs/tiny.yaml key.sub=value ...
+    moetrain ablate configs/sweeps/router.yaml [--parallel N] [key.sub=value ...]
     python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
 """
 
@@ -42,7 +43,13 @@ def train_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-COMMANDS = {"train": train_main}
+def ablate_main(argv: list[str] | None = None) -> int:
+    from moetrain.ablate import main
+
+    return main(argv)
+
+
+COMMANDS = {"train": train_main, "ablate": ablate_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -301,7 +301,13 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(Path(run_dir) / "tb"), size_guidance={"scalars": 0})
-    acc.Reload()
+    tb_log = logging.getLogger("tensorboard")
+    level = tb_log.level
+    tb_log.setLevel(max(level, logging.WARNING))  # it logs each finished event file at INFO
+    try:
+        acc.Reload()
+    finally:
+        tb_log.setLevel(level)
     out = {}
     for tag in acc.Tags()["scalars"]:
         by_step = {e.step: e.value for e in sorted(acc.Scalars(tag), key=lambda e: e.wall_time)}
