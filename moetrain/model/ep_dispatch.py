@@ -94,6 +94,36 @@ class ReduceScatterFunction(torch.autograd.Function):
         return out, None
 
 
+class CopyToTPFunction(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the expert-TP group (each TP
+    rank only holds the input gradient of its slice of the FFN width)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromTPFunction(torch.autograd.Function):
+    """All-reduce forward (partial expert outputs of the FFN slices); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
 def _all_gather_nograd(x: torch.Tensor, group) -> torch.Tensor:
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
     dist.all_gather_into_tensor(out, x.contiguous(), group=group)
@@ -128,10 +158,23 @@ def _inverse(index: torch.Tensor) -> torch.Tensor:
 
 class _CommCounter:
     """Bytes this rank sent to *other* ranks in forward dispatch + combine since the last pop.
-    Host numbers (the split sizes are on the host anyway): no device sync to count them."""
+    Host numbers (the split sizes are on the host anyway): no device sync to count them.
 
-    def __init__(self) -> None:
+    Also the expert tensor-parallel hooks: with ``etp_group`` every TP rank holds a slice of
+    each local expert's FFN width, so the expert input's gradient and the expert output are
+    summed over the TP ranks."""
+
+    def __init__(self, etp_group=None) -> None:
         self.bytes_sent = 0
+        self.etp_group = etp_group
+
+    def _to_experts(self, x_RD: torch.Tensor) -> torch.Tensor:
+        return x_RD if self.etp_group is None else CopyToTPFunction.apply(x_RD, self.etp_group)
+
+    def _from_experts(self, y_RD: torch.Tensor) -> torch.Tensor:
+        if self.etp_group is None:
+            return y_RD
+        return ReduceFromTPFunction.apply(y_RD, self.etp_group)
 
     def pop_comm_bytes(self) -> float:
         out, self.bytes_sent = float(self.bytes_sent), 0
@@ -144,9 +187,9 @@ class _CommCounter:
 class AllToAllDispatcher(_CommCounter):
     """Tokens travel to the rank owning their expert and back with ``all_to_all_single``."""
 
-    def __init__(self, group, num_experts: int, padded: bool = False):
+    def __init__(self, group, num_experts: int, padded: bool = False, etp_group=None):
         """``padded``: the layer plans with ``moe.pad_to_capacity`` (static split sizes)."""
-        super().__init__()
+        super().__init__(etp_group)
         self.padded = padded
         self.group = group
         self.ep = dist.get_world_size(group)
@@ -184,7 +227,7 @@ class AllToAllDispatcher(_CommCounter):
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         self.bytes_sent += (n_kept - send[self.rank]) * row_bytes
         self._ctx = (send, recv, index_R, plan.num_rows, n_kept, row_bytes)
-        return x_RD, offs_L
+        return self._to_experts(x_RD), offs_L
 
     def combine(
         self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
@@ -192,6 +235,7 @@ class AllToAllDispatcher(_CommCounter):
         assert self._ctx is not None, "combine() without a matching dispatch()"
         send, recv, index_R, num_rows, n_kept, row_bytes = self._ctx
         self._ctx = None
+        y_RD = self._from_experts(y_RD)
         y_recv = y_RD.index_select(0, _inverse(index_R))
         y_kept = AllToAllFunction.apply(y_recv, send, recv, self.group)
         self.bytes_sent += (sum(recv) - recv[self.rank]) * y_RD.shape[1] * y_RD.element_size()
@@ -210,8 +254,8 @@ class AllGatherDispatcher(_CommCounter):
     no host synchronisation at all. All ranks must hold the same number of tokens.
     """
 
-    def __init__(self, group, num_experts: int, padded: bool = False):
-        super().__init__()
+    def __init__(self, group, num_experts: int, padded: bool = False, etp_group=None):
+        super().__init__(etp_group)
         self.group = group
         self.padded = padded
         self.ep = dist.get_world_size(group)
@@ -248,13 +292,14 @@ class AllGatherDispatcher(_CommCounter):
         offs_L = torch.cumsum(counts_PL.sum(0), 0).to(torch.int32)
         self.bytes_sent += (P - 1) * T * x_TD.shape[1] * x_TD.element_size()
         self._ctx = local_dest
-        return x_RD, offs_L
+        return self._to_experts(x_RD), offs_L
 
     def combine(
         self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
     ) -> torch.Tensor:
         assert self._ctx is not None, "combine() without a matching dispatch()"
         local_dest, self._ctx = self._ctx, None
+        y_RD = self._from_experts(y_RD)
         weights_all = AllGatherFunction.apply(weights_TK, self.group)
         partial = unpermute(y_RD, local_dest, weights_all, backend=backend)  # (P*T, D)
         out = ReduceScatterFunction.apply(partial, self.group)

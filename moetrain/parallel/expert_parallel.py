@@ -83,21 +83,41 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def apply_ep(model: nn.Module, ep_mesh, dispatcher: str = "all_to_all") -> list[nn.Parameter]:
+def apply_ep(
+    model: nn.Module, ep_mesh, dispatcher: str = "all_to_all", etp_mesh=None
+) -> list[nn.Parameter]:
     """Keep this rank's E / ep experts in every MoE layer and install the EP dispatcher.
 
-    ``ep_mesh``: a 1-D DeviceMesh (or a ProcessGroup) over the ranks of this rank's EP group.
-    Call it on a model whose experts were initialised identically on every rank (same seed,
-    as the trainer does), before FSDP/ZeRO wrapping. Returns the expert parameters, which
-    are then reduced over the expert-data-parallel group (see ``reduce_expert_grads``).
-    Each expert parameter is marked ``param._moetrain_expert = True``.
+    ``ep_mesh``: a 1-D DeviceMesh (or a ProcessGroup) over the ranks of this rank's EP group
+    (``build_ep_meshes``). ``dispatcher``: "all_to_all" or "all_gather". ``etp_mesh``: the
+    tensor-parallel mesh to split every local expert's FFN width over (expert tensor
+    parallelism; the layer input must be replicated over it, as ``apply_tp`` leaves it).
+    Call it on a model whose experts were initialised identically on every rank (same
+    seed, as the trainer does), before FSDP/ZeRO wrapping. Returns the expert parameters,
+    which are then reduced over the expert-data-parallel group (``reduce_expert_grads``),
+    never over dp or tp. Each is marked ``param._moetrain_expert = True``.
+
+    For the engine's convenience ``ep_mesh`` may also be an object with ``ep`` (and
+    optionally ``tp``) mesh attributes and ``dispatcher`` an object with ``ep_dispatcher``
+    / ``expert_tp`` attributes (a ``ParallelConfig``).
     """
+    if hasattr(ep_mesh, "ep"):  # a Meshes-like bundle
+        meshes, ep_mesh = ep_mesh, ep_mesh.ep
+        if not isinstance(dispatcher, str) and getattr(dispatcher, "expert_tp", False):
+            etp_mesh = meshes.tp
+    if not isinstance(dispatcher, str):  # a ParallelConfig-like section
+        dispatcher = getattr(dispatcher, "ep_dispatcher", "all_to_all")
     if dispatcher not in DISPATCHERS:
         raise ValueError(
             f"EP dispatcher: expected one of {', '.join(DISPATCHERS)}, got {dispatcher!r}"
         )
     group = _group(ep_mesh)
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    etp_group = _group(etp_mesh)
+    if etp_group is not None and dist.get_world_size(etp_group) == 1:
+        etp_group = None
+    tp = dist.get_world_size(etp_group) if etp_group is not None else 1
+    tp_rank = dist.get_rank(etp_group) if etp_group is not None else 0
     params: list[nn.Parameter] = []
     for layer in moe_layers(model):
         E = layer.num_experts
@@ -105,20 +125,30 @@ def apply_ep(model: nn.Module, ep_mesh, dispatcher: str = "all_to_all") -> list[
             raise ConfigError(f"parallel.ep: {ep} does not divide moe.num_experts={E}")
         L = E // ep
         experts = layer.experts
-        if experts.num_experts == E:
-            for name in ("w1", "w3", "w2"):
-                w = getattr(experts, name)
-                local = nn.Parameter(
-                    w.detach()[rank * L : (rank + 1) * L].clone(), requires_grad=w.requires_grad
-                )
-                setattr(experts, name, local)
-            experts.num_experts = L
-        elif experts.num_experts != L:
+        if experts.num_experts != E:
             raise ValueError(
-                f"MoE layer already holds {experts.num_experts} experts; expected {E} or {L}"
+                f"MoE layer holds {experts.num_experts} of {E} experts: "
+                "apply_ep was already applied"
             )
+        F = experts.w1.shape[2]
+        if F % tp:
+            raise ConfigError(
+                f"moe.expert_ffn_dim: {F} is not divisible by parallel.tp={tp} "
+                "(expert tensor parallelism splits it)"
+            )
+        f = slice(tp_rank * (F // tp), (tp_rank + 1) * (F // tp))
+        e = slice(rank * L, (rank + 1) * L)
+        for name, index in (
+            ("w1", (e, slice(None), f)),
+            ("w3", (e, slice(None), f)),
+            ("w2", (e, f)),
+        ):
+            w = getattr(experts, name)
+            local = nn.Parameter(w.detach()[index].clone(), requires_grad=w.requires_grad)
+            setattr(experts, name, local)
+        experts.num_experts = L
         cls = AllToAllDispatcher if dispatcher == "all_to_all" else AllGatherDispatcher
-        layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
+        layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity, etp_group=etp_group)
         for p in experts.parameters():
             p._moetrain_expert = True  # type: ignore[attr-defined]
             params.append(p)
@@ -160,33 +190,41 @@ def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group, dp: int) -> N
 
 
 @torch.no_grad()
-def gather_experts(model: nn.Module, ep_mesh) -> dict[str, torch.Tensor]:
-    """Full (E, ...) expert weights of every MoE layer, gathered over the EP group, keyed by
-    parameter name: for checks and for exporting a layout-independent state dict."""
-    group = _group(ep_mesh)
-    ep = dist.get_world_size(group)
+def gather_experts(model: nn.Module, ep_mesh, etp_mesh=None) -> dict[str, torch.Tensor]:
+    """Full (E, ...) expert weights of every MoE layer, gathered over the EP group (and the
+    FFN width over ``etp_mesh``), keyed by parameter name: for checks and for exporting a
+    layout-independent state dict."""
     out = {}
     for name, p in model.named_parameters():
         if not is_expert_param(p):
             continue
-        full = p.new_empty((ep * p.shape[0], *p.shape[1:]))
-        dist.all_gather_into_tensor(full, p.detach().contiguous(), group=group)
+        full = p.detach()
+        ffn_dim = 1 if name.endswith("w2") else 2
+        for mesh, dim in ((etp_mesh, ffn_dim), (ep_mesh, 0)):
+            group = _group(mesh)
+            if group is None or dist.get_world_size(group) == 1:
+                continue
+            parts = [torch.empty_like(full) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(parts, full.contiguous(), group=group)
+            full = torch.cat(parts, dim)
         out[name] = full
     return out
 
 
 @torch.no_grad()
-def expert_grad_sq_norm(params: Iterable[nn.Parameter], ep_mesh) -> torch.Tensor:
+def expert_grad_sq_norm(params: Iterable[nn.Parameter], ep_mesh, etp_mesh=None) -> torch.Tensor:
     """Squared L2 norm of the expert gradients of the whole model, summed over the EP group.
 
-    Expert-data-parallel replicas (and TP ranks) hold identical reduced expert gradients, so
-    the EP group alone covers every expert once. Add it to the non-expert squared norm of
+    Expert-data-parallel replicas hold identical reduced expert gradients, so the EP group
+    (times the TP group under expert tensor parallelism, ``etp_mesh``; without it TP ranks
+    hold identical experts) covers every expert once. Add it to the non-expert squared norm of
     this stage before any reduction over pipeline stages."""
     grads = [p.grad for p in params if p.grad is not None]
     total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
     for g in grads:
         total += g.detach().float().pow(2).sum()
-    group = _group(ep_mesh)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(total, group=group)
+    for mesh in (ep_mesh, etp_mesh):
+        group = _group(mesh)
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, group=group)
     return total

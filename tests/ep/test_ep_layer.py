@@ -94,8 +94,14 @@ def _predicted_bytes(
     return int(sent + returned) * row
 
 
-def _check_case(rank: int, ws: int, mode: str, dispatcher: str, skew: bool) -> None:
-    what = f"ep={ws} {mode} {dispatcher}{' skew' if skew else ''} rank {rank}"
+def _check_case(
+    rank: int, ws: int, mode: str, dispatcher: str, skew: bool, dp_group=None, etp_mesh=None
+) -> None:
+    """``rank``/``ws``: data-parallel rank and size (= EP here: edp 1); ``dp_group`` (default
+    the world) is also the EP group; ``etp_mesh``: split the experts' FFN over it too."""
+    dp_group = dp_group or dist.group.WORLD
+    etp = f" etp={etp_mesh.size()}" if etp_mesh is not None else ""
+    what = f"ep={ws}{etp} {mode} {dispatcher}{' skew' if skew else ''} dp rank {rank}"
     torch.manual_seed(0)
     ref = MoELayer(DIM, _cfg(mode))
     gen = torch.Generator().manual_seed(1)
@@ -115,36 +121,39 @@ def _check_case(rank: int, ws: int, mode: str, dispatcher: str, skew: bool) -> N
     y_ref = ref(x_ref)
     ((y_ref * c_global).sum() / y_ref[..., 0].numel()).backward()
 
-    expert_params = apply_ep(layer, dist.group.WORLD, dispatcher)
+    expert_params = apply_ep(layer, dp_group, dispatcher, etp_mesh=etp_mesh)
     sl = slice(rank * SEQS_PER_RANK, (rank + 1) * SEQS_PER_RANK)
     x = x_global[sl].clone().requires_grad_()
     y = layer(x)
     ((y * c_global[sl]).sum() / y[..., 0].numel()).backward()
     for p in layer.parameters():  # the data-parallel mean of the non-expert gradients
         if not is_expert_param(p):
-            dist.all_reduce(p.grad)
+            dist.all_reduce(p.grad, group=dp_group)
             p.grad.div_(ws)
     reduce_expert_grads(expert_params, None, ws)
 
     _close(y, y_ref[sl], f"{what} output")
     _close(x.grad / ws, x_ref.grad[sl], f"{what} input grad")  # local loss = ws * share
     L = E // ws
+    tp, tp_rank = (etp_mesh.size(), etp_mesh.get_local_rank()) if etp_mesh else (1, 0)
     ref_params = dict(ref.named_parameters())
     for name, p in layer.named_parameters():
         want = ref_params[name].grad
         if is_expert_param(p):
             assert p.shape[0] == L, f"{what}: {name} holds {p.shape[0]} experts, not {L}"
             want = want[rank * L : (rank + 1) * L]
+            f_dim = 1 if name.endswith("w2") else 2
+            want = want.chunk(tp, f_dim)[tp_rank]
         _close(p.grad, want, f"{what} grad {name}")
 
     stats, ref_stats = layer.pop_stats(), ref.pop_stats()
     for key in ("tokens_per_expert", "dropped", "assignments"):  # sums over ranks, exact
         total = stats[key].clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=dp_group)
         assert torch.equal(total, ref_stats[key]), f"{what} {key}: {total} vs {ref_stats[key]}"
     for key in ("aux_loss", "seq_aux_loss", "z_loss", "entropy"):  # means over ranks
         mean = stats[key].clone()
-        dist.all_reduce(mean)
+        dist.all_reduce(mean, group=dp_group)
         _close(mean / ws, ref_stats[key], f"{what} {key}")
     if skew and mode != "dropless":
         assert float(ref_stats["dropped"]) > 0, f"{what}: the skewed batch should drop"
@@ -176,6 +185,33 @@ CASES = [
 @pytest.mark.parametrize("ep", [2, 4])
 def test_ep_layer_matches_single_process(ep: int) -> None:
     assert run_ranks(_layer_worker, ep, CASES, timeout=240) == [len(CASES)] * ep
+
+
+def _etp_worker(rank: int, world_size: int, expert_tp: bool) -> int:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    # ep=2 x tp=2: tp ranks see the same tokens; experts replicated over tp or split (ETP).
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    ep_mesh = mesh["ep"]
+    cases = [("capacity", "all_to_all", False), ("dropless", "all_gather", False)]
+    for mode, dispatcher, skew in cases:
+        _check_case(
+            ep_mesh.get_local_rank(),
+            2,
+            mode,
+            dispatcher,
+            skew,
+            dp_group=ep_mesh.get_group(),
+            etp_mesh=mesh["tp"] if expert_tp else None,
+        )
+    return len(cases)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("expert_tp", [False, True], ids=["tp2-replicated", "tp2-etp"])
+def test_ep_layer_with_tensor_parallel_ranks(expert_tp: bool) -> None:
+    assert run_ranks(_etp_worker, 4, expert_tp, timeout=240) == [2] * 4
 
 
 def test_check_ep_layout_names_the_keys() -> None:
