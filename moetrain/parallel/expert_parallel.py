@@ -76,6 +76,11 @@ def _group(mesh_or_group):
         return None
     if hasattr(mesh_or_group, "get_group"):  # a 1-D DeviceMesh
         return mesh_or_group.get_group()
+    if not isinstance(mesh_or_group, dist.ProcessGroup):
+        raise TypeError(
+            f"expected a 1-D DeviceMesh or a ProcessGroup, got {type(mesh_or_group).__name__} "
+            "(a Meshes bundle needs ep/edp meshes: see build_ep_meshes)"
+        )
     return mesh_or_group
 
 
