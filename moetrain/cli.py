@@ -33,12 +33,19 @@ def train_main(argv: list[str] | None = None) -> int:
 
         print(config_to_yaml(cfg), end="")
         return 0
+    from moetrain.data import DataError
+    from moetrain.train.checkpoint import CheckpointError
     from moetrain.train.trainer import run
 
+    # Bad input the user can fix (config, data, checkpoint) is reported as one clear line and
+    # exit status 2; anything else is a bug or a crash and keeps its traceback.
+    kinds = {ConfigError: "config error", DataError: "data error",
+             CheckpointError: "checkpoint error"}
     try:
         run(cfg)
-    except ConfigError as exc:
-        print(f"moetrain: config error: {exc}", file=sys.stderr)
+    except tuple(kinds) as exc:
+        kind = next(v for k, v in kinds.items() if isinstance(exc, k))
+        print(f"moetrain: {kind}: {exc}", file=sys.stderr)
         return 2
     return 0
 
