@@ -305,32 +305,49 @@ class LogConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout. Until the distributed backbone lands only the single-process layout
-    (every degree 1) is accepted; the keys are here so that configs keep their shape."""
+    """Parallel layout over the ``torchrun`` world: pp x dp_replicate x dp_shard x tp ranks.
+
+    Rank order (``moetrain.parallel.dims``): tp varies fastest, then dp_shard, dp_replicate,
+    and pp slowest, so tensor-parallel groups are consecutive ranks (one node) and pipeline
+    stages are the farthest apart. The data-parallel degree is what the world size leaves
+    (``dp_shard: -1``), as in Fast-LLM. The cross-section checks (heads, layers, batch) run
+    before any process group exists, in ``ParallelDims.validate``.
+    """
 
     dp_replicate: int = 1
-    """Data-parallel replicas (gradient all-reduce across them)."""
+    """Data-parallel replica groups: gradients are all-reduced across them (HSDP's outer
+    dimension when zero_stage >= 1)."""
     dp_shard: int = -1
-    """Data-parallel shard degree (ZeRO/FSDP). -1: whatever the world size leaves."""
+    """Data-parallel ranks within a replica group, over which ZeRO shards optimizer state,
+    gradients and parameters. -1: world size / (pp * dp_replicate * tp)."""
     tp: int = 1
-    """Tensor-parallel degree."""
+    """Tensor-parallel degree: attention heads and SwiGLU split column/row-wise, vocabulary-
+    parallel embedding and loss. Must divide model.n_heads and the kv heads."""
     sequence_parallel: bool = False
-    """Megatron-style sequence parallelism for norms and residuals (needs tp > 1)."""
+    """Megatron-style sequence parallelism: norms and residuals hold 1/tp of the sequence
+    (needs tp > 1 and data.seq_len divisible by tp)."""
     pp: int = 1
-    """Pipeline-parallel stages (physical)."""
+    """Pipeline-parallel stages (physical, one per pp rank)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = (
         "interleaved_1f1b")
-    """Pipeline schedule."""
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (Megatron's, the default) or
+    zero_bubble (interleaved zero-bubble, ZB-H1-style split of the weight gradients)."""
     pp_microbatches: int | None = None
-    """Pipeline micro-batches per step. null: global batch / (dp * micro_batch_size)."""
+    """Pipeline micro-batches per step and data-parallel rank. null: global_batch_size /
+    (dp * micro_batch_size); otherwise it sets the micro-batch size to global_batch_size /
+    (dp * pp_microbatches). Needs pp > 1."""
     pp_virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved schedules)."""
+    """Model chunks per pipeline rank (interleaved schedules); the model splits into
+    pp * pp_virtual_stages stages of equal layer counts."""
     zero_stage: Literal[0, 1, 2, 3] = 0
-    """0: DDP; 1: optimizer state sharded; 2: + gradients; 3: + parameters (FSDP2)."""
+    """0: replicas with gradient all-reduce; 1: optimizer state sharded over dp_shard;
+    2: gradients too (FSDP2, reshard_after_forward=False); 3: parameters too (FSDP2)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    """Recompute activations in backward: none, selective (attention), or full blocks."""
+    """Recompute activations in backward: none, selective (the attention of every block), or
+    full (every block)."""
     ep: int = 1
-    """Expert-parallel degree (carved out of the data-parallel ranks)."""
+    """Expert-parallel degree (carved out of the data-parallel ranks; placeholder until the
+    expert-parallel dispatcher lands)."""
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages", "ep", "pp_microbatches"):
@@ -339,6 +356,14 @@ class ParallelConfig:
                 _fail(f"parallel.{name}", f"must be >= 1, got {value}")
         if self.dp_shard == 0 or self.dp_shard < -1:
             _fail("parallel.dp_shard", f"must be >= 1 or -1 (derived), got {self.dp_shard}")
+        if self.sequence_parallel and self.tp == 1:
+            _fail("parallel.sequence_parallel", "needs parallel.tp > 1, got parallel.tp=1")
+        if self.pp_microbatches is not None and self.pp == 1:
+            _fail("parallel.pp_microbatches", f"{self.pp_microbatches} set but parallel.pp=1; "
+                  "without a pipeline use train.micro_batch_size")
+        if self.pp_virtual_stages > 1 and self.pp_schedule in ("gpipe", "1f1b"):
+            _fail("parallel.pp_virtual_stages", f"{self.pp_virtual_stages} needs an interleaved "
+                  f"schedule; parallel.pp_schedule={self.pp_schedule!r} runs one stage per rank")
 
 
 @dataclass
@@ -455,6 +480,14 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: where the YAML broke and why (PyYAML's own message spans several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{where}: {problem}"
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """Turn ``["moe.top_k=2", "train.output_dir=x"]`` into a nested dict (YAML-typed values)."""
     tree: dict[str, Any] = {}
@@ -465,7 +498,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as exc:
-            raise ConfigError(f"{key}: cannot parse value {raw!r}: {exc}") from None
+            raise ConfigError(f"{key}: cannot parse value {raw!r}{_yaml_problem(exc)}") from None
         _set_dotted(tree, key.lstrip("-"), value)
     return tree
 
@@ -490,7 +523,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         try:
             loaded = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
-            raise ConfigError(f"--config: {path} is not valid YAML: {exc}") from None
+            raise ConfigError(f"--config: {path} is not valid YAML{_yaml_problem(exc)}") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):

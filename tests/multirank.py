@@ -24,6 +24,7 @@ overrides it is the layout under test (every rank returns the same gathered valu
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import tempfile
@@ -76,7 +77,11 @@ def _entry(
                 timeout=timedelta(seconds=PG_TIMEOUT_S),
             )
         out = fn(rank, world_size, *args)
-        results.put((rank, True, out))
+        # Bytes, not tensors: torch's queue pickler would pass tensors as shared-memory
+        # handles that die with this process.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # report everything, KeyboardInterrupt included
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -145,7 +150,7 @@ def run_ranks(
                         continue
                 if not ok:
                     raise RankFailure(f"{fn.__name__}: rank {rank} failed:\n{value}")
-                out[rank] = value
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             for p in procs:
                 p.join(timeout=30)
         finally:

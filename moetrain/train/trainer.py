@@ -1,7 +1,9 @@
 """The trainer: builds everything from a JobConfig, runs steps, evaluates, checkpoints, logs.
 
 This is the one place where config sections, model, data, optimizer, checkpoints and
-logging meet. Each piece receives only its own config section.
+logging meet. Each piece receives only its own config section. The step itself goes through
+``moetrain.train.engine.Engine``, which hides the parallel layout; the layout is validated
+before the process group starts, and rank 0 alone logs and writes TensorBoard.
 """
 
 from __future__ import annotations
@@ -12,20 +14,21 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+import torch.distributed as dist
 
 from moetrain.config import ConfigError, JobConfig, config_to_yaml
 from moetrain.data import PackedBatches, check_data, load_tokenizer, unigram_entropy
 from moetrain.model import Transformer, build_model
+from moetrain.parallel.dims import ParallelDims
 from moetrain.train.checkpoint import CheckpointManager
+from moetrain.train.engine import Engine
 from moetrain.train.metrics import (
     MetricsWriter,
     format_log_line,
@@ -33,7 +36,6 @@ from moetrain.train.metrics import (
     merge_stats,
     peak_flops,
 )
-from moetrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 
 log = logging.getLogger("moetrain")
 
@@ -107,18 +109,38 @@ class StepResult:
     moe: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
+PG_TIMEOUT_S = 600
+"""Timeout of the default process group: a collective some rank never joins fails after it."""
+
+
+def world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: torch.device) -> None:
+    """Start the default process group (gloo on CPU, nccl on CUDA) for a torchrun launch;
+    nothing for one process or when a process group already exists (tests)."""
+    if world_size() == 1 or dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+
+
 class Trainer:
-    """Single-process trainer (one CPU or one GPU)."""
+    """The trainer for every layout: one process, or a torchrun job with ``parallel.*``."""
 
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         tcfg = cfg.train
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            raise ConfigError("WORLD_SIZE > 1: multi-process layouts (parallel.*) are not "
-                              "available yet; launch with --nproc-per-node 1")
         self.device = pick_device(tcfg.device)
         self.dtype = pick_dtype(tcfg.dtype, self.device)
         self.out_dir = Path(tcfg.output_dir)
+        # The layout is checked against the world size before anything else is built.
+        dims = ParallelDims.from_config(cfg.parallel, world_size())
 
         # Data first: a missing dataset or tokenizer must fail before any real work.
         check_data(cfg.data)
@@ -128,34 +150,47 @@ class Trainer:
             raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's "
                               f"vocabulary of {self.tokenizer.vocab_size}")
         cfg.model.vocab_size = vocab
-        self.grad_accum = tcfg.global_batch_size // tcfg.micro_batch_size
-        self.train_data = PackedBatches(cfg.data, self.tokenizer, "train",
-                                        tcfg.global_batch_size, tcfg.micro_batch_size)
-        self.eval_data = PackedBatches(cfg.data, self.tokenizer, "eval",
-                                       tcfg.eval_batches * tcfg.micro_batch_size,
-                                       tcfg.micro_batch_size)
+        self.dims = dims.validate(cfg)  # before any process group exists
 
-        self.model: Transformer = build_model(cfg.model, cfg.moe, seed=tcfg.seed,
-                                              device=self.device)
-        self.model.set_aux_loss_scale(1.0 / self.grad_accum)
-        self.step_model: torch.nn.Module = (
-            torch.compile(self.model) if tcfg.compile else self.model
-        )
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, tcfg.steps)
+        init_distributed(self.device)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.is_main = self.rank == 0
+        meshes = dims.build_mesh(self.device.type) if dist.is_initialized() else None
+        coords = dims.coords(self.rank)
+        dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
+        mbs = dims.micro_batch_size(cfg)
+        self.train_data = PackedBatches(cfg.data, self.tokenizer, "train",
+                                        tcfg.global_batch_size, mbs, dp_rank, dims.dp)
+        # Eval: at least eval_batches * micro_batch_size sequences, rounded up to what the
+        # layout runs at once (dp ranks x pipeline micro-batches).
+        unit = dims.dp * mbs * (dims.microbatches(cfg) if dims.pp > 1 else 1)
+        eval_seqs = -(-tcfg.eval_batches * tcfg.micro_batch_size // unit) * unit
+        self.eval_data = PackedBatches(cfg.data, self.tokenizer, "eval", eval_seqs, mbs,
+                                       dp_rank, dims.dp)
+
+        # The full model is built from the seed on every rank before any sharding, so every
+        # layout starts from the same parameters.
+        model: Transformer = build_model(cfg.model, cfg.moe, seed=tcfg.seed, device=self.device)
+        self.n_params, self.n_active = model.num_params(), model.num_params(active=True)
+        self.n_moe_layers = len(model.moe_layers())
+        self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
+        self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype)
+        del model
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", tcfg.keep_last)
         self.fingerprint = model_fingerprint(cfg, vocab)
         self.step = 0
         torch.manual_seed(tcfg.seed)  # router jitter draws from the global generator
 
-        self.writer = MetricsWriter(self.out_dir / "tb" if cfg.log.tensorboard else None,
-                                    cfg.log)  # dashboard cadence, dead-expert/imbalance warnings
-        self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
+        tb = self.out_dir / "tb" if (cfg.log.tensorboard and self.is_main) else None
+        # dashboard cadence, dead-expert/imbalance warnings
+        self.writer = MetricsWriter(tb, cfg.log)
         self.peak_flops, self.peak_source = peak_flops(self.device)
+        self.comm: dict[str, float] = {}
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's parameters and persistent buffers as plain CPU tensors."""
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        """The whole model's parameters and persistent buffers as plain CPU tensors, gathered
+        over every parallel dimension (collective: every rank calls it and gets it)."""
+        return self.engine.full_state_dict()
 
     def close(self) -> None:
         """Flush and close the TensorBoard writer."""
@@ -164,19 +199,15 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def _app_state(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
     def save_checkpoint(self) -> Path:
         extra = {
             "step": self.step,
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.engine.scheduler_state(),
             "data": self.train_data.state_dict(),
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
         }
-        path = self.ckpt.save(self.step, self._app_state(), extra,
+        path = self.ckpt.save(self.step, self.engine.app_state(), extra,
                               fingerprint=self.fingerprint)
         log.info("saved checkpoint %s", path)
         return path
@@ -191,11 +222,12 @@ class Trainer:
         path = self.ckpt.latest() if resume == "auto" else Path(resume)
         if path is None:
             return
-        state = self._app_state()
+        # Keys are full-model names under every layout: DCP reshards a checkpoint saved under
+        # another layout on load. Data state is the global stream position (layout-free).
+        state = self.engine.app_state()
         extra = self.ckpt.load(path, state, expected_fingerprint=self.fingerprint)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(extra["scheduler"])
+        self.engine.load_app_state(state)
+        self.engine.load_scheduler_state(extra["scheduler"])
         self.train_data.load_state_dict(extra["data"])
         set_rng_state(extra["rng"])
         self.step = int(extra["step"])
@@ -203,51 +235,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
 
-    def _autocast(self):
-        if self.dtype == torch.float32:
-            return nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
-
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs = batch["input_ids"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
-        with self._autocast():
-            logits = self.step_model(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-
     def train_step(self) -> StepResult:
         start = time.perf_counter()
-        self.model.train()
         micro_batches = self.train_data.next_step()
-        total = torch.zeros((), device=self.device)
-        tokens = 0
-        for batch in micro_batches:
-            loss = self._loss(batch)
-            (loss / self.grad_accum).backward()
-            total += loss.detach()
-            tokens += batch["input_ids"].numel()
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        moe = {i: layer.pop_stats() for i, layer in self.model.moe_layers().items()}
-        for i, layer in self.model.moe_layers().items():
-            layer.update_expert_bias(moe[i]["tokens_per_expert"])
+        loss = self.engine.forward_backward(micro_batches)
+        lr = self.engine.lr
+        grad_norm = self.engine.optimizer_step(self.cfg.optim.grad_clip)
+        moe = self.engine.moe_stats()
+        self.engine.update_expert_bias(moe)
         self.step += 1
-        loss_value = (total / len(micro_batches)).item()
+        tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(loss_value, float(grad_norm), lr, tokens,
-                          time.perf_counter() - start, moe)
+        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe)
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
         self.eval_data.reset()
-        losses = [self._loss(b).item() for b in self.eval_data.next_step()]
-        self.model.train()
-        return sum(losses) / len(losses)
+        return self.engine.eval_loss(self.eval_data.next_step())
 
     # ------------------------------------------------------------------ loop
 
@@ -256,14 +261,21 @@ class Trainer:
         interruption would) and return the final eval loss and the unigram entropy."""
         cfg, tcfg = self.cfg, self.cfg.train
         end = tcfg.steps if stop_at is None else min(stop_at, tcfg.steps)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        if self.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(config_to_yaml(cfg))
         self.maybe_resume()
-        n_params, n_active = self.model.num_params(), self.model.num_params(active=True)
-        entropy = unigram_entropy(self.tokenizer, cfg.data)
+        entropy = unigram_entropy(self.tokenizer, cfg.data) if self.is_main else 0.0
         log.info("model: %.2fM params (%.2fM active per token), %d MoE layers, device %s %s",
-                 n_params / 1e6, n_active / 1e6, len(self.model.moe_layers()), self.device,
+                 self.n_params / 1e6, self.n_active / 1e6, self.n_moe_layers, self.device,
                  str(self.dtype).removeprefix("torch."))
+        d = self.dims
+        log.info("layout: world %d = pp %d x dp_replicate %d x dp_shard %d x tp %d; zero_stage "
+                 "%d, sequence_parallel %s, %d micro-batches of %d per dp rank%s", d.world_size,
+                 d.pp, d.dp_replicate, d.dp_shard, d.tp, cfg.parallel.zero_stage,
+                 cfg.parallel.sequence_parallel, d.microbatches(cfg), d.micro_batch_size(cfg),
+                 f", schedule {cfg.parallel.pp_schedule} x {d.virtual_stages} virtual stages"
+                 if d.pp > 1 else "")
         log.info("data: unigram entropy of the training tokens %.3f nats/token; MFU against "
                  "%.1f GFLOP/s (%s)", entropy, self.peak_flops / 1e9, self.peak_source)
         self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
@@ -340,4 +352,10 @@ class Trainer:
 
 def run(cfg: JobConfig) -> dict[str, float]:
     setup_logging()
-    return Trainer(cfg).fit()
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # rank 0 logs
+    try:
+        return Trainer(cfg).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

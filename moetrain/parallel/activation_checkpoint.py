@@ -1,0 +1,64 @@
+"""Activation checkpointing: recompute activations in backward instead of keeping them.
+
+    none       keep everything
+    selective  recompute the attention of every block (the ``5 a s / h`` term of the
+               activation-memory formula, cheap to recompute next to the MoE FFN)
+    full       recompute every block: only block inputs are kept
+
+MoE layers record router statistics as a side effect of forward; a recomputed forward
+would count them twice, so the recompute runs inside a context that restores those buffers
+afterwards (the injected aux-loss gradient is recomputed like any other activation).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Literal
+
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from moetrain.model.moe import MoELayer
+
+
+@contextmanager
+def _keep_moe_stats(module: nn.Module):
+    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    saved = [(m.stat_sums.clone(), m.stat_tokens_per_expert.clone(), m.stat_counts.clone())
+             for m in layers]
+    try:
+        yield
+    finally:
+        for m, (sums, tokens, counts) in zip(layers, saved, strict=True):
+            m.stat_sums.copy_(sums)
+            m.stat_tokens_per_expert.copy_(tokens)
+            m.stat_counts.copy_(counts)
+
+
+def _wrap(module: nn.Module) -> nn.Module:
+    return checkpoint_wrapper(
+        module, preserve_rng_state=True,
+        context_fn=lambda: (nullcontext(), _keep_moe_stats(module)),
+    )
+
+
+def apply_ac(model: nn.Module, mode: Literal["none", "selective", "full"]) -> None:
+    """Wrap blocks (full) or their attention (selective) of ``model`` in place. Parameter
+    names are unchanged in state dicts (the wrapper's prefix is stripped by torch)."""
+    if mode == "none":
+        return
+    for name, block in list(model.layers.items()):
+        if mode == "full":
+            model.layers[name] = _wrap(block)
+        else:
+            block.attention = _wrap(block.attention)
+
+
+def apply_compile(model: nn.Module, enabled: bool) -> None:
+    """torch.compile each block (the repeated unit) in place."""
+    if not enabled:
+        return
+    import torch
+
+    for name, block in list(model.layers.items()):
+        model.layers[name] = torch.compile(block)

@@ -1,0 +1,196 @@
+"""The parallel layout: degrees derived from ``parallel.*`` and the world size, every check
+that needs more than one config section, and the named ``DeviceMesh``.
+
+Rank order. The mesh is ``["pp", "dp_replicate", "dp_shard", "tp"]`` in row-major order, so
+
+    rank = ((pp_rank * dp_replicate + replicate_rank) * dp_shard + shard_rank) * tp + tp_rank
+
+tensor-parallel groups are consecutive ranks (keep them inside one node: they talk every
+layer), pipeline neighbours are ``world / pp`` ranks apart (they exchange one activation per
+micro-batch and can span nodes), and the data-parallel ranks fill the middle. One flattened
+dim is added: ``dp`` (dp_replicate x dp_shard, the ranks that see different data).
+
+Everything here runs before any process group exists; each error names the keys and the
+numbers (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from moetrain.config import ConfigError, JobConfig, ParallelConfig
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+# Schedules that keep several micro-batches in flight need at least one per stage.
+_NEEDS_MB_GE_PP = ("1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass
+class Meshes:
+    """The world mesh and the 1-D sub-meshes the ``apply_*`` steps and the engine use."""
+
+    world: Any
+    dp: Any
+    pp: Any
+    tp: Any
+    dp_shard: Any
+    dp_replicate: Any
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of one layout. ``dp`` = dp_replicate * dp_shard ranks see different data."""
+
+    world_size: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    ep: int = 1
+    virtual_stages: int = 1
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_config(cls, pcfg: ParallelConfig, world_size: int) -> ParallelDims:
+        """Derive ``dp_shard`` (when -1) from the world size and check the product."""
+        others = pcfg.pp * pcfg.dp_replicate * pcfg.tp
+        dp_shard = pcfg.dp_shard
+        if dp_shard == -1:
+            if world_size % others:
+                raise ConfigError(
+                    f"parallel.pp * parallel.dp_replicate * parallel.tp = {pcfg.pp} * "
+                    f"{pcfg.dp_replicate} * {pcfg.tp} = {others} does not divide the world "
+                    f"size {world_size}"
+                )
+            dp_shard = world_size // others
+        elif others * dp_shard != world_size:
+            raise ConfigError(
+                f"parallel.pp * parallel.dp_replicate * parallel.dp_shard * parallel.tp = "
+                f"{pcfg.pp} * {pcfg.dp_replicate} * {dp_shard} * {pcfg.tp} = "
+                f"{others * dp_shard}, but the world size is {world_size}"
+            )
+        return cls(world_size, pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.tp, pcfg.ep,
+                   pcfg.pp_virtual_stages)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    # ------------------------------------------------------------------ batch arithmetic
+
+    def microbatches(self, cfg: JobConfig) -> int:
+        """Micro-batches per step on one data-parallel rank (gradient accumulation steps)."""
+        if self.pp > 1 and cfg.parallel.pp_microbatches is not None:
+            return cfg.parallel.pp_microbatches
+        return cfg.train.global_batch_size // (self.dp * cfg.train.micro_batch_size)
+
+    def micro_batch_size(self, cfg: JobConfig) -> int:
+        """Sequences per forward on one rank."""
+        return cfg.train.global_batch_size // (self.dp * self.microbatches(cfg))
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self, cfg: JobConfig) -> ParallelDims:
+        """Every check across sections; raises ConfigError naming keys and numbers."""
+        p, m, t = cfg.parallel, cfg.model, cfg.train
+        tp = self.tp
+        if tp > 1:
+            if m.n_heads % tp:
+                raise ConfigError(f"model.n_heads: {m.n_heads} is not divisible by parallel.tp="
+                                  f"{tp} (each tensor-parallel rank holds whole heads)")
+            if m.kv_heads % tp:
+                raise ConfigError(f"model.n_kv_heads: {m.kv_heads} kv heads are not divisible "
+                                  f"by parallel.tp={tp}")
+            if m.ffn_dim % tp:
+                raise ConfigError(f"model.ffn_dim: {m.ffn_dim} is not divisible by "
+                                  f"parallel.tp={tp}")
+            if m.vocab_size is not None and m.vocab_size % tp:
+                raise ConfigError(f"model.vocab_size: {m.vocab_size} is not divisible by "
+                                  f"parallel.tp={tp} (vocabulary-parallel embedding and loss)")
+            if p.sequence_parallel and cfg.data.seq_len % tp:
+                raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
+                                  f"parallel.tp={tp} (parallel.sequence_parallel splits it)")
+        stages = self.num_stages
+        if m.n_layers % stages:
+            raise ConfigError(
+                f"model.n_layers: {m.n_layers} layers do not split into parallel.pp * "
+                f"parallel.pp_virtual_stages = {self.pp} * {self.virtual_stages} = {stages} "
+                "equal stages")
+        if self.pp > 1 and m.tie_embeddings:
+            raise ConfigError(
+                f"model.tie_embeddings: true cannot span pipeline stages (parallel.pp="
+                f"{self.pp}: the embedding is on the first stage, the output on the last); "
+                "set model.tie_embeddings=false")
+        # Batch: global = dp * microbatches * micro_batch_size.
+        if p.pp_microbatches is not None and self.pp > 1:
+            mb = p.pp_microbatches
+            if t.global_batch_size % (self.dp * mb):
+                raise ConfigError(
+                    f"train.global_batch_size: {t.global_batch_size} is not divisible by dp * "
+                    f"parallel.pp_microbatches = {self.dp} * {mb} = {self.dp * mb} "
+                    f"(dp = world size {self.world_size} / (pp * tp) = {self.dp})")
+        elif t.global_batch_size % (self.dp * t.micro_batch_size):
+            raise ConfigError(
+                f"train.global_batch_size: {t.global_batch_size} is not divisible by dp * "
+                f"train.micro_batch_size = {self.dp} * {t.micro_batch_size} = "
+                f"{self.dp * t.micro_batch_size} (dp = world size {self.world_size} / "
+                f"(pp * tp) = {self.dp})")
+        n_mb = self.microbatches(cfg)
+        if self.pp > 1 and p.pp_schedule in _NEEDS_MB_GE_PP and n_mb < self.pp:
+            raise ConfigError(
+                f"parallel.pp_microbatches: {n_mb} micro-batches per step is fewer than "
+                f"parallel.pp={self.pp} stages, which parallel.pp_schedule={p.pp_schedule!r} "
+                "needs (raise train.global_batch_size or lower train.micro_batch_size)")
+        if self.pp > 1 and p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and (
+                n_mb % self.pp):
+            raise ConfigError(
+                f"parallel.pp_microbatches: {n_mb} micro-batches per step is not a multiple of "
+                f"parallel.pp={self.pp}, which parallel.pp_schedule={p.pp_schedule!r} needs")
+        mbs = self.micro_batch_size(cfg)
+        groups = cfg.moe.token_group_seqs
+        if cfg.moe.num_experts and groups is not None and mbs % groups:
+            raise ConfigError(
+                f"moe.token_group_seqs: {groups} does not divide the per-rank micro-batch of "
+                f"{mbs} sequences (train.global_batch_size={t.global_batch_size} / (dp={self.dp}"
+                f" * micro-batches={n_mb})); token groups must not change with the layout")
+        if self.ep > 1:
+            if self.dp % self.ep:
+                raise ConfigError(f"parallel.ep: {self.ep} does not divide the data-parallel "
+                                  f"degree {self.dp}")
+            if importlib.util.find_spec("moetrain.parallel.expert_parallel") is None:
+                raise ConfigError(f"parallel.ep: {self.ep} > 1 needs the expert-parallel "
+                                  "dispatcher, which is not available yet; use parallel.ep=1")
+        return self
+
+    # ------------------------------------------------------------------ mesh
+
+    def build_mesh(self, device_type: str) -> Meshes:
+        """The world ``DeviceMesh`` with named dims ``MESH_DIMS`` (size-1 dims included) and
+        its sub-meshes. Needs the default process group."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = init_device_mesh(
+            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            mesh_dim_names=MESH_DIMS,
+        )
+        # Keep the flattened mesh object: looking it up again through the root is deprecated.
+        dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        return Meshes(world=world, dp=dp, pp=world["pp"], tp=world["tp"],
+                      dp_shard=world["dp_shard"], dp_replicate=world["dp_replicate"])
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index along each mesh dim (the documented rank order)."""
+        out = {}
+        for name, size in reversed(list(zip(MESH_DIMS, (self.pp, self.dp_replicate,
+                                                        self.dp_shard, self.tp), strict=True))):
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in MESH_DIMS}

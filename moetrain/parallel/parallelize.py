@@ -1,0 +1,81 @@
+"""The one ordering function: a single-device model in, this rank's distributed pieces out.
+
+    pipeline_split (module tree only) -> per chunk: TP/SP -> EP -> activation checkpointing
+    -> compile -> FSDP/ZeRO -> pipeline stages + schedule
+
+The split of the module tree comes first because a sharded module cannot be deep-copied (as
+in torchtitan); the pipeline itself (``PipelineStage`` per chunk and the schedule) is built
+last, around the final modules. Each step is a small ``apply_*`` taking (module, mesh, its
+config).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetrain.config import ParallelConfig
+from moetrain.parallel.activation_checkpoint import apply_ac, apply_compile
+from moetrain.parallel.data_parallel import apply_ddp, apply_fsdp
+from moetrain.parallel.dims import Meshes, ParallelDims
+from moetrain.parallel.pipeline import build_pipeline, pipeline_split
+from moetrain.parallel.tensor_parallel import apply_tp
+
+
+@dataclass
+class ParallelModel:
+    """This rank's model chunks (one unless pipelined), their stage indices, the schedule."""
+
+    parts: list[nn.Module]
+    stage_ids: list[int]
+    schedule: Any = None
+
+
+def expert_parallel_hook(model: nn.Module, meshes: Meshes | None, cfg: ParallelConfig) -> None:
+    """The call site of expert parallelism (``moetrain.parallel.expert_parallel.apply_ep``);
+    a no-op at ep=1."""
+    if cfg.ep == 1:
+        return
+    from moetrain.parallel.expert_parallel import apply_ep  # noqa: PLC0415 - optional module
+
+    apply_ep(model, meshes, cfg)
+
+
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    meshes: Meshes | None,
+    cfg: ParallelConfig,
+    *,
+    pp_rank: int = 0,
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
+    n_microbatches: int = 1,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> ParallelModel:
+    """Apply the layout ``dims`` to ``model`` (built identically on every rank)."""
+    parts, ids = pipeline_split(model, pp_rank, cfg)
+    for part in parts:
+        if meshes is not None:
+            apply_tp(part, meshes.tp, cfg)
+        expert_parallel_hook(part, meshes, cfg)
+        apply_ac(part, cfg.activation_checkpointing)
+        apply_compile(part, compile)
+        if meshes is not None and dims.dp > 1:
+            if cfg.zero_stage >= 2:
+                dp_mesh = (meshes.dp_shard if dims.dp_replicate == 1
+                           else meshes.world["dp_replicate", "dp_shard"])
+                apply_fsdp(part, dp_mesh, cfg.zero_stage, param_dtype)
+            else:
+                apply_ddp(part, meshes.dp, cfg.zero_stage)
+    schedule = None
+    if dims.pp > 1:
+        assert meshes is not None and loss_fn is not None and device is not None
+        schedule = build_pipeline(parts, ids, meshes.pp.get_group(), device, cfg,
+                                  n_microbatches, loss_fn)
+    return ParallelModel(parts, ids, schedule)

@@ -1,0 +1,496 @@
+"""The step engine: forward/backward over a step's micro-batches, gradient reduction and
+clipping, the optimizer step, and MoE statistics, under any parallel layout.
+
+The trainer sees one object whatever the layout:
+
+    engine.forward_backward(micro_batches) -> mean loss of the step (same on every rank)
+    engine.optimizer_step(grad_clip)       -> global gradient norm
+    engine.moe_stats()                     -> per-layer router statistics summed over dp and
+                                              pp (never tp: tp ranks hold identical copies)
+    engine.eval_loss(micro_batches), engine.app_state() / load_app_state(), ...
+
+A local engine runs micro-batches one after the other (gradient accumulation); a pipeline
+engine hands them to the ``torch.distributed.pipelining`` schedule. Everything
+layout-specific was applied by ``moetrain.parallel.parallelize``; the collectives here are
+the step-level ones: the stage-0/1 gradient reduction, the gradient norm, the loss and the
+statistics.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from moetrain.config import JobConfig
+from moetrain.model import Transformer
+from moetrain.model.moe import STAT_NAMES
+from moetrain.parallel.data_parallel import GradientSync, moe_layers
+from moetrain.parallel.dims import Meshes, ParallelDims
+from moetrain.parallel.parallelize import parallelize
+from moetrain.train.optim import build_optimizer, build_scheduler, param_groups
+
+Batch = dict[str, torch.Tensor]
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+_NORM_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _group(mesh: Any) -> Any:
+    return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+
+
+class Engine:
+    """Runs training steps of ``model`` under the layout ``dims`` (``meshes`` None: one
+    process, no collectives)."""
+
+    def __init__(self, cfg: JobConfig, model: Transformer, dims: ParallelDims,
+                 meshes: Meshes | None, device: torch.device, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.dims = dims
+        self.meshes = meshes
+        self.device = device
+        self.dtype = dtype
+        pcfg = cfg.parallel
+        self.n_micro = dims.microbatches(cfg)
+        self.n_layers = cfg.model.n_layers
+        self.coords = (dims.coords(dist.get_rank()) if meshes is not None
+                       else {name: 0 for name in ("pp", "dp_replicate", "dp_shard", "tp")})
+        self.tp_enabled = dims.tp > 1
+        # Aux losses are averaged over a rank's micro-batches like the LM loss (and over dp
+        # by the gradient averaging), so each injected gradient is 1 / micro-batches.
+        model.set_aux_loss_scale(1.0 / self.n_micro)
+        fsdp_dtype = dtype if (device.type == "cuda" and dtype != torch.float32) else None
+        pm = parallelize(
+            model, dims, meshes, pcfg, pp_rank=self.coords["pp"], compile=cfg.train.compile,
+            param_dtype=fsdp_dtype, device=device, n_microbatches=self.n_micro,
+            loss_fn=self._pipeline_loss,
+        )
+        self.parts: list[nn.Module] = [p.to(device) for p in pm.parts]
+        self.stage_ids = pm.stage_ids
+        self.schedule = pm.schedule
+        self.num_stages = dims.num_stages
+        self.moe = moe_layers(self.parts)
+
+        # Groups of the step-level collectives.
+        self.dp_group = _group(meshes.dp) if meshes else None
+        self.pp_group = _group(meshes.pp) if meshes else None
+
+        # Optimizer(s): one AdamW per chunk (state dicts are per module), or for stages 0/1
+        # a GradientSync and, for ZeRO-1, one AdamW over this rank's slices.
+        self.zero_stage = pcfg.zero_stage if dims.dp > 1 else 0
+        self.grad_sync: GradientSync | None = None
+        if self.zero_stage <= 1 and meshes is not None:
+            decay, no_decay = [], []
+            for part in self.parts:
+                d, n = param_groups(part)
+                decay += d
+                no_decay += n
+            self.grad_sync = GradientSync(
+                [decay, no_decay], self.zero_stage, self.dp_group,
+                _group(meshes.dp_shard), _group(meshes.dp_replicate))
+        if self.zero_stage == 1:
+            assert self.grad_sync is not None
+            decay_v, no_decay_v = self.grad_sync.optimizer_groups()
+            o = cfg.optim
+            self.optimizers = [torch.optim.AdamW(
+                [{"params": decay_v, "weight_decay": o.weight_decay},
+                 {"params": no_decay_v, "weight_decay": 0.0}],
+                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)]
+        else:
+            self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
+        self.schedulers = [build_scheduler(opt, cfg.optim, cfg.train.steps)
+                           for opt in self.optimizers]
+        if self.schedule is not None:
+            self._warm_up_pipeline(dims.micro_batch_size(cfg), cfg.data.seq_len)
+
+    def _warm_up_pipeline(self, mbs: int, seq_len: int) -> None:
+        """One throwaway forward/backward through the schedule on a dummy batch.
+
+        A schedule's first step infers the shapes that travel between stages by running an
+        extra forward (and backward), which would count MoE statistics of a micro-batch
+        that is not in the data. Doing it here, then dropping gradients and statistics,
+        keeps every real step exact whatever the torch version's inference does."""
+        dummy = torch.zeros(mbs, seq_len, dtype=torch.long)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self._pipeline_step([{"input_ids": dummy, "labels": dummy}] * self.n_micro,
+                                train=True)
+        for part in self.parts:
+            part.zero_grad(set_to_none=True)
+        for layer in self.moe.values():
+            layer.pop_stats()
+
+    # ------------------------------------------------------------------ loss
+
+    def _loss_ctx(self) -> ExitStack:
+        stack = ExitStack()
+        if self.tp_enabled:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        if self.dtype != torch.float32:
+            stack.enter_context(torch.autocast(device_type=self.device.type, dtype=self.dtype))
+        return stack
+
+    @staticmethod
+    def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=labels.device.type, enabled=False):
+            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._ce(logits, labels) / self.n_micro
+
+    # ------------------------------------------------------------------ steps
+
+    @property
+    def first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def forward_backward(self, micro_batches: list[Batch]) -> float:
+        """Forward and backward of this rank's micro-batches; the step's mean loss over the
+        global batch (the same value on every rank)."""
+        self.train(True)
+        if self.schedule is not None:
+            total = self._pipeline_step(micro_batches, train=True)
+        else:
+            total = torch.zeros((), device=self.device)
+            model = self.parts[0]
+            for batch in micro_batches:
+                inputs = batch["input_ids"].to(self.device, non_blocking=True)
+                labels = batch["labels"].to(self.device, non_blocking=True)
+                with self._loss_ctx():
+                    loss = self._ce(model(inputs), labels)
+                    (loss / len(micro_batches)).backward()
+                total += _local(loss).detach() / len(micro_batches)
+        return self._mean_over_dp(total)
+
+    def _pipeline_step(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
+        inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)
+        labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first_stage else ()
+        kwargs: dict[str, Any] = {}
+        if self.last_stage:
+            kwargs.update(target=labels, losses=losses)
+        with self._loss_ctx():
+            if train:
+                self.schedule.step(*args, **kwargs)
+            else:
+                self.schedule.eval(*args, **kwargs)
+        total = torch.zeros((), device=self.device)
+        for loss in losses:  # each already divided by the micro-batch count
+            total += _local(loss).detach().float()
+        # Only the last stage has the loss: share it with every stage.
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        return total
+
+    def _mean_over_dp(self, value: torch.Tensor) -> float:
+        if self.dp_group is not None:
+            value = value.clone()
+            dist.all_reduce(value, group=self.dp_group)
+            value /= self.dims.dp
+        return float(value)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[Batch]) -> float:
+        """Mean loss over this rank's eval micro-batches, averaged over dp."""
+        self.train(False)
+        try:
+            if self.schedule is not None:
+                total = torch.zeros((), device=self.device)
+                n = self.n_micro
+                for i in range(0, len(micro_batches), n):
+                    total += self._pipeline_step(micro_batches[i:i + n], train=False)
+                total /= max(len(micro_batches) // n, 1)
+            else:
+                losses = []
+                for batch in micro_batches:
+                    with self._loss_ctx():
+                        logits = self.parts[0](batch["input_ids"].to(self.device))
+                        losses.append(_local(self._ce(logits, batch["labels"].to(self.device))))
+                total = torch.stack(losses).float().mean()
+            return self._mean_over_dp(total)
+        finally:
+            self.train(True)
+
+    # ------------------------------------------------------------------ optimizer
+
+    def _grad_pieces(self) -> list[tuple[torch.Tensor, frozenset[str]]]:
+        """(local gradient, mesh dims it is sharded over) for this rank's share of the
+        gradient norm."""
+        out = []
+        if self.grad_sync is not None:
+            zero1 = self.zero_stage == 1
+            for grad, param in self.grad_sync.grad_pieces():
+                dims = set(_shard_dims(param))
+                if zero1:
+                    dims.add("dp_shard")
+                out.append((_local(grad), frozenset(dims)))
+            return out
+        for part in self.parts:
+            for p in part.parameters():
+                if p.grad is not None:
+                    out.append((_local(p.grad), frozenset(_shard_dims(p.grad))))
+        return out
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the gradients: squares summed locally per sharding class, then
+        over exactly the mesh dims each class is sharded over, then over pipeline stages."""
+        classes = [frozenset(c) for c in _subsets(_NORM_DIMS)]
+        sq = torch.zeros(len(classes), dtype=torch.float64, device=self.device)
+        for grad, dims in self._grad_pieces():
+            sq[classes.index(dims)] += grad.detach().double().pow(2).sum()
+        if self.meshes is not None:
+            for name in _NORM_DIMS:
+                group = _group(getattr(self.meshes, name))
+                if group is None:
+                    continue
+                mask = torch.tensor([name in c for c in classes], device=self.device)
+                part = torch.where(mask, sq, torch.zeros_like(sq))
+                dist.all_reduce(part, group=group)
+                sq = torch.where(mask, part, sq)
+        total = sq.sum()
+        if self.pp_group is not None:
+            dist.all_reduce(total, group=self.pp_group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def optimizer_step(self, max_norm: float | None) -> float:
+        """Reduce gradients (stages 0/1), clip to ``max_norm``, step, all-gather (ZeRO-1),
+        zero the gradients. Returns the global gradient norm before clipping."""
+        self._match_grad_placements()
+        if self.grad_sync is not None:
+            self.grad_sync.reduce()
+        norm = self.grad_norm()
+        norm_f = float(norm)
+        if max_norm is not None and torch.isfinite(norm):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for grad, _ in self._grad_pieces():
+                grad.mul_(coef.to(grad.dtype))
+        for opt in self.optimizers:
+            opt.step()
+        if self.grad_sync is not None:
+            self.grad_sync.gather_params()
+        self.after_step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for part in self.parts:
+            part.zero_grad(set_to_none=True)
+        if self.grad_sync is not None:
+            self.grad_sync.zero_grad()
+        for sched in self.schedulers:
+            sched.step()
+        return norm_f
+
+    def _match_grad_placements(self) -> None:
+        """Give every DTensor gradient its parameter's placements. Some ops return a
+        gradient in another layout (the vocabulary-parallel embedding's comes back
+        replicated); Replicate -> Shard is a local slice, no communication."""
+        for part in self.parts:
+            for p in part.parameters():
+                g = p.grad
+                if isinstance(g, DTensor) and isinstance(p, DTensor) and (
+                        g.placements != p.placements):
+                    p.grad = g.redistribute(p.device_mesh, p.placements)
+
+    def after_step(self) -> None:
+        """Hook between the optimizer step and zeroing the gradients (accounting)."""
+
+    @property
+    def lr(self) -> float:
+        return self.schedulers[0].get_last_lr()[0]
+
+    # ------------------------------------------------------------------ MoE statistics
+
+    @torch.no_grad()
+    def moe_stats(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Pop every MoE layer's statistics and return them for all layers, summed over dp
+        and pp (each layer lives on one pp rank; tp ranks hold identical copies, not summed).
+        The expert bias is a state, identical over dp: returned as is."""
+        from moetrain.model import is_moe_layer
+
+        moe_ids = [i for i in range(self.n_layers) if is_moe_layer(i, self.cfg.moe)]
+        if not moe_ids:
+            return {}
+        E = self.cfg.moe.num_experts
+        width = len(STAT_NAMES) + 3 + 2 * E
+        packed = torch.zeros(len(moe_ids), width, dtype=torch.float64, device=self.device)
+        for row, i in enumerate(moe_ids):
+            if i not in self.moe:
+                continue
+            s = self.moe[i].pop_stats()
+            packed[row] = torch.cat([
+                torch.stack([s[n] for n in STAT_NAMES]).double(),
+                s["tokens_per_expert"].double(),
+                torch.stack([s["calls"], s["assignments"], s["dropped"]]).double(),
+                s["expert_bias"].double(),
+            ])
+        if self.dp_group is not None:
+            dist.all_reduce(packed, group=self.dp_group)
+            packed[:, -E:] /= self.dims.dp
+        if self.pp_group is not None:
+            dist.all_reduce(packed, group=self.pp_group)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        k = len(STAT_NAMES)
+        for row, i in enumerate(moe_ids):
+            v = packed[row].float().cpu()
+            d = {n: v[j] for j, n in enumerate(STAT_NAMES)}
+            d["tokens_per_expert"] = v[k:k + E]
+            d["calls"], d["assignments"], d["dropped"] = v[k + E:k + E + 3].unbind()
+            d["expert_bias"] = v[k + E + 3:]
+            out[i] = d
+        return out
+
+    def update_expert_bias(self, stats: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Aux-loss-free balancing from the GLOBAL token counts: every rank moves the bias of
+        the layers it holds identically."""
+        for i, layer in self.moe.items():
+            layer.update_expert_bias(stats[i]["tokens_per_expert"].to(self.device))
+
+    # ------------------------------------------------------------------ state
+
+    def _zero1_shadow(self) -> list[torch.optim.Optimizer]:
+        """ZeRO-1: full-size AdamW optimizers per chunk holding the gathered state, so that
+        checkpoints have the layout-independent format of every other stage."""
+        assert self.grad_sync is not None
+        sharded = self.optimizers[0]
+        shadows = [build_optimizer(part, self.cfg.optim) for part in self.parts]
+        owner = {}
+        for shadow in shadows:
+            for group in shadow.param_groups:
+                for p in group["params"]:
+                    owner[id(p)] = shadow
+        step = None
+        for v in (v for s in self.grad_sync.shards for v in s.views):
+            if v in sharded.state:
+                step = sharded.state[v]["step"]
+                break
+        for shard in self.grad_sync.shards:
+            for key in ("exp_avg", "exp_avg_sq"):
+                mine = torch.zeros(shard.size, device=self.device)
+                pos = 0
+                for v in shard.views:
+                    if v in sharded.state:
+                        mine[pos:pos + v.numel()] = sharded.state[v][key]
+                    pos += v.numel()
+                full = torch.empty(shard.padded, device=self.device)
+                if shard.n > 1:
+                    dist.all_gather_into_tensor(full, mine, group=self.grad_sync.shard_group)
+                else:
+                    full.copy_(mine)
+                offset = 0
+                for p, numel in zip(shard.params, shard.numels, strict=True):
+                    st = owner[id(p)].state.setdefault(p, {})
+                    st[key] = torch.zeros_like(p)
+                    _local(st[key]).view(-1).copy_(full[offset:offset + numel])
+                    st["step"] = (step.clone() if step is not None
+                                  else torch.zeros((), dtype=torch.float32))
+                    offset += numel
+        return shadows
+
+    def _zero1_restore(self, shadows: list[torch.optim.Optimizer]) -> None:
+        assert self.grad_sync is not None
+        sharded = self.optimizers[0]
+        owner = {id(p): sh for sh in shadows for g in sh.param_groups for p in g["params"]}
+        for shard in self.grad_sync.shards:
+            for v, (i, start, length) in zip(shard.views, shard.pieces, strict=True):
+                p = shard.params[i]
+                st = owner[id(p)].state[p]
+                sharded.state[v] = {
+                    "step": st["step"].clone(),
+                    **{k: _local(st[k]).reshape(-1)[start:start + length].clone()
+                       for k in ("exp_avg", "exp_avg_sq")},
+                }
+
+    def _part_optimizers(self) -> list[torch.optim.Optimizer]:
+        return self._zero1_shadow() if self.zero_stage == 1 else self.optimizers
+
+    def app_state(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by full-model names (flattened optimizer state), the
+        same keys under every layout: DCP reshards them on load."""
+        model_sd: dict[str, Any] = {}
+        optim_sd: dict[str, Any] = {}
+        self._shadows = self._part_optimizers()
+        for part, opt in zip(self.parts, self._shadows, strict=True):
+            model_sd.update(get_model_state_dict(part))
+            optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_app_state(self, state: dict[str, Any]) -> None:
+        """Load what ``app_state()`` returned after DCP filled it."""
+        shadows = self._shadows
+        for part, opt in zip(self.parts, shadows, strict=True):
+            keys = set(get_model_state_dict(part))
+            set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in keys})
+            set_optimizer_state_dict(part, opt, state["optim"], options=_FLAT)
+        if self.zero_stage == 1:
+            self._zero1_restore(shadows)
+        self._shadows = None
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return self.schedulers[0].state_dict()
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        for sched in self.schedulers:
+            sched.load_state_dict(state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's parameters and persistent buffers as CPU tensors, gathered over
+        every dimension (collective; every rank gets it). For tests and tools."""
+        mine: dict[str, torch.Tensor] = {}
+        for part in self.parts:
+            sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True,
+                                                                      broadcast_from_rank0=False))
+            mine.update({k: _local(v).detach().cpu().clone() for k, v in sd.items()})
+        if self.pp_group is None:
+            return mine
+        gathered: list[Any] = [None] * self.dims.pp
+        dist.all_gather_object(gathered, mine, group=self.pp_group)
+        return {k: v for d in gathered for k, v in d.items()}
+
+
+def _shard_dims(t: torch.Tensor) -> list[str]:
+    if not isinstance(t, DTensor):
+        return []
+    names = t.device_mesh.mesh_dim_names or ()
+    out = []
+    for name, placement in zip(names, t.placements, strict=True):
+        if placement.is_partial():
+            raise RuntimeError(f"gradient with a Partial placement on mesh dim {name!r}")
+        if placement.is_shard():
+            out.append(name)
+    return out
+
+
+def _subsets(names: tuple[str, ...]) -> list[set[str]]:
+    out: list[set[str]] = [set()]
+    for name in names:
+        out += [s | {name} for s in out]
+    return out
+
+
+__all__ = ["Engine", "nullcontext"]
