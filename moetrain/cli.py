@@ -1,8 +1,8 @@
 """The ``moetrain`` command line.
 
-    moetrain [train] --config configs/tiny.yaml key.sub=value ...
-    moetrain ablate configs/sweeps/router.yaml [--parallel N] [key.sub=value ...]
-    python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
+moetrain [train] --config configs/tiny.yaml key.sub=value ...
+moetrain ablate configs/sweeps/router.yaml [--parallel N] [key.sub=value ...]
+python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ def train_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", help="YAML experiment file (see configs/)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the resolved config and exit")
+    parser.add_argument(
+        "--print-config", action="store_true", help="print the resolved config and exit"
+    )
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -33,14 +34,22 @@ def train_main(argv: list[str] | None = None) -> int:
 
         print(config_to_yaml(cfg), end="")
         return 0
+    import datasets
+
     from moetrain.data import DataError
     from moetrain.train.checkpoint import CheckpointError
     from moetrain.train.trainer import run
 
+    # The corpus is small and cached: datasets' per-split progress bars are only noise here.
+    datasets.disable_progress_bars()
+
     # Bad input the user can fix (config, data, checkpoint) is reported as one clear line and
     # exit status 2; anything else is a bug or a crash and keeps its traceback.
-    kinds = {ConfigError: "config error", DataError: "data error",
-             CheckpointError: "checkpoint error"}
+    kinds = {
+        ConfigError: "config error",
+        DataError: "data error",
+        CheckpointError: "checkpoint error",
+    }
     try:
         run(cfg)
     except tuple(kinds) as exc:

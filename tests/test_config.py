@@ -40,17 +40,24 @@ BAD_OVERRIDES = [
     (["moe.aux_loss_coef=-0.1"], "moe.aux_loss_coef: must be >= 0"),
     (["moe.expert_ffn_dim=0"], "moe.expert_ffn_dim: must be > 0, got 0"),
     (["moe.every_n_layers=0"], "moe.every_n_layers: must be > 0, got 0"),
-    (["moe.token_group_seqs=3"], "moe.token_group_seqs: 3 does not divide train.micro_batch_size=8"),
-    (["train.global_batch_size=12"], "train.global_batch_size: 12 is not divisible by "
-                                     "train.micro_batch_size=8"),
+    (
+        ["moe.token_group_seqs=3"],
+        "moe.token_group_seqs: 3 does not divide train.micro_batch_size=8",
+    ),
+    (
+        ["train.global_batch_size=12"],
+        "train.global_batch_size: 12 is not divisible by train.micro_batch_size=8",
+    ),
     (["train.steps=0"], "train.steps: must be > 0, got 0"),
     (["train.device=tpu"], "train.device: expected 'auto' | 'cpu' | 'cuda', got 'tpu'"),
     (["optim.lr=0"], "optim.lr: must be > 0, got 0.0"),
     (["optim.beta2=1.0"], "optim.beta2: must be in [0, 1), got 1.0"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio: must be in [0, 1], got 2.0"),
     (["data.eval_fraction=0"], "data.eval_fraction: must be in (0, 1)"),
-    (["data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer: '/no/such/tokenizer.json' "
-                                                  "does not exist"),
+    (
+        ["data.tokenizer=/no/such/tokenizer.json"],
+        "data.tokenizer: '/no/such/tokenizer.json' does not exist",
+    ),
     (["parallel.tp=0"], "parallel.tp: must be >= 1, got 0"),
     (["parallel.zero_stage=4"], "parallel.zero_stage: expected 0 | 1 | 2 | 3, got 4"),
     (["moe=3"], "moe: expected a mapping of keys, got 3"),
@@ -85,7 +92,9 @@ def test_bad_yaml_files(tmp_path: Path) -> None:
 
 def test_overrides_are_yaml_typed_and_merge_over_the_file(tmp_path: Path) -> None:
     assert parse_overrides(["moe.capacity_factor=null", "moe.top_k=1", "a.b.c=x"]) == {
-        "moe": {"capacity_factor": None, "top_k": 1}, "a": {"b": {"c": "x"}}}
+        "moe": {"capacity_factor": None, "top_k": 1},
+        "a": {"b": {"c": "x"}},
+    }
     path = tmp_path / "c.yaml"
     path.write_text("moe:\n  top_k: 1\n  num_experts: 4\ntrain:\n  steps: 7\n")
     cfg = load_config(path, ["moe.num_experts=6", "optim.lr=1e-3"])
@@ -100,14 +109,19 @@ def test_shipped_configs_load(path: Path) -> None:
 
 
 def test_config_docs_are_current() -> None:
-    result = subprocess.run([sys.executable, str(REPO / "tools" / "gen_config_docs.py"), "--check"],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "gen_config_docs.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_cli_reports_config_errors_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["train", "--config", str(REPO / "configs" / "tiny.yaml"), "moe.top_k=99"]) == 2
     assert "moe.top_k: must be in [1, moe.num_experts=8], got 99" in capsys.readouterr().err
-    assert cli_main(["--config", str(REPO / "configs" / "tiny.yaml"), "--print-config",
-                     "moe.top_k=1"]) == 0
+    assert (
+        cli_main(["--config", str(REPO / "configs" / "tiny.yaml"), "--print-config", "moe.top_k=1"])
+        == 0
+    )
     assert "top_k: 1" in capsys.readouterr().out

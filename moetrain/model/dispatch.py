@@ -77,8 +77,14 @@ def plan_dispatch(
         dest_A = torch.empty_like(order_A)
         dest_A[order_A] = torch.arange(order_A.numel(), device=device)
         offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
-        return DispatchPlan(dest_A.view(T, K), offs_E, T * K, tokens_per_expert_E,
-                            torch.zeros((), dtype=torch.int64, device=device), None)
+        return DispatchPlan(
+            dest_A.view(T, K),
+            offs_E,
+            T * K,
+            tokens_per_expert_E,
+            torch.zeros((), dtype=torch.int64, device=device),
+            None,
+        )
 
     cap = expert_capacity(T // G, K, E, capacity_factor)
     # Priority first, then a stable sort by (expert, group) segment: within each segment the
@@ -118,11 +124,13 @@ class Dispatcher(Protocol):
     ``combine`` takes the experts' output rows and returns the weighted sum per token.
     """
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def combine(self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
-                backend: str) -> torch.Tensor: ...
+    def combine(
+        self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
+    ) -> torch.Tensor: ...
 
     def pop_comm_bytes(self) -> float:
         """Token bytes sent to other ranks by forward dispatch + combine since the last call."""
@@ -132,12 +140,14 @@ class Dispatcher(Protocol):
 class LocalDispatcher:
     """All experts live in this process: dispatch is a permutation, combine its inverse."""
 
-    def dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan,
-                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend), plan.offs_E
 
-    def combine(self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor,
-                backend: str) -> torch.Tensor:
+    def combine(
+        self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
+    ) -> torch.Tensor:
         return unpermute(y_ND, plan.dest_TK, weights_TK, backend=backend)
 
     def pop_comm_bytes(self) -> float:

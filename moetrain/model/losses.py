@@ -19,7 +19,9 @@ def balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, num_groups: int) -> torch.Tensor:
+def load_balancing_loss(
+    probs_TE: torch.Tensor, ids_TK: torch.Tensor, num_groups: int
+) -> torch.Tensor:
     """Switch load-balancing loss, mean over token groups of E * sum_e f_e * P_e.
 
     f_e: fraction of the group's T*K assignments that chose expert e (before capacity drops,
@@ -32,7 +34,9 @@ def load_balancing_loss(probs_TE: torch.Tensor, ids_TK: torch.Tensor, num_groups
     S = T // G
     P_GE = probs_TE.view(G, S, E).mean(1)
     counts_GE = torch.zeros(G, E, device=probs_TE.device, dtype=probs_TE.dtype)
-    counts_GE.scatter_add_(1, ids_TK.reshape(G, S * K), torch.ones_like(ids_TK, dtype=probs_TE.dtype).view(G, S * K))
+    counts_GE.scatter_add_(
+        1, ids_TK.reshape(G, S * K), torch.ones_like(ids_TK, dtype=probs_TE.dtype).view(G, S * K)
+    )
     f_GE = counts_GE / (S * K)
     return E * (f_GE * P_GE).sum(-1).mean()
 

@@ -115,7 +115,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, moe_cfg: MoEConfig):
         super().__init__()
         if cfg.vocab_size is None:
-            raise ValueError("model.vocab_size must be set (build_model fills it from the tokenizer)")
+            raise ValueError(
+                "model.vocab_size must be set (build_model fills it from the tokenizer)"
+            )
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by layer index: a pipeline stage deletes the layers it does not own
@@ -187,11 +189,11 @@ class Transformer(nn.Module):
         return 6 * n_active + attn
 
 
-def build_model(cfg: ModelConfig, moe_cfg: MoEConfig, *, seed: int,
-                device: torch.device | str = "cpu") -> Transformer:
+def build_model(
+    cfg: ModelConfig, moe_cfg: MoEConfig, *, seed: int, device: torch.device | str = "cpu"
+) -> Transformer:
     """Build and initialise the model deterministically from ``seed`` (on CPU, then moved)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Transformer(cfg, moe_cfg)
     return model.to(device)
-

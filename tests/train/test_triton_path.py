@@ -16,18 +16,31 @@ from moetrain.train.trainer import Trainer
 LOSS_RTOL = 1e-4
 
 TINY = [
-    "model.vocab_size=128", "model.dim=64", "model.n_layers=2", "model.n_heads=4",
-    "model.ffn_dim=128", "model.max_seq_len=32", "moe.num_experts=4", "moe.top_k=2",
-    "moe.expert_ffn_dim=64", "moe.num_shared_experts=1", "train.micro_batch_size=2",
-    "train.global_batch_size=2", "data.seq_len=16",
+    "model.vocab_size=128",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.ffn_dim=128",
+    "model.max_seq_len=32",
+    "moe.num_experts=4",
+    "moe.top_k=2",
+    "moe.expert_ffn_dim=64",
+    "moe.num_shared_experts=1",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "data.seq_len=16",
 ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("moe_opts", [
-    ["moe.capacity_factor=null", "moe.score_func=softmax"],
-    ["moe.capacity_factor=1.0", "moe.score_func=sigmoid", "moe.pad_to_capacity=true"],
-], ids=["dropless-softmax", "padded-sigmoid"])
+@pytest.mark.parametrize(
+    "moe_opts",
+    [
+        ["moe.capacity_factor=null", "moe.score_func=softmax"],
+        ["moe.capacity_factor=1.0", "moe.score_func=sigmoid", "moe.pad_to_capacity=true"],
+    ],
+    ids=["dropless-softmax", "padded-sigmoid"],
+)
 def test_layer_forward_and_gradients_match_torch_path(moe_opts: list[str]) -> None:
     grads = {}
     outs = {}
@@ -49,12 +62,20 @@ def test_layer_forward_and_gradients_match_torch_path(moe_opts: list[str]) -> No
 def test_training_losses_match_torch_path(tmp_path: Path) -> None:
     losses = {}
     for backend in ("torch", "triton"):
-        cfg = load_config(None, [
-            *[o for o in TINY if not o.startswith("model.vocab_size")],
-            "moe.capacity_factor=1.25", "train.steps=3", "train.eval_every=0",
-            "train.eval_batches=1", "log.progress_bar=false", "log.tensorboard=false",
-            f"moe.kernels={backend}", f"train.output_dir={tmp_path / backend}",
-        ])
+        cfg = load_config(
+            None,
+            [
+                *[o for o in TINY if not o.startswith("model.vocab_size")],
+                "moe.capacity_factor=1.25",
+                "train.steps=3",
+                "train.eval_every=0",
+                "train.eval_batches=1",
+                "log.progress_bar=false",
+                "log.tensorboard=false",
+                f"moe.kernels={backend}",
+                f"train.output_dir={tmp_path / backend}",
+            ],
+        )
         trainer = Trainer(cfg)
         losses[backend] = [trainer.train_step().loss for _ in range(3)]
     assert losses["triton"] == pytest.approx(losses["torch"], rel=LOSS_RTOL)
