@@ -55,6 +55,13 @@ def ablate(model: Transformer, batches: list[dict[str, torch.Tensor]],
 
     Rows: {"kind", "layer", "expert", "eval_loss", "delta"} (layer "all" for whole-model
     rows, expert None where it does not apply)."""
+    if trace is not None and (
+        trace["layers"] != sorted(model.moe_layers())
+        or not torch.equal(trace["input_ids"], torch.stack([b["input_ids"] for b in batches]))
+    ):
+        raise ValueError("the trace was recorded on other eval batches or another model "
+                         "(layers or input_ids differ); record it with the same run config "
+                         "and --batches")
     base_trace = record_trace(model, batches)
     baseline = float(base_trace["losses"].mean())
     layers = base_trace["layers"]
@@ -79,13 +86,6 @@ def ablate(model: Transformer, batches: list[dict[str, torch.Tensor]],
     add("top1", "all", None, lambda i, b: top1)
 
     replay = trace if trace is not None else base_trace
-    if trace is not None:
-        if trace["layers"] != layers or not torch.equal(
-            trace["input_ids"], torch.stack([b["input_ids"] for b in batches])
-        ):
-            raise ValueError("the trace was recorded on other eval batches or another model "
-                             "(layers or input_ids differ); record it with the same run config "
-                             "and --batches")
     add("replay", "all", None,
         lambda i, b: RoutingOverride(replay_ids_TK=replay["ids"][i][b].long()))
     return {"baseline": baseline, "layers": layers, "num_experts": E, "tokens": tokens,
