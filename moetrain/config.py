@@ -261,10 +261,20 @@ class TrainConfig:
     "never": start fresh (refuses a non-empty checkpoint dir); or a checkpoint path."""
     compile: bool = False
     """Wrap the model in torch.compile."""
+    nonfinite_policy: Literal["skip", "halt"] = "skip"
+    """A step whose loss or gradient norm is not finite: "skip" leaves the parameters and
+    optimizer untouched, counts the step (``train/skipped_steps``) and goes on; "halt" stops
+    with an error (the last checkpoint holds the last good state)."""
+    max_nonfinite_skips: int = 10
+    """Halt anyway once more than this many steps have been skipped."""
+    collective_timeout_s: int = 600
+    """Seconds a collective may wait for a rank before failing the job (dead-rank bound)."""
 
     def validate(self) -> None:
         _positive("train", self, "steps", "global_batch_size", "micro_batch_size",
-                  "eval_batches", "keep_last")
+                  "eval_batches", "keep_last", "collective_timeout_s")
+        if self.max_nonfinite_skips < 0:
+            _fail("train.max_nonfinite_skips", f"must be >= 0, got {self.max_nonfinite_skips}")
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 _fail(f"train.{name}", f"must be >= 0, got {getattr(self, name)}")

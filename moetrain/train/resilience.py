@@ -1,0 +1,127 @@
+"""Surviving interruptions: preemption signals, non-finite numbers, injected faults.
+
+- ``PreemptionGuard`` turns SIGTERM / SIGINT into a request to stop after the current step;
+  every rank agrees on the step (a MAX all-reduce of the flag), writes the checkpoint and
+  exits 0. A second SIGINT stops at once (KeyboardInterrupt), as users expect of Ctrl-C.
+- ``NonFiniteGuard`` applies ``train.nonfinite_policy`` to a step whose loss or gradient
+  norm is not finite and counts what it skipped.
+- ``FaultInjector`` makes one rank fail on purpose at a given step, so the tests (and an
+  operator rehearsing a runbook) can see what a dead rank looks like. It is driven only by
+  the ``MOETRAIN_INJECT_FAULT`` environment variable and does nothing when it is unset.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("moetrain")
+
+
+class PreemptionGuard:
+    """Context manager: while active, SIGTERM and SIGINT only set a flag."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        # Signal handlers can only be installed from the main thread (tests may train in
+        # another thread: then there is simply no preemption handling).
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+        self.signum = signum
+        log.warning("received %s: finishing this step, then saving a checkpoint and exiting",
+                    signal.Signals(signum).name)
+
+    def should_stop(self, device: torch.device) -> bool:
+        """Whether any rank was signalled. Collective when distributed: call it on every rank
+        at the same point of every step, so that all ranks stop after the same step."""
+        flag = torch.tensor([0.0 if self.signum is None else 1.0], device=device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class NonFiniteError(FloatingPointError):
+    """A non-finite loss or gradient norm under ``train.nonfinite_policy: halt``."""
+
+
+class NonFiniteGuard:
+    """Decides what a step with a non-finite loss or gradient norm does."""
+
+    def __init__(self, policy: str, max_skips: int):
+        self.policy = policy
+        self.max_skips = max_skips
+        self.skipped = 0
+
+    @staticmethod
+    def is_bad(loss: float, grad_norm: float) -> bool:
+        return not (math.isfinite(loss) and math.isfinite(grad_norm))
+
+    def on_bad_step(self, step: int, loss: float, grad_norm: float) -> None:
+        """Count a skipped step, or raise NonFiniteError when the policy (or the skip budget)
+        says to halt. The caller has already left the parameters untouched."""
+        what = f"step {step}: loss {loss}, gradient norm {grad_norm}"
+        if self.policy == "halt":
+            raise NonFiniteError(f"non-finite numbers at {what} (train.nonfinite_policy=halt)")
+        self.skipped += 1
+        if self.skipped > self.max_skips:
+            raise NonFiniteError(
+                f"non-finite numbers at {what}: {self.skipped} steps skipped, more than "
+                f"train.max_nonfinite_skips={self.max_skips}")
+        log.warning("skipping the update of %s (%d skipped so far)", what, self.skipped)
+
+
+class FaultInjector:
+    """``MOETRAIN_INJECT_FAULT="rank=R,step=S,kind=raise|exit|kill"``: rank R fails when it
+    reaches step S (before running it). ``raise`` raises RuntimeError, ``exit`` calls
+    os._exit(3), ``kill`` sends itself SIGKILL. Unset: nothing happens."""
+
+    ENV = "MOETRAIN_INJECT_FAULT"
+
+    def __init__(self, rank: int):
+        spec = os.environ.get(self.ENV, "")
+        self.fault: dict[str, str] | None = None
+        if spec:
+            try:
+                fault = dict(part.split("=", 1) for part in spec.split(","))
+                int(fault["rank"]), int(fault["step"])
+                if fault["kind"] not in ("raise", "exit", "kill"):
+                    raise ValueError(fault["kind"])
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"{self.ENV}={spec!r}: expected "
+                                 "rank=R,step=S,kind=raise|exit|kill") from exc
+            if int(fault["rank"]) == rank:
+                self.fault = fault
+
+    def maybe_fail(self, step: int) -> None:
+        if self.fault is None or int(self.fault["step"]) != step:
+            return
+        kind = self.fault["kind"]
+        log.error("%s: injected fault %r at step %d", self.ENV, kind, step)
+        if kind == "raise":
+            raise RuntimeError(f"injected fault at step {step} ({self.ENV})")
+        if kind == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
