@@ -38,6 +38,7 @@ def train_main(argv: list[str] | None = None) -> int:
 
     from moetrain.data import DataError
     from moetrain.train.checkpoint import CheckpointError
+    from moetrain.train.resilience import NonFiniteError
     from moetrain.train.trainer import run
 
     # The corpus is small and cached: datasets' per-split progress bars are only noise here.
@@ -56,6 +57,9 @@ def train_main(argv: list[str] | None = None) -> int:
         kind = next(v for k, v in kinds.items() if isinstance(exc, k))
         print(f"moetrain: {kind}: {exc}", file=sys.stderr)
         return 2
+    except NonFiniteError as exc:
+        print(f"moetrain: training halted: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

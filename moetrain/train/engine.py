@@ -18,6 +18,7 @@ statistics.
 
 from __future__ import annotations
 
+import math
 from contextlib import ExitStack, nullcontext
 from typing import Any
 
@@ -279,22 +280,28 @@ class Engine:
         return total.sqrt()
 
     @torch.no_grad()
-    def optimizer_step(self, max_norm: float | None) -> float:
+    def optimizer_step(self, max_norm: float | None, loss: float = 0.0) -> float:
         """Reduce gradients (stages 0/1), clip to ``max_norm``, step, all-gather (ZeRO-1),
-        zero the gradients. Returns the global gradient norm before clipping."""
+        zero the gradients. Returns the global gradient norm before clipping.
+
+        When the norm or ``loss`` is not finite the update is skipped on every rank (the norm
+        and loss are global, so all ranks agree): parameters and optimizer state stay as
+        they were, the gradients are dropped and the schedule advances."""
         self._match_grad_placements()
         if self.grad_sync is not None:
             self.grad_sync.reduce()
         norm = self.grad_norm()
         norm_f = float(norm)
-        if max_norm is not None and torch.isfinite(norm):
+        update = math.isfinite(norm_f) and math.isfinite(loss)
+        if update and max_norm is not None:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for grad, _ in self._grad_pieces():
                 grad.mul_(coef.to(grad.dtype))
-        for opt in self.optimizers:
-            opt.step()
-        if self.grad_sync is not None:
-            self.grad_sync.gather_params()
+        if update:
+            for opt in self.optimizers:
+                opt.step()
+            if self.grad_sync is not None:
+                self.grad_sync.gather_params()
         self.after_step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -481,7 +488,7 @@ def _shard_dims(t: torch.Tensor) -> list[str]:
     for name, placement in zip(names, t.placements, strict=True):
         if placement.is_partial():
             raise RuntimeError(f"gradient with a Partial placement on mesh dim {name!r}")
-        if placement.is_shard():
+        if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over a TP shard
             out.append(name)
     return out
 

@@ -9,9 +9,9 @@ before the process group starts, and rank 0 alone logs and writes TensorBoard.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +35,12 @@ from moetrain.train.metrics import (
     layer_summary,
     merge_stats,
     peak_flops,
+)
+from moetrain.train.resilience import (
+    FaultInjector,
+    NonFiniteError,
+    NonFiniteGuard,
+    PreemptionGuard,
 )
 
 log = logging.getLogger("moetrain")
@@ -109,25 +115,22 @@ class StepResult:
     moe: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
 
-PG_TIMEOUT_S = 600
-"""Timeout of the default process group: a collective some rank never joins fails after it."""
-
-
 def world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(device: torch.device) -> None:
+def init_distributed(device: torch.device, timeout_s: int) -> None:
     """Start the default process group (gloo on CPU, nccl on CUDA) for a torchrun launch;
-    nothing for one process or when a process group already exists (tests)."""
+    nothing for one process or when a process group already exists (tests). A collective
+    that some rank never joins (a dead rank) fails after ``timeout_s``."""
     if world_size() == 1 or dist.is_initialized():
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(seconds=PG_TIMEOUT_S))
+                            timeout=timedelta(seconds=timeout_s))
 
 
 class Trainer:
@@ -152,7 +155,7 @@ class Trainer:
         cfg.model.vocab_size = vocab
         self.dims = dims.validate(cfg)  # before any process group exists
 
-        init_distributed(self.device)
+        init_distributed(self.device, tcfg.collective_timeout_s)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_main = self.rank == 0
         meshes = dims.build_mesh(self.device.type) if dist.is_initialized() else None
@@ -186,6 +189,8 @@ class Trainer:
         self.writer = MetricsWriter(tb, cfg.log)
         self.peak_flops, self.peak_source = peak_flops(self.device)
         self.comm: dict[str, float] = {}
+        self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
+        self.faults = FaultInjector(self.rank)
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and persistent buffers as plain CPU tensors, gathered
@@ -240,7 +245,8 @@ class Trainer:
         micro_batches = self.train_data.next_step()
         loss = self.engine.forward_backward(micro_batches)
         lr = self.engine.lr
-        grad_norm = self.engine.optimizer_step(self.cfg.optim.grad_clip)
+        # A non-finite loss or norm leaves the parameters untouched (see NonFiniteGuard).
+        grad_norm = self.engine.optimizer_step(self.cfg.optim.grad_clip, loss=loss)
         moe = self.engine.moe_stats()
         self.engine.update_expert_bias(moe)
         self.step += 1
@@ -289,15 +295,46 @@ class Trainer:
         window: list[StepResult] = []
         summary: dict[str, float] = {"unigram_entropy": entropy}
         eval_loss = None
+        with PreemptionGuard() as preempt:
+            eval_loss = self._loop(end, window, bar, preempt)
+        if bar is not None:
+            bar.close()
+        self.writer.flush()
+        self.writer.close()
+        if preempt.signum is not None:
+            log.info("stopped at step %d after %s; the next launch resumes from the checkpoint",
+                     self.step, signal.Signals(preempt.signum).name)
+            summary.update({"eval_loss": float("nan") if eval_loss is None else eval_loss,
+                            "step": self.step, "preempted": 1.0})
+            return summary
+        if eval_loss is None:
+            eval_loss = self.evaluate()
+        summary.update({"eval_loss": eval_loss, "step": self.step})
+        log.info("done: eval loss %.4f nats/token vs unigram entropy %.4f", eval_loss, entropy)
+        return summary
+
+    def _loop(self, end: int, window: list[StepResult], bar: Any,
+              preempt: PreemptionGuard) -> float | None:
+        """Steps until ``end`` or a preemption signal; returns the last eval loss."""
+        cfg, tcfg = self.cfg, self.cfg.train
+        eval_loss = None
         while self.step < end:
+            self.faults.maybe_fail(self.step + 1)
             res = self.train_step()
             window.append(res)
             tok_s = res.tokens / res.seconds
             mfu = tok_s * self.flops_per_token / self.peak_flops
-            if not math.isfinite(res.loss):
-                raise FloatingPointError(f"non-finite loss {res.loss} at step {self.step}")
+            if NonFiniteGuard.is_bad(res.loss, res.grad_norm):
+                try:
+                    self.nonfinite.on_bad_step(self.step, res.loss, res.grad_norm)
+                except NonFiniteError:
+                    # Parameters and optimizer were left untouched: this is the last good
+                    # state, positioned after the bad batch.
+                    self.save_checkpoint()
+                    raise
             scalars = {"train/loss": res.loss, "train/lr": res.lr, "train/grad_norm": res.grad_norm,
-                       "perf/tokens_per_s": tok_s, "perf/mfu": mfu}
+                       "perf/tokens_per_s": tok_s, "perf/mfu": mfu,
+                       "train/skipped_steps": self.nonfinite.skipped}
             self.writer.scalars(scalars, self.step)
             self.writer.moe_layers(res.moe, self.step)
             if bar is not None:
@@ -311,17 +348,14 @@ class Trainer:
                 self._log_window(window, eval_loss if self.step % max(tcfg.eval_every, 1) == 0
                                  or last else None, bar)
                 window = []
-            if (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) or last:
+            saved = (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) or last
+            if saved:
                 self.save_checkpoint()
-        if bar is not None:
-            bar.close()
-        self.writer.flush()
-        self.writer.close()
-        if eval_loss is None:
-            eval_loss = self.evaluate()
-        summary.update({"eval_loss": eval_loss, "step": self.step})
-        log.info("done: eval loss %.4f nats/token vs unigram entropy %.4f", eval_loss, entropy)
-        return summary
+            if preempt.should_stop(self.device):
+                if not saved:
+                    self.save_checkpoint()
+                break
+        return eval_loss
 
     def _log_window(self, window: list[StepResult], eval_loss: float | None, bar) -> None:
         tokens = sum(r.tokens for r in window)
