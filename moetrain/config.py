@@ -302,8 +302,17 @@ class LogConfig:
     """Log a warning when a layer's load imbalance (max/mean tokens per expert over a step)
     rises past this value; again only after it has come back under. null: never warn."""
 
+    collapse_fraction: float | None = 0.9
+    """Warn of router collapse when one expert of a layer receives at least this fraction of
+    the tokens for ``collapse_steps`` consecutive steps. null: never warn."""
+    collapse_steps: int = 10
+    """Consecutive steps of collapse before the warning."""
+
     def validate(self) -> None:
-        _positive("log", self, "log_every", "dead_expert_window")
+        _positive("log", self, "log_every", "dead_expert_window", "collapse_steps")
+        if self.collapse_fraction is not None and not 0 < self.collapse_fraction <= 1:
+            _fail("log.collapse_fraction", f"must be in (0, 1] or null, got "
+                  f"{self.collapse_fraction}")
         for name in ("heatmap_every", "histogram_every"):
             if getattr(self, name) < 0:
                 _fail(f"log.{name}", f"must be >= 0, got {getattr(self, name)}")

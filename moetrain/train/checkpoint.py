@@ -42,8 +42,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from moetrain.train.resilience import FaultInjector
 
 __all__ = [
     "CheckpointError",
@@ -551,6 +553,8 @@ class CheckpointManager:
             blob = self._phase(lambda: self._prepare(extra, fingerprint, per_rank, tmp))
             self._phase(lambda: self._write_dcp(app_state, tmp))
             self._phase(lambda: self._write_extra(blob, per_rank, tmp))
+            # Written, not yet published: where a crash must leave `latest` untouched.
+            FaultInjector(self.rank).maybe_fail(step, point="save")
             self._phase(
                 lambda: (
                     self._publish(step, tmp, final, fingerprint, per_rank)

@@ -94,9 +94,13 @@ class NonFiniteGuard:
 
 
 class FaultInjector:
-    """``MOETRAIN_INJECT_FAULT="rank=R,step=S,kind=raise|exit|kill"``: rank R fails when it
-    reaches step S (before running it). ``raise`` raises RuntimeError, ``exit`` calls
-    os._exit(3), ``kill`` sends itself SIGKILL. Unset: nothing happens."""
+    """``MOETRAIN_INJECT_FAULT="rank=R,step=S,kind=raise|exit|kill[,point=step|save][,once=F]"``:
+    rank R fails at step S — before running the step (``point=step``, the default), or while
+    saving the checkpoint of step S after every file is written but before it is published
+    (``point=save``). ``raise`` raises RuntimeError, ``exit`` calls os._exit(3), ``kill``
+    sends itself SIGKILL. With ``once=F`` the fault fires only if file F does not exist yet
+    and creates it, so a job restarted by ``torchrun --max-restarts`` runs through.
+    Unset: nothing happens."""
 
     ENV = "MOETRAIN_INJECT_FAULT"
 
@@ -107,21 +111,65 @@ class FaultInjector:
             try:
                 fault = dict(part.split("=", 1) for part in spec.split(","))
                 int(fault["rank"]), int(fault["step"])
+                fault.setdefault("point", "step")
                 if fault["kind"] not in ("raise", "exit", "kill"):
                     raise ValueError(fault["kind"])
+                if fault["point"] not in ("step", "save"):
+                    raise ValueError(fault["point"])
             except (KeyError, ValueError) as exc:
-                raise ValueError(f"{self.ENV}={spec!r}: expected "
-                                 "rank=R,step=S,kind=raise|exit|kill") from exc
+                raise ValueError(f"{self.ENV}={spec!r}: expected rank=R,step=S,"
+                                 "kind=raise|exit|kill[,point=step|save][,once=FILE]") from exc
             if int(fault["rank"]) == rank:
                 self.fault = fault
 
-    def maybe_fail(self, step: int) -> None:
-        if self.fault is None or int(self.fault["step"]) != step:
+    def maybe_fail(self, step: int, point: str = "step") -> None:
+        fault = self.fault
+        if fault is None or int(fault["step"]) != step or fault["point"] != point:
             return
-        kind = self.fault["kind"]
-        log.error("%s: injected fault %r at step %d", self.ENV, kind, step)
+        if "once" in fault:
+            marker = fault["once"]
+            if os.path.exists(marker):
+                return
+            with open(marker, "w") as f:
+                f.write(f"fired at step {step} ({point})\n")
+        kind = fault["kind"]
+        log.error("%s: injected fault %r at step %d (%s)", self.ENV, kind, step, point)
         if kind == "raise":
             raise RuntimeError(f"injected fault at step {step} ({self.ENV})")
         if kind == "exit":
             os._exit(3)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class CollapseMonitor:
+    """Warns when a router collapses: in some MoE layer one expert receives at least
+    ``fraction`` of the tokens for ``steps`` consecutive steps. Warns once per episode (again
+    only after the layer recovered)."""
+
+    def __init__(self, fraction: float | None, steps: int, top_k: int):
+        self.fraction = fraction
+        self.steps = steps
+        self.top_k = top_k
+        self.streak: dict[int, int] = {}
+
+    def update(self, step: int, per_layer: dict[int, dict[str, torch.Tensor]]) -> list[int]:
+        """Feed one step's per-layer ``pop_stats`` sums; returns the layers warned about."""
+        if self.fraction is None:
+            return []
+        warned = []
+        for layer, stats in per_layer.items():
+            load_E = stats["tokens_per_expert"].double()
+            tokens = float(stats["assignments"]) / self.top_k
+            top_share = float(load_E.max()) / max(tokens, 1.0)
+            if top_share >= self.fraction:
+                self.streak[layer] = self.streak.get(layer, 0) + 1
+                if self.streak[layer] == self.steps:
+                    warned.append(layer)
+                    log.warning(
+                        "router collapse in moe layer %d: expert %d has received %.0f%% of the "
+                        "tokens for %d steps (step %d); consider a larger moe.aux_loss_coef, "
+                        "moe.expert_bias_rate or moe.z_loss_coef", layer, int(load_E.argmax()),
+                        100 * top_share, self.steps, step)
+            else:
+                self.streak[layer] = 0
+        return warned

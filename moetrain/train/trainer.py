@@ -37,6 +37,7 @@ from moetrain.train.metrics import (
     peak_flops,
 )
 from moetrain.train.resilience import (
+    CollapseMonitor,
     FaultInjector,
     NonFiniteError,
     NonFiniteGuard,
@@ -191,6 +192,8 @@ class Trainer:
         self.comm: dict[str, float] = {}
         self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
         self.faults = FaultInjector(self.rank)
+        self.collapse = CollapseMonitor(cfg.log.collapse_fraction, cfg.log.collapse_steps,
+                                        cfg.moe.top_k)
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and persistent buffers as plain CPU tensors, gathered
@@ -337,6 +340,8 @@ class Trainer:
                        "train/skipped_steps": self.nonfinite.skipped}
             self.writer.scalars(scalars, self.step)
             self.writer.moe_layers(res.moe, self.step)
+            if self.is_main:
+                self.collapse.update(self.step, res.moe)
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tok_s:,.0f}")
