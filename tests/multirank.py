@@ -231,12 +231,19 @@ def micro_run(out_dir: str | Path, steps: int, *overrides: str) -> dict[str, Any
 
 
 def compare_runs(
-    got: dict[str, Any], ref: dict[str, Any], *, atol: float, rtol: float, what: str = ""
+    got: dict[str, Any],
+    ref: dict[str, Any],
+    *,
+    atol: float,
+    rtol: float,
+    param_tol: dict[str, float] | None = None,
+    what: str = "",
 ) -> dict[str, float]:
-    """Assert two ``micro_run`` reports agree; return the max abs error of each part."""
+    """Assert two ``micro_run`` reports agree (values within atol/rtol, parameters within
+    ``param_tol``, default the same); return the max abs error of each part."""
     errs: dict[str, float] = {}
 
-    def check(name: str, a: Any, b: Any) -> None:
+    def check(name: str, a: Any, b: Any, atol: float = atol, rtol: float = rtol) -> None:
         a_t = torch.as_tensor(a, dtype=torch.float64)
         b_t = torch.as_tensor(b, dtype=torch.float64)
         assert a_t.shape == b_t.shape, f"{what} {name}: shape {a_t.shape} vs {b_t.shape}"
@@ -255,7 +262,8 @@ def compare_runs(
                 check(f"moe.{key}[step {step} layer {layer}]", g[layer][key], r[layer][key])
     assert sorted(got["params"]) == sorted(ref["params"]), f"{what}: parameter names differ"
     for name in ref["params"]:
-        check(f"param[{name}]", got["params"][name], ref["params"][name])
+        check(f"param[{name}]", got["params"][name], ref["params"][name],
+              **(param_tol or {"atol": atol, "rtol": rtol}))
     return errs
 
 

@@ -45,9 +45,9 @@ def apply_fsdp(model: nn.Module, dp_mesh: Any, zero_stage: int,
     reshard = zero_stage == 3
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    # The root holds embedding, final norm and output: never resharded after forward, since
-    # backward starts with them right away.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    # The root (embedding, final norm, output) follows the stage too, so that ZeRO-3 sends
+    # exactly its 3 Psi: gathered for forward and again for backward.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: Any, zero_stage: int) -> None:

@@ -19,7 +19,8 @@ statistics.
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack, nullcontext
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from moetrain.config import JobConfig
 from moetrain.model import Transformer
 from moetrain.model.moe import STAT_NAMES
+from moetrain.parallel.accounting import params_before_dp
 from moetrain.parallel.data_parallel import GradientSync, moe_layers
 from moetrain.parallel.dims import Meshes, ParallelDims
 from moetrain.parallel.parallelize import parallelize
@@ -87,6 +89,9 @@ class Engine:
         self.schedule = pm.schedule
         self.num_stages = dims.num_stages
         self.moe = moe_layers(self.parts)
+        self.params_at_rest = params_before_dp(self.parts)
+        # Accounting hook: called with "forward", "backward" and "step" (memory probes).
+        self.probe: Callable[[str], None] | None = None
 
         # Groups of the step-level collectives.
         self.dp_group = _group(meshes.dp) if meshes else None
@@ -184,8 +189,12 @@ class Engine:
                 labels = batch["labels"].to(self.device, non_blocking=True)
                 with self._loss_ctx():
                     loss = self._ce(model(inputs), labels)
+                    if self.probe is not None:
+                        self.probe("forward")
                     (loss / len(micro_batches)).backward()
                 total += _local(loss).detach() / len(micro_batches)
+        if self.probe is not None:
+            self.probe("backward")
         return self._mean_over_dp(total)
 
     def _pipeline_step(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
@@ -325,7 +334,9 @@ class Engine:
                     p.grad = g.redistribute(p.device_mesh, p.placements)
 
     def after_step(self) -> None:
-        """Hook between the optimizer step and zeroing the gradients (accounting)."""
+        """Between the optimizer step and zeroing the gradients."""
+        if self.probe is not None:
+            self.probe("step")
 
     @property
     def lr(self) -> float:
@@ -386,6 +397,9 @@ class Engine:
         assert self.grad_sync is not None
         sharded = self.optimizers[0]
         shadows = [build_optimizer(part, self.cfg.optim) for part in self.parts]
+        for shadow in shadows:  # lr, initial_lr (the scheduler's), betas...: the live values
+            for group, live in zip(shadow.param_groups, sharded.param_groups, strict=True):
+                group.update({k: v for k, v in live.items() if k != "params"})
         owner = {}
         for shadow in shadows:
             for group in shadow.param_groups:
@@ -423,6 +437,8 @@ class Engine:
         assert self.grad_sync is not None
         sharded = self.optimizers[0]
         owner = {id(p): sh for sh in shadows for g in sh.param_groups for p in g["params"]}
+        for group, loaded in zip(sharded.param_groups, shadows[0].param_groups, strict=True):
+            group.update({k: v for k, v in loaded.items() if k != "params"})
         for shard in self.grad_sync.shards:
             for v, (i, start, length) in zip(shard.views, shard.pieces, strict=True):
                 p = shard.params[i]
@@ -500,4 +516,4 @@ def _subsets(names: tuple[str, ...]) -> list[set[str]]:
     return out
 
 
-__all__ = ["Engine", "nullcontext"]
+__all__ = ["Engine"]

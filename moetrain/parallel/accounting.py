@@ -1,0 +1,294 @@
+"""Memory and communication accounting, measured on the real thing and set beside the
+analytic figures of ``ANCHORS.md`` (``docs/parallel.md`` derives them).
+
+Model-state bytes: parameters, gradients and optimizer states actually allocated on this
+rank (DTensor local shards, FSDP's gathered buffers, distinct storages counted once), sampled
+after forward, after backward and after the optimizer step; the peak is compared with the
+ZeRO formula. With fp32 training a parameter costs 4 (weights, their own master copy) + 4
+(gradient) + 8 (Adam m, v) = 16 bytes, the same 16 as mixed precision's 2 + 2 + 12, split
+replicated/sharded the same way:
+
+    zero 0: 16      zero 1: 8 + 8/N      zero 2: 4 + 12/N      zero 3: 16/N
+
+(mixed precision: 16, 4 + 12/N, 2 + 14/N, 16/N), N = dp_shard, per parameter this rank holds
+before data-parallel sharding (its tensor-parallel shard and pipeline stage).
+
+Bytes sent: a ``TorchDispatchMode`` sees every collective issued, by ``torch.distributed``
+(``c10d`` ops: DDP-style buckets, ZeRO-1, FSDP2, pipelining's p2p) and by DTensor
+(``_c10d_functional`` ops: TP/SP), and charges this rank with the standard ring volumes:
+
+    all-reduce 2 (n-1)/n S     all-gather, reduce-scatter (n-1)/n S_full     send S
+
+with S the tensor's bytes and n the group size.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_c10d = torch.ops.c10d
+_fc = torch.ops._c10d_functional
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _group_size(group: Any) -> int:
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        return _resolve_process_group(group).size()
+    return group.size()
+
+
+def _group_key(group: Any) -> str:
+    if isinstance(group, str):
+        return group
+    try:
+        return group.group_name
+    except Exception:  # noqa: BLE001 - a ScriptObject without the attribute
+        return str(id(group))
+
+
+@dataclass
+class Collective:
+    kind: str
+    group: str
+    group_size: int
+    payload: int
+    """S: all-reduce/send: the tensor's bytes; all-gather/reduce-scatter: the full tensor's."""
+
+    @property
+    def sent(self) -> float:
+        n = self.group_size
+        if self.kind == "all_reduce":
+            return 2 * (n - 1) / n * self.payload
+        if self.kind in ("all_gather", "reduce_scatter", "all_to_all", "broadcast"):
+            return (n - 1) / n * self.payload
+        if self.kind == "send":
+            return float(self.payload)
+        return 0.0
+
+
+def _classify(func: Any, args: tuple, kwargs: dict) -> list[Collective]:
+    """The collectives one op issues (empty for any other op)."""
+    p = func._overloadpacket
+    out: list[Collective] = []
+
+    def add(kind: str, group: Any, payload: int) -> None:
+        out.append(Collective(kind, _group_key(group), _group_size(group), payload))
+
+    if p is _c10d.allreduce_:
+        for t in args[0]:
+            add("all_reduce", args[1], _nbytes(t))
+    elif p is _c10d._allgather_base_:
+        add("all_gather", args[2], _nbytes(args[0]))
+    elif p is _c10d.allgather_:
+        for outs in args[0]:
+            add("all_gather", args[2], sum(_nbytes(t) for t in outs))
+    elif p is _c10d.allgather_into_tensor_coalesced_:
+        for t in args[0]:
+            add("all_gather", args[2], _nbytes(t))
+    elif p is _c10d._reduce_scatter_base_:
+        add("reduce_scatter", args[2], _nbytes(args[1]))
+    elif p is _c10d.reduce_scatter_:
+        for ins in args[1]:
+            add("reduce_scatter", args[2], sum(_nbytes(t) for t in ins))
+    elif p is _c10d.reduce_scatter_tensor_coalesced_:
+        for t in args[1]:
+            add("reduce_scatter", args[2], _nbytes(t))
+    elif p is _c10d.broadcast_:
+        for t in args[0]:
+            add("broadcast", args[1], _nbytes(t))
+    elif p is _c10d.alltoall_base_:
+        add("all_to_all", args[2], _nbytes(args[1]))
+    elif p is _c10d.send:
+        for t in args[0]:
+            add("send", args[1], _nbytes(t))
+    elif p is _fc.all_reduce:
+        add("all_reduce", args[2], _nbytes(args[0]))
+    elif p is _fc.all_reduce_coalesced:
+        for t in args[0]:
+            add("all_reduce", args[2], _nbytes(t))
+    elif p is _fc.all_gather_into_tensor:
+        add("all_gather", args[2], _nbytes(args[0]) * args[1])
+    elif p is _fc.all_gather_into_tensor_coalesced:
+        for t in args[0]:
+            add("all_gather", args[2], _nbytes(t) * args[1])
+    elif p is _fc.reduce_scatter_tensor:
+        add("reduce_scatter", args[3], _nbytes(args[0]))
+    elif p is _fc.reduce_scatter_tensor_coalesced:
+        for t in args[0]:
+            add("reduce_scatter", args[3], _nbytes(t))
+    elif p is _fc.all_to_all_single:
+        add("all_to_all", args[3], _nbytes(args[0]))
+    elif p is _fc.broadcast:
+        add("broadcast", args[2], _nbytes(args[0]))
+    return out
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every collective this rank issues while active (``with CommCounter() as c``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[Collective] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        try:
+            self.records.extend(_classify(func, args, kwargs))
+        except Exception:  # noqa: BLE001 - accounting must never break training
+            pass
+        return func(*args, **kwargs)
+
+    def sent_by_kind(self, groups: set[str] | None = None) -> dict[str, float]:
+        """Bytes this rank sent, per collective kind (optionally only on ``groups``)."""
+        out: dict[str, float] = defaultdict(float)
+        for r in self.records:
+            if groups is None or r.group in groups:
+                out[r.kind] += r.sent
+        return dict(out)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int]:
+    s = t.untyped_storage()
+    return (s.data_ptr(), s.nbytes())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class MemorySample:
+    params: int = 0
+    grads: int = 0
+    optim: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optim
+
+
+def model_state_bytes(parts: list[torch.nn.Module], optimizers: list[Any]) -> MemorySample:
+    """Bytes of the distinct storages behind parameters, gradients and optimizer states."""
+    seen: set[tuple[int, int]] = set()
+    sample = MemorySample()
+
+    def count(t: torch.Tensor | None, field_name: str) -> None:
+        if t is None:
+            return
+        t = _local(t)
+        if t.device.type == "meta" or t.untyped_storage().nbytes() == 0:
+            return
+        key = _storage_key(t)
+        if key in seen:
+            return
+        seen.add(key)
+        setattr(sample, field_name, getattr(sample, field_name) + key[1])
+
+    masters = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    for part in parts:
+        for p in part.parameters():
+            count(p, "params")
+    for p in masters:
+        count(p, "params")
+    for part in parts:
+        for p in part.parameters():
+            count(p.grad, "grads")
+    for p in masters:
+        count(p.grad, "grads")
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    count(v, "optim")
+    return sample
+
+
+def zero_bytes_per_param(zero_stage: int, n: int, mixed_precision: bool = False) -> float:
+    """Model-state bytes per parameter of the ZeRO formula (ANCHORS.md), N = shard degree."""
+    if mixed_precision:
+        return {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[zero_stage]
+    return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[zero_stage]
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+@dataclass
+class StepReport:
+    """What one measured training step allocated and sent on this rank."""
+
+    rank: int
+    params_per_rank: int
+    """Parameters this rank holds before data-parallel sharding (its TP shard, its stages)."""
+    memory: dict[str, MemorySample] = field(default_factory=dict)
+    sent: dict[str, float] = field(default_factory=dict)
+    sent_by_group: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> MemorySample:
+        return max(self.memory.values(), key=lambda s: s.total)
+
+    def as_scalars(self) -> dict[str, float]:
+        out = {f"comm/bytes_sent/{k}": v for k, v in self.sent.items()}
+        peak = self.peak
+        out.update({"memory/model_state_bytes": float(peak.total),
+                    "memory/param_bytes": float(peak.params),
+                    "memory/grad_bytes": float(peak.grads),
+                    "memory/optim_bytes": float(peak.optim)})
+        return out
+
+
+def params_before_dp(parts: list[torch.nn.Module]) -> int:
+    """Elements of this rank's parameters counted before data-parallel sharding."""
+    total = 0
+    for part in parts:
+        for p in part.parameters():
+            if not hasattr(p, "device_mesh"):
+                total += p.numel()
+                continue
+            names = p.device_mesh.mesh_dim_names or ()
+            denom = 1
+            for name, placement, size in zip(names, p.placements, p.device_mesh.shape,
+                                             strict=True):
+                if name == "tp" and not placement.is_replicate():
+                    denom *= size
+            total += p.numel() // denom
+    return total
+
+
+def measure_step(trainer: Any) -> StepReport:
+    """Run one training step of ``trainer`` under a ``CommCounter`` with memory probes after
+    forward, backward and the optimizer step. Call it after a first step (Adam states exist)."""
+    engine = trainer.engine
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    report = StepReport(rank, engine.params_at_rest)
+
+    def probe(phase: str) -> None:
+        report.memory[phase] = model_state_bytes(engine.parts, engine.optimizers)
+
+    engine.probe = probe
+    try:
+        with CommCounter() as counter:
+            trainer.train_step()
+    finally:
+        engine.probe = None
+    report.sent = counter.sent_by_kind()
+    by_group: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in counter.records:
+        by_group[r.group][r.kind] += r.sent
+    report.sent_by_group = {g: dict(v) for g, v in by_group.items()}
+    return report
