@@ -136,8 +136,10 @@ def share_matrix(scalars: Scalars, layer: int) -> tuple[list[int], np.ndarray]:
 
 def heatmap_figure(label: str, scalars: Scalars, layers: list[int]) -> bytes:
     fig = Figure(figsize=(5.2, 1.9 * len(layers) + 0.6), dpi=100)
+    axes = []
     for i, layer in enumerate(layers):
         ax = fig.add_subplot(len(layers), 1, i + 1)
+        axes.append(ax)
         steps, share = share_matrix(scalars, layer)
         E = share.shape[0]
         if not steps:
@@ -149,8 +151,9 @@ def heatmap_figure(label: str, scalars: Scalars, layers: list[int]) -> bytes:
         ax.set_yticks(range(E))
         ax.tick_params(labelsize=7)
         fig.colorbar(im, ax=ax, pad=0.02).ax.tick_params(labelsize=7)
-    fig.axes[0].set_title(f"{label}: token share per expert over steps", fontsize=9)
-    fig.axes[len(layers) - 1 if layers else 0].set_xlabel("step", fontsize=8)
+    if axes:
+        axes[0].set_title(f"{label}: token share per expert over steps", fontsize=9)
+        axes[-1].set_xlabel("step", fontsize=8)
     fig.tight_layout()
     return _png(fig)
 
@@ -201,7 +204,7 @@ table {{ border-collapse: collapse; margin: 8px 0; }}
 th, td {{ border: 1px solid #ddd; padding: 4px 10px; text-align: right; }}
 thead th {{ background: #f3f3f3; }} tbody th {{ text-align: left; }}
 img {{ max-width: 100%; }}
-.runs {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr));
+.runs {{ display: grid; grid-template-columns: repeat(auto-fill, minmax(380px, 1fr));
          gap: 12px; }}
 figure {{ margin: 0; }} figcaption {{ text-align: center; font-size: 12px; color: #555; }}
 </style></head><body>
