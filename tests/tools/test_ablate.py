@@ -144,3 +144,12 @@ def test_sweep_file_errors_name_the_key(tmp_path: Path) -> None:
                                    variants=[{"name": "dropless", "moe.capacity_factor": None}]))
     assert [r.name for r in named.runs] == ["dropless"]
     assert named.runs[0].cfg.moe.capacity_factor is None
+
+
+def test_the_shipped_smoke_sweep_is_the_one_tested(tmp_path: Path) -> None:
+    smoke = load_sweep(Path(__file__).parents[2] / "configs" / "sweeps" / "smoke.yaml",
+                       out_dir=tmp_path)
+    tested = load_sweep(write_sweep(tmp_path / "sweep.yaml"), out_dir=tmp_path)
+    assert [r.name for r in smoke.runs] == [r.name for r in tested.runs]
+    for a, b in zip(smoke.runs, tested.runs, strict=True):
+        assert a.cfg.to_dict() == b.cfg.to_dict()
