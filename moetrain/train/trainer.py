@@ -189,6 +189,9 @@ class Trainer:
         # dashboard cadence, dead-expert/imbalance warnings
         self.writer = MetricsWriter(tb, cfg.log)
         self.peak_flops, self.peak_source = peak_flops(self.device)
+        if dims.world_size > 1:  # tokens/s is the whole job's: so is the peak
+            self.peak_flops *= dims.world_size
+            self.peak_source += f" x {dims.world_size} ranks"
         self.comm: dict[str, float] = {}
         self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
         self.faults = FaultInjector(self.rank)
@@ -251,7 +254,8 @@ class Trainer:
         # A non-finite loss or norm leaves the parameters untouched (see NonFiniteGuard).
         grad_norm = self.engine.optimizer_step(self.cfg.optim.grad_clip, loss=loss)
         moe = self.engine.moe_stats()
-        self.engine.update_expert_bias(moe)
+        if not NonFiniteGuard.is_bad(loss, grad_norm):  # a skipped step changes no state
+            self.engine.update_expert_bias(moe)
         self.step += 1
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
         if self.device.type == "cuda":
