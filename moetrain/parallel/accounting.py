@@ -24,7 +24,10 @@ with S the tensor's bytes and n the group size.
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,20 +137,110 @@ def _classify(func: Any, args: tuple, kwargs: dict) -> list[Collective]:
     return out
 
 
+# torch.distributed's Python API, as FSDP2, pipelining and this package call it: these calls
+# do not pass through a TorchDispatchMode, so they are wrapped while counting. Names differ
+# across torch versions (all_gather_single / all_gather_into_tensor...): each one present is
+# wrapped; nested calls (a deprecated name forwarding to its successor) count once. One
+# wrapper object serves both torch.distributed and distributed_c10d, since P2POp checks the
+# identity of isend.
+_PY_COLLECTIVES: dict[str, tuple[str, Callable[..., tuple[torch.Tensor, Any]]]] = {
+    "all_reduce": ("all_reduce", lambda t, *a, group=None, **k: (
+        t, group if group is not None else (a[1] if len(a) > 1 else None))),
+    "all_gather_into_tensor": ("all_gather", lambda out, inp, group=None, **k: (out, group)),
+    "all_gather_single": ("all_gather", lambda out, inp, group=None, **k: (out, group)),
+    "reduce_scatter_tensor": ("reduce_scatter", lambda out, inp, *a, group=None, **k: (
+        inp, group if group is not None else (a[1] if len(a) > 1 else None))),
+    "reduce_scatter_single": ("reduce_scatter", lambda output, input, *a, group=None, **k: (
+        input, group if group is not None else (a[1] if len(a) > 1 else None))),
+    "broadcast": ("broadcast", lambda t, *a, group=None, **k: (
+        t, group if group is not None else (a[1] if len(a) > 1 else None))),
+    "send": ("send", lambda t, *a, group=None, **k: (t, group)),
+    "isend": ("send", lambda t, *a, group=None, **k: (t, group)),
+}
+
+
+def _py_group(group: Any) -> tuple[str, int]:
+    if group is None:
+        return "default", dist.get_world_size()
+    return group.group_name, dist.get_world_size(group)
+
+
 class CommCounter(TorchDispatchMode):
-    """Records every collective this rank issues while active (``with CommCounter() as c``)."""
+    """Records every collective this rank issues while active (``with CommCounter() as c``):
+    DTensor's functional collectives through the dispatch mode, ``torch.distributed`` calls
+    through wrappers installed for the duration."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[Collective] = []
+        self._depth = threading.local()
+        self._saved: list[tuple[Any, str, Any]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         try:
-            self.records.extend(_classify(func, args, kwargs))
+            if func.namespace == "_c10d_functional":
+                self.records.extend(_classify(func, args, kwargs))
         except Exception:  # noqa: BLE001 - accounting must never break training
             pass
         return func(*args, **kwargs)
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        kind, extract = _PY_COLLECTIVES[name]
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(self._depth, "n", 0)
+            if depth == 0:
+                try:
+                    tensor, group = extract(*args, **kwargs)
+                    gname, size = _py_group(group)
+                    self.records.append(Collective(kind, gname, size, _nbytes(tensor)))
+                except Exception:  # noqa: BLE001
+                    pass
+            self._depth.n = depth + 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth.n = depth
+
+        return wrapper
+
+    def _count_batch(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def batch_isend_irecv(p2p_op_list: list[Any]) -> Any:
+            for op in p2p_op_list:
+                if getattr(op.op, "__name__", "") == "isend":
+                    gname, size = _py_group(op.group)
+                    self.records.append(Collective("send", gname, size, _nbytes(op.tensor)))
+            self._depth.n = getattr(self._depth, "n", 0) + 1
+            try:
+                return fn(p2p_op_list)
+            finally:
+                self._depth.n -= 1
+
+        return batch_isend_irecv
+
+    def __enter__(self) -> CommCounter:
+        import torch.distributed.distributed_c10d as c10d
+
+        for name in [*_PY_COLLECTIVES, "batch_isend_irecv"]:
+            fn = getattr(c10d, name, None)
+            if fn is None:
+                continue
+            wrapper = (self._count_batch(fn) if name == "batch_isend_irecv"
+                       else self._wrap(name, fn))
+            for module in (dist, c10d):
+                if getattr(module, name, None) is fn:
+                    self._saved.append((module, name, fn))
+                    setattr(module, name, wrapper)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, fn in reversed(self._saved):
+            setattr(module, name, fn)
+        self._saved.clear()
+        return super().__exit__(*exc)
 
     def sent_by_kind(self, groups: set[str] | None = None) -> dict[str, float]:
         """Bytes this rank sent, per collective kind (optionally only on ``groups``)."""
@@ -235,6 +328,8 @@ class StepReport:
     params_per_rank: int
     """Parameters this rank holds before data-parallel sharding (its TP shard, its stages)."""
     memory: dict[str, MemorySample] = field(default_factory=dict)
+    result: Any = None
+    """The trainer's StepResult of the measured step."""
     sent: dict[str, float] = field(default_factory=dict)
     sent_by_group: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -283,7 +378,7 @@ def measure_step(trainer: Any) -> StepReport:
     engine.probe = probe
     try:
         with CommCounter() as counter:
-            trainer.train_step()
+            report.result = trainer.train_step()
     finally:
         engine.probe = None
     report.sent = counter.sent_by_kind()
@@ -292,3 +387,56 @@ def measure_step(trainer: Any) -> StepReport:
         by_group[r.group][r.kind] += r.sent
     report.sent_by_group = {g: dict(v) for g, v in by_group.items()}
     return report
+
+
+# ----------------------------------------------------------------------------- analytic
+
+
+def analytic_sent(cfg: Any, dims: Any, params_per_rank: int, n_stage_layers: dict[str, int],
+                  bytes_per_elem: int = 4) -> dict[str, float]:
+    """Analytic bytes one rank sends in one step, by axis (ANCHORS.md), for one micro-batch
+    per data-parallel rank where FSDP is used (FSDP gathers and reduces per micro-batch).
+
+    dp:  zero 0 all-reduce 2 Psi (d-1)/d; zero 1 and 2: reduce-scatter + all-gather
+         2 Psi (n-1)/n; zero 3: 3 Psi (n-1)/n (+ the hybrid all-reduce of the 1/n shard).
+    tp:  per micro-batch (b s h (t-1)/t) x (8 per dense layer, 6 per MoE layer with SP / 4
+         without, + 2 each for the vocabulary-parallel embedding and output).
+    pp:  b s h (/t with SP) per micro-batch and stage boundary, forward and backward
+         (summed over the pp ranks: 2 m (stages - 1) b s h).
+    """
+    psi = params_per_rank * bytes_per_elem
+    n, r = dims.dp_shard, dims.dp_replicate
+    zero = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    out: dict[str, float] = {}
+    if dims.dp > 1:
+        if zero == 0:
+            out["dp"] = 2 * psi * (dims.dp - 1) / dims.dp
+        else:
+            out["dp"] = (3 if zero == 3 else 2) * psi * (n - 1) / n
+            out["dp"] += 2 * (psi / n) * (r - 1) / r
+    m = dims.microbatches(cfg)
+    b, s, h, t = dims.micro_batch_size(cfg), cfg.data.seq_len, cfg.model.dim, dims.tp
+    bsh = b * s * h * bytes_per_elem
+    if t > 1:
+        moe_factor = 6 if cfg.parallel.sequence_parallel else 4
+        per_mb = (8 * n_stage_layers.get("dense", 0) + moe_factor * n_stage_layers.get("moe", 0)
+                  + 2 * n_stage_layers.get("boundary", 0))
+        out["tp"] = m * per_mb * bsh * (t - 1) / t
+    if dims.pp > 1:
+        act = bsh / (t if cfg.parallel.sequence_parallel else 1)
+        out["pp_all_ranks"] = 2 * m * (dims.num_stages - 1) * act
+    return out
+
+
+def layer_counts(parts: list[torch.nn.Module]) -> dict[str, int]:
+    """Dense and MoE layers of this rank's chunks, and how many of the embedding and the
+    output it holds (the inputs of ``analytic_sent``)."""
+    from moetrain.model.moe import MoELayer
+
+    out = {"dense": 0, "moe": 0, "boundary": 0}
+    for part in parts:
+        for block in part.layers.values():
+            is_moe = any(isinstance(m, MoELayer) for m in block.modules())
+            out["moe" if is_moe else "dense"] += 1
+        out["boundary"] += (part.tok_embeddings is not None) + (part.output is not None)
+    return out

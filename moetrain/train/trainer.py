@@ -192,7 +192,6 @@ class Trainer:
         if dims.world_size > 1:  # tokens/s is the whole job's: so is the peak
             self.peak_flops *= dims.world_size
             self.peak_source += f" x {dims.world_size} ranks"
-        self.comm: dict[str, float] = {}
         self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
         self.faults = FaultInjector(self.rank)
         self.collapse = CollapseMonitor(cfg.log.collapse_fraction, cfg.log.collapse_steps,
@@ -262,6 +261,25 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe)
 
+    def _measured_step(self) -> StepResult:
+        """A training step under the accounting probes (``moetrain.parallel.accounting``):
+        this rank's model-state bytes beside the ZeRO formula and its bytes sent per
+        collective kind, to TensorBoard and the log."""
+        from moetrain.parallel.accounting import measure_step, zero_bytes_per_param
+
+        report = measure_step(self)
+        d = self.dims
+        zero = self.cfg.parallel.zero_stage if d.dp > 1 else 0
+        formula = zero_bytes_per_param(zero, d.dp_shard) * report.params_per_rank
+        scalars = report.as_scalars()
+        scalars["memory/model_state_over_zero_formula"] = report.peak.total / formula
+        self.writer.scalars(scalars, self.step)
+        sent = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(report.sent.items()))
+        log.info("accounting (rank 0, step %d): model state %.2f MB = %.3f x the ZeRO-%d "
+                 "formula; sent %s", self.step, report.peak.total / 1e6,
+                 report.peak.total / formula, zero, sent or "nothing")
+        return report.result
+
     @torch.no_grad()
     def evaluate(self) -> float:
         self.eval_data.reset()
@@ -325,9 +343,10 @@ class Trainer:
         """Steps until ``end`` or a preemption signal; returns the last eval loss."""
         cfg, tcfg = self.cfg, self.cfg.train
         eval_loss = None
+        measure_at = self.step + 2  # the second step: Adam states exist, shapes are settled
         while self.step < end:
             self.faults.maybe_fail(self.step + 1)
-            res = self.train_step()
+            res = self._measured_step() if self.step + 1 == measure_at else self.train_step()
             window.append(res)
             tok_s = res.tokens / res.seconds
             mfu = tok_s * self.flops_per_token / self.peak_flops
