@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config import JobConfig
 from moetrain.model import Transformer
-from moetrain.model.moe import STAT_NAMES
+from moetrain.model.moe import SCORE_HIST_BINS, STAT_NAMES
 from moetrain.parallel.accounting import params_before_dp
 from moetrain.parallel.data_parallel import GradientSync, moe_layers
 from moetrain.parallel.dims import Meshes, ParallelDims
@@ -355,7 +355,8 @@ class Engine:
         if not moe_ids:
             return {}
         E = self.cfg.moe.num_experts
-        width = len(STAT_NAMES) + 3 + 2 * E
+        H = SCORE_HIST_BINS  # router-score histogram (metrics: TensorBoard histograms)
+        width = len(STAT_NAMES) + 3 + 2 * E + H
         packed = torch.zeros(len(moe_ids), width, dtype=torch.float64, device=self.device)
         for row, i in enumerate(moe_ids):
             if i not in self.moe:
@@ -365,7 +366,8 @@ class Engine:
                 torch.stack([s[n] for n in STAT_NAMES]).double(),
                 s["tokens_per_expert"].double(),
                 torch.stack([s["calls"], s["assignments"], s["dropped"]]).double(),
-                s["expert_bias"].double(),
+                s["score_hist"].double(),
+                s["expert_bias"].double(),  # last: the slice divided by dp below
             ])
         if self.dp_group is not None:
             dist.all_reduce(packed, group=self.dp_group)
@@ -379,7 +381,8 @@ class Engine:
             d = {n: v[j] for j, n in enumerate(STAT_NAMES)}
             d["tokens_per_expert"] = v[k:k + E]
             d["calls"], d["assignments"], d["dropped"] = v[k + E:k + E + 3].unbind()
-            d["expert_bias"] = v[k + E + 3:]
+            d["score_hist"] = v[k + E + 3:k + E + 3 + H]
+            d["expert_bias"] = v[k + E + 3 + H:]
             out[i] = d
         return out
 
