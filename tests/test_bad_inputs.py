@@ -156,6 +156,7 @@ CKPT_CASES = [
     ("ckpt-other-shape", None, ["moe.num_experts=8"], "num_experts"),
     ("ckpt-other-dim", None, ["model.dim=64"], "dim"),
     ("ckpt-other-data-seed", None, ["data.seed=7"], "data.seed"),
+    ("ckpt-auto-none-verifies", "auto-none-verifies", [], "but none verifies"),
 ]
 
 
@@ -169,7 +170,10 @@ def test_bad_checkpoint_is_one_clear_error(case, trained: Path, tmp_path: Path, 
         shard.write_bytes(shard.read_bytes()[:100])
     elif damage == "delete":
         shard.unlink()
+    elif damage == "auto-none-verifies":
+        shard.write_bytes(shard.read_bytes()[:100])
     before = {p: p.stat().st_size for p in ckpt.iterdir()}
+    resume = "auto" if damage == "auto-none-verifies" else str(ckpt)
     code, err = run_cli(
         [
             "--config",
@@ -178,7 +182,7 @@ def test_bad_checkpoint_is_one_clear_error(case, trained: Path, tmp_path: Path, 
             *extra,
             "train.steps=2",
             f"train.output_dir={run}",
-            f"train.resume={ckpt}",
+            f"train.resume={resume}",
         ],
         capsys,
     )

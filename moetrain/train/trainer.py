@@ -27,7 +27,7 @@ from moetrain.config import ConfigError, JobConfig, config_to_yaml
 from moetrain.data import PackedBatches, check_data, load_tokenizer, unigram_entropy
 from moetrain.model import Transformer, build_model
 from moetrain.parallel.dims import ParallelDims
-from moetrain.train.checkpoint import CheckpointManager
+from moetrain.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from moetrain.train.engine import Engine
 from moetrain.train.metrics import (
     MetricsWriter,
@@ -231,6 +231,19 @@ class Trainer:
             return
         path = self.ckpt.latest() if resume == "auto" else Path(resume)
         if path is None:
+            existing = self.ckpt.checkpoints()
+            if existing:
+                # Starting over would bury them (and keep_last could prune them): refuse.
+                newest = existing[-1][1]
+                try:
+                    verify_checkpoint(newest)
+                    problem = "it does not load"
+                except CheckpointError as exc:
+                    problem = str(exc)
+                raise CheckpointError(
+                    f"train.resume: 'auto' found {len(existing)} checkpoint(s) in "
+                    f"{self.ckpt.root} but none verifies ({problem}); repair or move them, or "
+                    "start a new train.output_dir")
             return
         # Keys are full-model names under every layout: DCP reshards a checkpoint saved under
         # another layout on load. Data state is the global stream position (layout-free).
