@@ -262,8 +262,12 @@ def compare_runs(
                 check(f"moe.{key}[step {step} layer {layer}]", g[layer][key], r[layer][key])
     assert sorted(got["params"]) == sorted(ref["params"]), f"{what}: parameter names differ"
     for name in ref["params"]:
-        check(f"param[{name}]", got["params"][name], ref["params"][name],
-              **(param_tol or {"atol": atol, "rtol": rtol}))
+        check(
+            f"param[{name}]",
+            got["params"][name],
+            ref["params"][name],
+            **(param_tol or {"atol": atol, "rtol": rtol}),
+        )
     return errs
 
 

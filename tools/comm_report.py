@@ -36,9 +36,18 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
     from moetrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(cfg_path, [*overrides, f"train.output_dir={out}", "train.steps=2",
-                                     "log.tensorboard=false", "log.progress_bar=false",
-                                     "train.eval_every=0", "train.checkpoint_every=0"])
+        cfg = load_config(
+            cfg_path,
+            [
+                *overrides,
+                f"train.output_dir={out}",
+                "train.steps=2",
+                "log.tensorboard=false",
+                "log.progress_bar=false",
+                "train.eval_every=0",
+                "train.checkpoint_every=0",
+            ],
+        )
         trainer = Trainer(cfg)
         trainer.train_step()
         report = measure_step(trainer)
@@ -50,11 +59,12 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
             "memory": report.peak.total,
             "formula": zero_bytes_per_param(zero, d.dp_shard) * report.params_per_rank,
             "sent": report.sent,
-            "analytic": analytic_sent(cfg, d, report.params_per_rank,
-                                      layer_counts(trainer.engine.parts)),
+            "analytic": analytic_sent(
+                cfg, d, report.params_per_rank, layer_counts(trainer.engine.parts)
+            ),
             "layout": f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
-                      f"tp {d.tp}, zero {zero}, sp {cfg.parallel.sequence_parallel}, "
-                      f"{d.microbatches(cfg)} micro-batches of {d.micro_batch_size(cfg)}",
+            f"tp {d.tp}, zero {zero}, sp {cfg.parallel.sequence_parallel}, "
+            f"{d.microbatches(cfg)} micro-batches of {d.micro_batch_size(cfg)}",
         }
         trainer.close()
     if dist.is_initialized():
@@ -68,8 +78,10 @@ def _print(rows: list[dict]) -> None:
     print(f"layout: {rows[0]['layout']}")
     print("model state per rank (peak of after-forward / after-backward / after-step):")
     for r in rows:
-        print(f"  rank {r['rank']}: {r['memory'] / 1e6:9.3f} MB for {r['params']:,} params "
-              f"= {r['memory'] / r['formula']:.4f} x the ZeRO formula")
+        print(
+            f"  rank {r['rank']}: {r['memory'] / 1e6:9.3f} MB for {r['params']:,} params "
+            f"= {r['memory'] / r['formula']:.4f} x the ZeRO formula"
+        )
     print("bytes sent in one step (ring conventions):")
     kinds = sorted({k for r in rows for k in r["sent"]})
     for r in rows:
@@ -79,31 +91,45 @@ def _print(rows: list[dict]) -> None:
     s0 = rows[0]["sent"]
     if "dp" in a:
         total = sum(s0.values())
-        print(f"data parallel: analytic {a['dp'] / 1e6:.4f} MB per rank, rank 0 sent "
-              f"{total / 1e6:.4f} MB in all = {total / a['dp']:.4f}")
+        print(
+            f"data parallel: analytic {a['dp'] / 1e6:.4f} MB per rank, rank 0 sent "
+            f"{total / 1e6:.4f} MB in all = {total / a['dp']:.4f}"
+        )
     if "tp" in a:
         tp = s0.get("all_gather", 0) + s0.get("reduce_scatter", 0)
         if "dp" not in a:
-            print(f"tensor parallel: analytic {a['tp'] / 1e6:.4f} MB, rank 0's all-gathers + "
-                  f"reduce-scatters {tp / 1e6:.4f} MB = {tp / a['tp']:.4f}")
+            print(
+                f"tensor parallel: analytic {a['tp'] / 1e6:.4f} MB, rank 0's all-gathers + "
+                f"reduce-scatters {tp / 1e6:.4f} MB = {tp / a['tp']:.4f}"
+            )
         else:
-            print(f"tensor parallel: analytic {a['tp'] / 1e6:.4f} MB per rank (mixed with dp "
-                  "traffic above)")
+            print(
+                f"tensor parallel: analytic {a['tp'] / 1e6:.4f} MB per rank (mixed with dp "
+                "traffic above)"
+            )
     if "pp_all_ranks" in a:
         sends = sum(r["sent"].get("send", 0) for r in rows)
-        print(f"pipeline: analytic {a['pp_all_ranks'] / 1e6:.4f} MB over all ranks, sent "
-              f"{sends / 1e6:.4f} MB = {sends / a['pp_all_ranks']:.4f}")
+        print(
+            f"pipeline: analytic {a['pp_all_ranks'] / 1e6:.4f} MB over all ranks, sent "
+            f"{sends / 1e6:.4f} MB = {sends / a['pp_all_ranks']:.4f}"
+        )
 
 
-def _spawned(rank: int, world: int, rendezvous: str, cfg_path: str | None,
-             overrides: list[str]) -> None:
+def _spawned(
+    rank: int, world: int, rendezvous: str, cfg_path: str | None, overrides: list[str]
+) -> None:
     import torch
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{rendezvous}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=120),
+    )
     try:
         out = _measure(cfg_path, overrides)
         if rank == 0:
@@ -115,16 +141,24 @@ def _spawned(rank: int, world: int, rendezvous: str, cfg_path: str | None,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="YAML experiment file")
-    parser.add_argument("--nproc", type=int, default=0,
-                        help="spawn this many CPU processes (default: torchrun's, or 1)")
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=0,
+        help="spawn this many CPU processes (default: torchrun's, or 1)",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     args = parser.parse_args(argv)
     if args.nproc > 1:
         import torch.multiprocessing as mp
 
         with tempfile.TemporaryDirectory() as tmp:
-            mp.spawn(_spawned, args=(args.nproc, str(Path(tmp) / "rdzv"), args.config,
-                                     args.overrides), nprocs=args.nproc, join=True)
+            mp.spawn(
+                _spawned,
+                args=(args.nproc, str(Path(tmp) / "rdzv"), args.config, args.overrides),
+                nprocs=args.nproc,
+                join=True,
+            )
         return 0
     import torch.distributed as dist
 

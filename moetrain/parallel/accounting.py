@@ -144,16 +144,36 @@ def _classify(func: Any, args: tuple, kwargs: dict) -> list[Collective]:
 # wrapper object serves both torch.distributed and distributed_c10d, since P2POp checks the
 # identity of isend.
 _PY_COLLECTIVES: dict[str, tuple[str, Callable[..., tuple[torch.Tensor, Any]]]] = {
-    "all_reduce": ("all_reduce", lambda t, *a, group=None, **k: (
-        t, group if group is not None else (a[1] if len(a) > 1 else None))),
+    "all_reduce": (
+        "all_reduce",
+        lambda t, *a, group=None, **k: (
+            t,
+            group if group is not None else (a[1] if len(a) > 1 else None),
+        ),
+    ),
     "all_gather_into_tensor": ("all_gather", lambda out, inp, group=None, **k: (out, group)),
     "all_gather_single": ("all_gather", lambda out, inp, group=None, **k: (out, group)),
-    "reduce_scatter_tensor": ("reduce_scatter", lambda out, inp, *a, group=None, **k: (
-        inp, group if group is not None else (a[1] if len(a) > 1 else None))),
-    "reduce_scatter_single": ("reduce_scatter", lambda output, input, *a, group=None, **k: (
-        input, group if group is not None else (a[1] if len(a) > 1 else None))),
-    "broadcast": ("broadcast", lambda t, *a, group=None, **k: (
-        t, group if group is not None else (a[1] if len(a) > 1 else None))),
+    "reduce_scatter_tensor": (
+        "reduce_scatter",
+        lambda out, inp, *a, group=None, **k: (
+            inp,
+            group if group is not None else (a[1] if len(a) > 1 else None),
+        ),
+    ),
+    "reduce_scatter_single": (
+        "reduce_scatter",
+        lambda output, input, *a, group=None, **k: (
+            input,
+            group if group is not None else (a[1] if len(a) > 1 else None),
+        ),
+    ),
+    "broadcast": (
+        "broadcast",
+        lambda t, *a, group=None, **k: (
+            t,
+            group if group is not None else (a[1] if len(a) > 1 else None),
+        ),
+    ),
     "send": ("send", lambda t, *a, group=None, **k: (t, group)),
     "isend": ("send", lambda t, *a, group=None, **k: (t, group)),
 }
@@ -228,8 +248,7 @@ class CommCounter(TorchDispatchMode):
             fn = getattr(c10d, name, None)
             if fn is None:
                 continue
-            wrapper = (self._count_batch(fn) if name == "batch_isend_irecv"
-                       else self._wrap(name, fn))
+            wrapper = self._count_batch(fn) if name == "batch_isend_irecv" else self._wrap(name, fn)
             for module in (dist, c10d):
                 if getattr(module, name, None) is fn:
                     self._saved.append((module, name, fn))
@@ -340,10 +359,14 @@ class StepReport:
     def as_scalars(self) -> dict[str, float]:
         out = {f"comm/bytes_sent/{k}": v for k, v in self.sent.items()}
         peak = self.peak
-        out.update({"memory/model_state_bytes": float(peak.total),
-                    "memory/param_bytes": float(peak.params),
-                    "memory/grad_bytes": float(peak.grads),
-                    "memory/optim_bytes": float(peak.optim)})
+        out.update(
+            {
+                "memory/model_state_bytes": float(peak.total),
+                "memory/param_bytes": float(peak.params),
+                "memory/grad_bytes": float(peak.grads),
+                "memory/optim_bytes": float(peak.optim),
+            }
+        )
         return out
 
 
@@ -357,8 +380,7 @@ def params_before_dp(parts: list[torch.nn.Module]) -> int:
                 continue
             names = p.device_mesh.mesh_dim_names or ()
             denom = 1
-            for name, placement, size in zip(names, p.placements, p.device_mesh.shape,
-                                             strict=True):
+            for name, placement, size in zip(names, p.placements, p.device_mesh.shape, strict=True):
                 if name == "tp" and not placement.is_replicate():
                     denom *= size
             total += p.numel() // denom
@@ -392,8 +414,13 @@ def measure_step(trainer: Any) -> StepReport:
 # ----------------------------------------------------------------------------- analytic
 
 
-def analytic_sent(cfg: Any, dims: Any, params_per_rank: int, n_stage_layers: dict[str, int],
-                  bytes_per_elem: int = 4) -> dict[str, float]:
+def analytic_sent(
+    cfg: Any,
+    dims: Any,
+    params_per_rank: int,
+    n_stage_layers: dict[str, int],
+    bytes_per_elem: int = 4,
+) -> dict[str, float]:
     """Analytic bytes one rank sends in one step, by axis (ANCHORS.md), for one micro-batch
     per data-parallel rank where FSDP is used (FSDP gathers and reduces per micro-batch).
 
@@ -419,8 +446,11 @@ def analytic_sent(cfg: Any, dims: Any, params_per_rank: int, n_stage_layers: dic
     bsh = b * s * h * bytes_per_elem
     if t > 1:
         moe_factor = 6 if cfg.parallel.sequence_parallel else 4
-        per_mb = (8 * n_stage_layers.get("dense", 0) + moe_factor * n_stage_layers.get("moe", 0)
-                  + 2 * n_stage_layers.get("boundary", 0))
+        per_mb = (
+            8 * n_stage_layers.get("dense", 0)
+            + moe_factor * n_stage_layers.get("moe", 0)
+            + 2 * n_stage_layers.get("boundary", 0)
+        )
         out["tp"] = m * per_mb * bsh * (t - 1) / t
     if dims.pp > 1:
         act = bsh / (t if cfg.parallel.sequence_parallel else 1)

@@ -24,8 +24,10 @@ from moetrain.model.moe import MoELayer
 @contextmanager
 def _keep_moe_stats(module: nn.Module):
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
-    saved = [(m.stat_sums.clone(), m.stat_tokens_per_expert.clone(), m.stat_counts.clone())
-             for m in layers]
+    saved = [
+        (m.stat_sums.clone(), m.stat_tokens_per_expert.clone(), m.stat_counts.clone())
+        for m in layers
+    ]
     try:
         yield
     finally:
@@ -37,7 +39,8 @@ def _keep_moe_stats(module: nn.Module):
 
 def _wrap(module: nn.Module) -> nn.Module:
     return checkpoint_wrapper(
-        module, preserve_rng_state=True,
+        module,
+        preserve_rng_state=True,
         context_fn=lambda: (nullcontext(), _keep_moe_stats(module)),
     )
 

@@ -35,8 +35,9 @@ from moetrain.model.moe import MoELayer
 BUCKET_NUMEL = 1 << 22  # elements per all-reduce bucket (16 MiB of fp32)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: Any, zero_stage: int,
-               param_dtype: torch.dtype | None = None) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: Any, zero_stage: int, param_dtype: torch.dtype | None = None
+) -> None:
     """ZeRO-2/3 with FSDP2: each block, then the root. ``dp_mesh`` is 1-D (dp_shard) or 2-D
     (dp_replicate, dp_shard) for hybrid sharding. ``param_dtype``: mixed precision (GPU)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -69,11 +70,20 @@ class GradientSync:
     gradients into it, and steps only its slice of the parameters (``Zero1``).
     """
 
-    def __init__(self, groups: Sequence[Sequence[nn.Parameter]], zero_stage: int,
-                 dp_group: Any, shard_group: Any, replicate_group: Any) -> None:
+    def __init__(
+        self,
+        groups: Sequence[Sequence[nn.Parameter]],
+        zero_stage: int,
+        dp_group: Any,
+        shard_group: Any,
+        replicate_group: Any,
+    ) -> None:
         self.zero_stage = zero_stage
         self.dp_group, self.shard_group, self.replicate_group = (
-            dp_group, shard_group, replicate_group)
+            dp_group,
+            shard_group,
+            replicate_group,
+        )
         self.dp = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.groups = [list(g) for g in groups]
         self.shards: list[_FlatShard] = []
@@ -108,7 +118,7 @@ class GradientSync:
                 flat /= self.dp
                 offset = 0
                 for b in bucket:
-                    b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                    b.copy_(flat[offset : offset + b.numel()].view_as(b))
                     offset += b.numel()
             bucket, size = ([g], g.numel()) if g is not None else ([], 0)
 
@@ -131,9 +141,12 @@ class GradientSync:
         """(gradient tensor, the parameter it belongs to) pairs whose squares sum to this
         rank's share of the gradient norm."""
         if self.zero_stage == 1:
-            return [(v.grad, p) for s in self.shards for v, p in zip(s.views, s.owners,
-                                                                      strict=True)
-                    if v.grad is not None]
+            return [
+                (v.grad, p)
+                for s in self.shards
+                for v, p in zip(s.views, s.owners, strict=True)
+                if v.grad is not None
+            ]
         return [(p.grad, p) for g in self.groups for p in g if p.grad is not None]
 
     def zero_grad(self) -> None:
@@ -165,7 +178,7 @@ class _FlatShard:
             a, b = max(lo, offset), min(hi, offset + numel)
             if a < b:
                 flat = _local(p).detach().view(-1)
-                self.views.append(nn.Parameter(flat[a - offset:b - offset]))
+                self.views.append(nn.Parameter(flat[a - offset : b - offset]))
                 self.owners.append(p)
                 self.pieces.append((i, a - offset, b - a))
             offset += numel
@@ -179,7 +192,7 @@ class _FlatShard:
         offset = 0
         for p, numel in zip(self.params, self.numels, strict=True):
             if p.grad is not None:
-                flat[offset:offset + numel].copy_(_local(p.grad).reshape(-1))
+                flat[offset : offset + numel].copy_(_local(p.grad).reshape(-1))
             offset += numel
         out = torch.empty(self.size, dtype=flat.dtype, device=flat.device)
         if self.n > 1:
@@ -193,7 +206,7 @@ class _FlatShard:
         self.grad_shard = out
         pos = 0
         for view in self.views:
-            view.grad = out[pos:pos + view.numel()]
+            view.grad = out[pos : pos + view.numel()]
             pos += view.numel()
         # The full gradients are done with: ZeRO-1's peak is the end of backward, 4 + 4 + 8/N.
         for p in self.params:
@@ -206,13 +219,13 @@ class _FlatShard:
         mine = torch.zeros(self.size, dtype=ref.dtype, device=ref.device)
         pos = 0
         for view in self.views:
-            mine[pos:pos + view.numel()].copy_(view.detach())
+            mine[pos : pos + view.numel()].copy_(view.detach())
             pos += view.numel()
         full = torch.empty(self.padded, dtype=ref.dtype, device=ref.device)
         dist.all_gather_into_tensor(full, mine, group=shard_group)
         offset = 0
         for p, numel in zip(self.params, self.numels, strict=True):
-            _local(p).detach().view(-1).copy_(full[offset:offset + numel])
+            _local(p).detach().view(-1).copy_(full[offset : offset + numel])
             offset += numel
 
 

@@ -73,8 +73,15 @@ class ParallelDims:
                 f"{pcfg.pp} * {pcfg.dp_replicate} * {dp_shard} * {pcfg.tp} = "
                 f"{others * dp_shard}, but the world size is {world_size}"
             )
-        return cls(world_size, pcfg.pp, pcfg.dp_replicate, dp_shard, pcfg.tp, pcfg.ep,
-                   pcfg.pp_virtual_stages)
+        return cls(
+            world_size,
+            pcfg.pp,
+            pcfg.dp_replicate,
+            dp_shard,
+            pcfg.tp,
+            pcfg.ep,
+            pcfg.pp_virtual_stages,
+        )
 
     @property
     def dp(self) -> int:
@@ -104,31 +111,41 @@ class ParallelDims:
         tp = self.tp
         if tp > 1:
             if m.n_heads % tp:
-                raise ConfigError(f"model.n_heads: {m.n_heads} is not divisible by parallel.tp="
-                                  f"{tp} (each tensor-parallel rank holds whole heads)")
+                raise ConfigError(
+                    f"model.n_heads: {m.n_heads} is not divisible by parallel.tp="
+                    f"{tp} (each tensor-parallel rank holds whole heads)"
+                )
             if m.kv_heads % tp:
-                raise ConfigError(f"model.n_kv_heads: {m.kv_heads} kv heads are not divisible "
-                                  f"by parallel.tp={tp}")
+                raise ConfigError(
+                    f"model.n_kv_heads: {m.kv_heads} kv heads are not divisible by parallel.tp={tp}"
+                )
             if m.ffn_dim % tp:
-                raise ConfigError(f"model.ffn_dim: {m.ffn_dim} is not divisible by "
-                                  f"parallel.tp={tp}")
+                raise ConfigError(
+                    f"model.ffn_dim: {m.ffn_dim} is not divisible by parallel.tp={tp}"
+                )
             if m.vocab_size is not None and m.vocab_size % tp:
-                raise ConfigError(f"model.vocab_size: {m.vocab_size} is not divisible by "
-                                  f"parallel.tp={tp} (vocabulary-parallel embedding and loss)")
+                raise ConfigError(
+                    f"model.vocab_size: {m.vocab_size} is not divisible by "
+                    f"parallel.tp={tp} (vocabulary-parallel embedding and loss)"
+                )
             if p.sequence_parallel and cfg.data.seq_len % tp:
-                raise ConfigError(f"data.seq_len: {cfg.data.seq_len} is not divisible by "
-                                  f"parallel.tp={tp} (parallel.sequence_parallel splits it)")
+                raise ConfigError(
+                    f"data.seq_len: {cfg.data.seq_len} is not divisible by "
+                    f"parallel.tp={tp} (parallel.sequence_parallel splits it)"
+                )
         stages = self.num_stages
         if m.n_layers % stages:
             raise ConfigError(
                 f"model.n_layers: {m.n_layers} layers do not split into parallel.pp * "
                 f"parallel.pp_virtual_stages = {self.pp} * {self.virtual_stages} = {stages} "
-                "equal stages")
+                "equal stages"
+            )
         if self.pp > 1 and m.tie_embeddings:
             raise ConfigError(
                 f"model.tie_embeddings: true cannot span pipeline stages (parallel.pp="
                 f"{self.pp}: the embedding is on the first stage, the output on the last); "
-                "set model.tie_embeddings=false")
+                "set model.tie_embeddings=false"
+            )
         # Batch: global = dp * microbatches * micro_batch_size.
         if p.pp_microbatches is not None and self.pp > 1:
             mb = p.pp_microbatches
@@ -136,38 +153,49 @@ class ParallelDims:
                 raise ConfigError(
                     f"train.global_batch_size: {t.global_batch_size} is not divisible by dp * "
                     f"parallel.pp_microbatches = {self.dp} * {mb} = {self.dp * mb} "
-                    f"(dp = world size {self.world_size} / (pp * tp) = {self.dp})")
+                    f"(dp = world size {self.world_size} / (pp * tp) = {self.dp})"
+                )
         elif t.global_batch_size % (self.dp * t.micro_batch_size):
             raise ConfigError(
                 f"train.global_batch_size: {t.global_batch_size} is not divisible by dp * "
                 f"train.micro_batch_size = {self.dp} * {t.micro_batch_size} = "
                 f"{self.dp * t.micro_batch_size} (dp = world size {self.world_size} / "
-                f"(pp * tp) = {self.dp})")
+                f"(pp * tp) = {self.dp})"
+            )
         n_mb = self.microbatches(cfg)
         if self.pp > 1 and p.pp_schedule in _NEEDS_MB_GE_PP and n_mb < self.pp:
             raise ConfigError(
                 f"parallel.pp_microbatches: {n_mb} micro-batches per step is fewer than "
                 f"parallel.pp={self.pp} stages, which parallel.pp_schedule={p.pp_schedule!r} "
-                "needs (raise train.global_batch_size or lower train.micro_batch_size)")
-        if self.pp > 1 and p.pp_schedule in ("interleaved_1f1b", "zero_bubble") and (
-                n_mb % self.pp):
+                "needs (raise train.global_batch_size or lower train.micro_batch_size)"
+            )
+        if (
+            self.pp > 1
+            and p.pp_schedule in ("interleaved_1f1b", "zero_bubble")
+            and (n_mb % self.pp)
+        ):
             raise ConfigError(
                 f"parallel.pp_microbatches: {n_mb} micro-batches per step is not a multiple of "
-                f"parallel.pp={self.pp}, which parallel.pp_schedule={p.pp_schedule!r} needs")
+                f"parallel.pp={self.pp}, which parallel.pp_schedule={p.pp_schedule!r} needs"
+            )
         mbs = self.micro_batch_size(cfg)
         groups = cfg.moe.token_group_seqs
         if cfg.moe.num_experts and groups is not None and mbs % groups:
             raise ConfigError(
                 f"moe.token_group_seqs: {groups} does not divide the per-rank micro-batch of "
                 f"{mbs} sequences (train.global_batch_size={t.global_batch_size} / (dp={self.dp}"
-                f" * micro-batches={n_mb})); token groups must not change with the layout")
+                f" * micro-batches={n_mb})); token groups must not change with the layout"
+            )
         if self.ep > 1:
             if self.dp % self.ep:
-                raise ConfigError(f"parallel.ep: {self.ep} does not divide the data-parallel "
-                                  f"degree {self.dp}")
+                raise ConfigError(
+                    f"parallel.ep: {self.ep} does not divide the data-parallel degree {self.dp}"
+                )
             if importlib.util.find_spec("moetrain.parallel.expert_parallel") is None:
-                raise ConfigError(f"parallel.ep: {self.ep} > 1 needs the expert-parallel "
-                                  "dispatcher, which is not available yet; use parallel.ep=1")
+                raise ConfigError(
+                    f"parallel.ep: {self.ep} > 1 needs the expert-parallel "
+                    "dispatcher, which is not available yet; use parallel.ep=1"
+                )
         return self
 
     # ------------------------------------------------------------------ mesh
@@ -178,19 +206,27 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(
-            device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            device_type,
+            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
             mesh_dim_names=MESH_DIMS,
         )
         # Keep the flattened mesh object: looking it up again through the root is deprecated.
         dp = world["dp_replicate", "dp_shard"]._flatten("dp")
-        return Meshes(world=world, dp=dp, pp=world["pp"], tp=world["tp"],
-                      dp_shard=world["dp_shard"], dp_replicate=world["dp_replicate"])
+        return Meshes(
+            world=world,
+            dp=dp,
+            pp=world["pp"],
+            tp=world["tp"],
+            dp_shard=world["dp_shard"],
+            dp_replicate=world["dp_replicate"],
+        )
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each mesh dim (the documented rank order)."""
         out = {}
-        for name, size in reversed(list(zip(MESH_DIMS, (self.pp, self.dp_replicate,
-                                                        self.dp_shard, self.tp), strict=True))):
+        for name, size in reversed(
+            list(zip(MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.tp), strict=True))
+        ):
             out[name] = rank % size
             rank //= size
         return {name: out[name] for name in MESH_DIMS}

@@ -68,14 +68,18 @@ def parallelize(
         apply_compile(part, compile)
         if meshes is not None and dims.dp > 1:
             if cfg.zero_stage >= 2:
-                dp_mesh = (meshes.dp_shard if dims.dp_replicate == 1
-                           else meshes.world["dp_replicate", "dp_shard"])
+                dp_mesh = (
+                    meshes.dp_shard
+                    if dims.dp_replicate == 1
+                    else meshes.world["dp_replicate", "dp_shard"]
+                )
                 apply_fsdp(part, dp_mesh, cfg.zero_stage, param_dtype)
             else:
                 apply_ddp(part, meshes.dp, cfg.zero_stage)
     schedule = None
     if dims.pp > 1:
         assert meshes is not None and loss_fn is not None and device is not None
-        schedule = build_pipeline(parts, ids, meshes.pp.get_group(), device, cfg,
-                                  n_microbatches, loss_fn)
+        schedule = build_pipeline(
+            parts, ids, meshes.pp.get_group(), device, cfg, n_microbatches, loss_fn
+        )
     return ParallelModel(parts, ids, schedule)

@@ -48,8 +48,9 @@ def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + i * pp for i in range(virtual_stages)]
 
 
-def pipeline_split(model: nn.Module, pp_rank: int, cfg: ParallelConfig
-                   ) -> tuple[list[nn.Module], list[int]]:
+def pipeline_split(
+    model: nn.Module, pp_rank: int, cfg: ParallelConfig
+) -> tuple[list[nn.Module], list[int]]:
     """This pp rank's model chunks (deep copies of ``model`` without the other stages'
     layers) and their stage indices. pp=1: ``[model]`` itself."""
     if cfg.pp == 1:
@@ -72,16 +73,24 @@ def pipeline_split(model: nn.Module, pp_rank: int, cfg: ParallelConfig
     return parts, ids
 
 
-def build_pipeline(parts: list[nn.Module], ids: list[int], pp_group: Any,
-                   device: torch.device, cfg: ParallelConfig, n_microbatches: int,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+def build_pipeline(
+    parts: list[nn.Module],
+    ids: list[int],
+    pp_group: Any,
+    device: torch.device,
+    cfg: ParallelConfig,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> Any:
     """``PipelineStage`` per chunk and the configured schedule around them."""
     from torch.distributed import pipelining
     from torch.distributed.pipelining import PipelineStage
 
     num_stages = cfg.pp * cfg.pp_virtual_stages
-    stages = [PipelineStage(part, s, num_stages, device, group=pp_group)
-              for part, s in zip(parts, ids, strict=True)]
+    stages = [
+        PipelineStage(part, s, num_stages, device, group=pp_group)
+        for part, s in zip(parts, ids, strict=True)
+    ]
     cls = getattr(pipelining, SCHEDULES[cfg.pp_schedule])
     if cfg.pp_schedule in ("gpipe", "1f1b"):
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -48,15 +48,17 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
     if getattr(model, "output", None) is not None:
         # Vocabulary-sharded logits (a DTensor): the engine computes the loss under
         # torch.distributed.tensor.parallel.loss_parallel without gathering them.
-        top["output"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1),
-                                        use_local_output=False)
+        top["output"] = ColwiseParallel(
+            input_layouts=act, output_layouts=Shard(-1), use_local_output=False
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
 
     for block in model.layers.values():
         plan: dict[str, object] = {
-            "attention": PrepareModuleInput(input_layouts=(act, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention": PrepareModuleInput(
+                input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -67,20 +69,32 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
             plan["ffn_norm"] = SequenceParallel()
         if isinstance(block.ffn, MoELayer):
             if sp:
-                plan["ffn"] = PrepareModuleInput(input_layouts=(act,),
-                                                 desired_input_layouts=(Replicate(),),
-                                                 use_local_output=True)
+                plan["ffn"] = PrepareModuleInput(
+                    input_layouts=(act,),
+                    desired_input_layouts=(Replicate(),),
+                    use_local_output=True,
+                )
             parallelize_module(block, tp_mesh, plan)
             if sp:
                 # The replicated output, cut back to this rank's sequence shard.
-                parallelize_module(block.ffn, tp_mesh, PrepareModuleOutput(
-                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
-                    use_local_output=True))
+                parallelize_module(
+                    block.ffn,
+                    tp_mesh,
+                    PrepareModuleOutput(
+                        output_layouts=(Replicate(),),
+                        desired_output_layouts=(Shard(1),),
+                        use_local_output=True,
+                    ),
+                )
             continue
-        plan.update({
-            "ffn": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-            "ffn.w1": ColwiseParallel(),
-            "ffn.w3": ColwiseParallel(),
-            "ffn.w2": RowwiseParallel(output_layouts=act),
-        })
+        plan.update(
+            {
+                "ffn": PrepareModuleInput(
+                    input_layouts=(act,), desired_input_layouts=(Replicate(),)
+                ),
+                "ffn.w1": ColwiseParallel(),
+                "ffn.w3": ColwiseParallel(),
+                "ffn.w2": RowwiseParallel(output_layouts=act),
+            }
+        )
         parallelize_module(block, tp_mesh, plan)

@@ -62,8 +62,15 @@ class Engine:
     """Runs training steps of ``model`` under the layout ``dims`` (``meshes`` None: one
     process, no collectives)."""
 
-    def __init__(self, cfg: JobConfig, model: Transformer, dims: ParallelDims,
-                 meshes: Meshes | None, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: JobConfig,
+        model: Transformer,
+        dims: ParallelDims,
+        meshes: Meshes | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.cfg = cfg
         self.dims = dims
         self.meshes = meshes
@@ -72,16 +79,26 @@ class Engine:
         pcfg = cfg.parallel
         self.n_micro = dims.microbatches(cfg)
         self.n_layers = cfg.model.n_layers
-        self.coords = (dims.coords(dist.get_rank()) if meshes is not None
-                       else {name: 0 for name in ("pp", "dp_replicate", "dp_shard", "tp")})
+        self.coords = (
+            dims.coords(dist.get_rank())
+            if meshes is not None
+            else {name: 0 for name in ("pp", "dp_replicate", "dp_shard", "tp")}
+        )
         self.tp_enabled = dims.tp > 1
         # Aux losses are averaged over a rank's micro-batches like the LM loss (and over dp
         # by the gradient averaging), so each injected gradient is 1 / micro-batches.
         model.set_aux_loss_scale(1.0 / self.n_micro)
         fsdp_dtype = dtype if (device.type == "cuda" and dtype != torch.float32) else None
         pm = parallelize(
-            model, dims, meshes, pcfg, pp_rank=self.coords["pp"], compile=cfg.train.compile,
-            param_dtype=fsdp_dtype, device=device, n_microbatches=self.n_micro,
+            model,
+            dims,
+            meshes,
+            pcfg,
+            pp_rank=self.coords["pp"],
+            compile=cfg.train.compile,
+            param_dtype=fsdp_dtype,
+            device=device,
+            n_microbatches=self.n_micro,
             loss_fn=self._pipeline_loss,
         )
         self.parts: list[nn.Module] = [p.to(device) for p in pm.parts]
@@ -108,20 +125,33 @@ class Engine:
                 decay += d
                 no_decay += n
             self.grad_sync = GradientSync(
-                [decay, no_decay], self.zero_stage, self.dp_group,
-                _group(meshes.dp_shard), _group(meshes.dp_replicate))
+                [decay, no_decay],
+                self.zero_stage,
+                self.dp_group,
+                _group(meshes.dp_shard),
+                _group(meshes.dp_replicate),
+            )
         if self.zero_stage == 1:
             assert self.grad_sync is not None
             decay_v, no_decay_v = self.grad_sync.optimizer_groups()
             o = cfg.optim
-            self.optimizers = [torch.optim.AdamW(
-                [{"params": decay_v, "weight_decay": o.weight_decay},
-                 {"params": no_decay_v, "weight_decay": 0.0}],
-                lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)]
+            self.optimizers = [
+                torch.optim.AdamW(
+                    [
+                        {"params": decay_v, "weight_decay": o.weight_decay},
+                        {"params": no_decay_v, "weight_decay": 0.0},
+                    ],
+                    lr=o.lr,
+                    betas=(o.beta1, o.beta2),
+                    eps=o.eps,
+                    weight_decay=o.weight_decay,
+                )
+            ]
         else:
             self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
-        self.schedulers = [build_scheduler(opt, cfg.optim, cfg.train.steps)
-                           for opt in self.optimizers]
+        self.schedulers = [
+            build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in self.optimizers
+        ]
         if self.schedule is not None:
             self._warm_up_pipeline(dims.micro_batch_size(cfg), cfg.data.seq_len)
 
@@ -134,8 +164,7 @@ class Engine:
         keeps every real step exact whatever the torch version's inference does."""
         dummy = torch.zeros(mbs, seq_len, dtype=torch.long)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self._pipeline_step([{"input_ids": dummy, "labels": dummy}] * self.n_micro,
-                                train=True)
+            self._pipeline_step([{"input_ids": dummy, "labels": dummy}] * self.n_micro, train=True)
         for part in self.parts:
             part.zero_grad(set_to_none=True)
         for layer in self.moe.values():
@@ -234,7 +263,7 @@ class Engine:
                 total = torch.zeros((), device=self.device)
                 n = self.n_micro
                 for i in range(0, len(micro_batches), n):
-                    total += self._pipeline_step(micro_batches[i:i + n], train=False)
+                    total += self._pipeline_step(micro_batches[i : i + n], train=False)
                 total /= max(len(micro_batches) // n, 1)
             else:
                 losses = []
@@ -329,8 +358,11 @@ class Engine:
         for part in self.parts:
             for p in part.parameters():
                 g = p.grad
-                if isinstance(g, DTensor) and isinstance(p, DTensor) and (
-                        g.placements != p.placements):
+                if (
+                    isinstance(g, DTensor)
+                    and isinstance(p, DTensor)
+                    and (g.placements != p.placements)
+                ):
                     p.grad = g.redistribute(p.device_mesh, p.placements)
 
     def after_step(self) -> None:
@@ -362,13 +394,15 @@ class Engine:
             if i not in self.moe:
                 continue
             s = self.moe[i].pop_stats()
-            packed[row] = torch.cat([
-                torch.stack([s[n] for n in STAT_NAMES]).double(),
-                s["tokens_per_expert"].double(),
-                torch.stack([s["calls"], s["assignments"], s["dropped"]]).double(),
-                s["score_hist"].double(),
-                s["expert_bias"].double(),  # last: the slice divided by dp below
-            ])
+            packed[row] = torch.cat(
+                [
+                    torch.stack([s[n] for n in STAT_NAMES]).double(),
+                    s["tokens_per_expert"].double(),
+                    torch.stack([s["calls"], s["assignments"], s["dropped"]]).double(),
+                    s["score_hist"].double(),
+                    s["expert_bias"].double(),  # last: the slice divided by dp below
+                ]
+            )
         if self.dp_group is not None:
             dist.all_reduce(packed, group=self.dp_group)
             packed[:, -E:] /= self.dims.dp
@@ -379,10 +413,10 @@ class Engine:
         for row, i in enumerate(moe_ids):
             v = packed[row].float().cpu()
             d = {n: v[j] for j, n in enumerate(STAT_NAMES)}
-            d["tokens_per_expert"] = v[k:k + E]
-            d["calls"], d["assignments"], d["dropped"] = v[k + E:k + E + 3].unbind()
-            d["score_hist"] = v[k + E + 3:k + E + 3 + H]
-            d["expert_bias"] = v[k + E + 3 + H:]
+            d["tokens_per_expert"] = v[k : k + E]
+            d["calls"], d["assignments"], d["dropped"] = v[k + E : k + E + 3].unbind()
+            d["score_hist"] = v[k + E + 3 : k + E + 3 + H]
+            d["expert_bias"] = v[k + E + 3 + H :]
             out[i] = d
         return out
 
@@ -419,7 +453,7 @@ class Engine:
                 pos = 0
                 for v in shard.views:
                     if v in sharded.state:
-                        mine[pos:pos + v.numel()] = sharded.state[v][key]
+                        mine[pos : pos + v.numel()] = sharded.state[v][key]
                     pos += v.numel()
                 full = torch.empty(shard.padded, device=self.device)
                 if shard.n > 1:
@@ -430,9 +464,10 @@ class Engine:
                 for p, numel in zip(shard.params, shard.numels, strict=True):
                     st = owner[id(p)].state.setdefault(p, {})
                     st[key] = torch.zeros_like(p)
-                    _local(st[key]).view(-1).copy_(full[offset:offset + numel])
-                    st["step"] = (step.clone() if step is not None
-                                  else torch.zeros((), dtype=torch.float32))
+                    _local(st[key]).view(-1).copy_(full[offset : offset + numel])
+                    st["step"] = (
+                        step.clone() if step is not None else torch.zeros((), dtype=torch.float32)
+                    )
                     offset += numel
         return shadows
 
@@ -448,8 +483,10 @@ class Engine:
                 st = owner[id(p)].state[p]
                 sharded.state[v] = {
                     "step": st["step"].clone(),
-                    **{k: _local(st[k]).reshape(-1)[start:start + length].clone()
-                       for k in ("exp_avg", "exp_avg_sq")},
+                    **{
+                        k: _local(st[k]).reshape(-1)[start : start + length].clone()
+                        for k in ("exp_avg", "exp_avg_sq")
+                    },
                 }
 
     def _part_optimizers(self) -> list[torch.optim.Optimizer]:
@@ -489,8 +526,9 @@ class Engine:
         every dimension (collective; every rank gets it). For tests and tools."""
         mine: dict[str, torch.Tensor] = {}
         for part in self.parts:
-            sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True,
-                                                                      broadcast_from_rank0=False))
+            sd = get_model_state_dict(
+                part, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+            )
             mine.update({k: _local(v).detach().cpu().clone() for k, v in sd.items()})
         if self.pp_group is None:
             return mine

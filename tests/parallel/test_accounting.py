@@ -31,13 +31,16 @@ def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
             report = measure_step(trainer)
             d, engine = trainer.dims, trainer.engine
             zero = trainer.cfg.parallel.zero_stage if d.dp > 1 else 0
-            out.append({
-                "memory": report.peak.total,
-                "formula": zero_bytes_per_param(zero, d.dp_shard) * report.params_per_rank,
-                "sent": report.sent,
-                "analytic": analytic_sent(trainer.cfg, d, report.params_per_rank,
-                                          layer_counts(engine.parts)),
-            })
+            out.append(
+                {
+                    "memory": report.peak.total,
+                    "formula": zero_bytes_per_param(zero, d.dp_shard) * report.params_per_rank,
+                    "sent": report.sent,
+                    "analytic": analytic_sent(
+                        trainer.cfg, d, report.params_per_rank, layer_counts(engine.parts)
+                    ),
+                }
+            )
             trainer.close()
     return out
 
@@ -56,8 +59,10 @@ def test_zero_memory_and_dp_bytes_match_the_formulas() -> None:
         mem = _ratio(res["memory"], res["formula"])
         sent = sum(res["sent"].values())
         bytes_ratio = _ratio(sent, res["analytic"]["dp"])
-        lines.append(f"zero {z}: memory / formula {mem:.4f}, bytes sent / analytic "
-                     f"{bytes_ratio:.4f} ({res['sent']})")
+        lines.append(
+            f"zero {z}: memory / formula {mem:.4f}, bytes sent / analytic "
+            f"{bytes_ratio:.4f} ({res['sent']})"
+        )
         assert abs(mem - 1) <= MEMORY_TOL, lines[-1]
         assert abs(bytes_ratio - 1) <= BYTES_TOL, lines[-1]
     print("\n".join(lines))
@@ -66,8 +71,12 @@ def test_zero_memory_and_dp_bytes_match_the_formulas() -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_tp_sp_and_pp_bytes_match_the_formulas() -> None:
-    tp = ["parallel.tp=2", "parallel.sequence_parallel=true", "moe.num_experts=0",
-          "train.global_batch_size=2"]
+    tp = [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "moe.num_experts=0",
+        "train.global_batch_size=2",
+    ]
     pp = ["parallel.pp=2", "parallel.pp_schedule=1f1b"]
     results = run_ranks(_measure_worker, 2, [tp, pp], timeout=280)
     tp_res = results[0][0]
@@ -75,7 +84,9 @@ def test_tp_sp_and_pp_bytes_match_the_formulas() -> None:
     tp_ratio = tp_sent / tp_res["analytic"]["tp"]
     pp_sent = sum(r[1]["sent"].get("send", 0) for r in results)
     pp_ratio = pp_sent / results[0][1]["analytic"]["pp_all_ranks"]
-    print(f"TP+SP: all-gather + reduce-scatter / analytic {tp_ratio:.4f} ({tp_res['sent']}); "
-          f"PP: sends over ranks / analytic {pp_ratio:.4f}")
+    print(
+        f"TP+SP: all-gather + reduce-scatter / analytic {tp_ratio:.4f} ({tp_res['sent']}); "
+        f"PP: sends over ranks / analytic {pp_ratio:.4f}"
+    )
     assert abs(tp_ratio - 1) <= BYTES_TOL, (tp_ratio, tp_res)
     assert abs(pp_ratio - 1) <= BYTES_TOL, (pp_ratio, results[0][1], results[1][1])

@@ -9,10 +9,19 @@ from moetrain.config import ConfigError, load_config
 from moetrain.parallel.dims import ParallelDims
 
 BASE = [
-    "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-    "model.ffn_dim=128", "model.vocab_size=512", "model.tie_embeddings=false",
-    "moe.num_experts=4", "moe.top_k=2", "moe.token_group_seqs=2", "data.seq_len=32",
-    "train.global_batch_size=16", "train.micro_batch_size=2",
+    "model.dim=64",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.vocab_size=512",
+    "model.tie_embeddings=false",
+    "moe.num_experts=4",
+    "moe.top_k=2",
+    "moe.token_group_seqs=2",
+    "data.seq_len=32",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=2",
 ]
 
 
@@ -23,47 +32,93 @@ def dims_for(world: int, *overrides: str) -> ParallelDims:
 
 INVALID = [
     # (world size, overrides, text the message must contain)
-    (8, ["parallel.tp=3"], "parallel.pp * parallel.dp_replicate * parallel.tp = 1 * 1 * 3 = 3 "
-                           "does not divide the world size 8"),
-    (8, ["parallel.dp_shard=3", "parallel.tp=2"],
-     "parallel.pp * parallel.dp_replicate * parallel.dp_shard * parallel.tp = 1 * 1 * 3 * 2 = "
-     "6, but the world size is 8"),
+    (
+        8,
+        ["parallel.tp=3"],
+        "parallel.pp * parallel.dp_replicate * parallel.tp = 1 * 1 * 3 = 3 "
+        "does not divide the world size 8",
+    ),
+    (
+        8,
+        ["parallel.dp_shard=3", "parallel.tp=2"],
+        "parallel.pp * parallel.dp_replicate * parallel.dp_shard * parallel.tp = 1 * 1 * 3 * 2 = "
+        "6, but the world size is 8",
+    ),
     (8, ["parallel.tp=8"], "model.n_heads: 4 is not divisible by parallel.tp=8"),
     (4, ["parallel.tp=4"], "model.n_kv_heads: 2 kv heads are not divisible by parallel.tp=4"),
-    (2, ["parallel.tp=2", "model.ffn_dim=129"], "model.ffn_dim: 129 is not divisible by "
-                                                "parallel.tp=2"),
-    (2, ["parallel.tp=2", "model.vocab_size=513"], "model.vocab_size: 513 is not divisible by "
-                                                   "parallel.tp=2"),
-    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=31"],
-     "data.seq_len: 31 is not divisible by parallel.tp=2"),
+    (
+        2,
+        ["parallel.tp=2", "model.ffn_dim=129"],
+        "model.ffn_dim: 129 is not divisible by parallel.tp=2",
+    ),
+    (
+        2,
+        ["parallel.tp=2", "model.vocab_size=513"],
+        "model.vocab_size: 513 is not divisible by parallel.tp=2",
+    ),
+    (
+        2,
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=31"],
+        "data.seq_len: 31 is not divisible by parallel.tp=2",
+    ),
     (1, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel: needs parallel.tp > 1"),
-    (4, ["parallel.pp=4", "parallel.pp_virtual_stages=2"],
-     "model.n_layers: 4 layers do not split into parallel.pp * parallel.pp_virtual_stages = "
-     "4 * 2 = 8 equal stages"),
-    (2, ["parallel.pp=2", "model.tie_embeddings=true"],
-     "model.tie_embeddings: true cannot span pipeline stages (parallel.pp=2"),
-    (2, ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_virtual_stages=2"],
-     "parallel.pp_virtual_stages: 2 needs an interleaved schedule"),
-    (4, ["parallel.pp=4", "train.micro_batch_size=8"],
-     "parallel.pp_microbatches: 2 micro-batches per step is fewer than parallel.pp=4 stages"),
-    (4, ["parallel.pp=2", "train.global_batch_size=12", "train.micro_batch_size=2"],
-     "parallel.pp_microbatches: 3 micro-batches per step is not a multiple of parallel.pp=2"),
-    (2, ["parallel.pp=2", "parallel.pp_microbatches=5"],
-     "train.global_batch_size: 16 is not divisible by dp * parallel.pp_microbatches = 1 * 5"),
-    (3, ["train.global_batch_size=16"],
-     "train.global_batch_size: 16 is not divisible by dp * train.micro_batch_size = 3 * 2 = 6"),
-    (4, ["train.global_batch_size=8", "train.micro_batch_size=2", "parallel.pp=2",
-         "parallel.pp_microbatches=4"],
-     "moe.token_group_seqs: 2 does not divide the per-rank micro-batch of 1 sequences"),
+    (
+        4,
+        ["parallel.pp=4", "parallel.pp_virtual_stages=2"],
+        "model.n_layers: 4 layers do not split into parallel.pp * parallel.pp_virtual_stages = "
+        "4 * 2 = 8 equal stages",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "model.tie_embeddings=true"],
+        "model.tie_embeddings: true cannot span pipeline stages (parallel.pp=2",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_virtual_stages=2"],
+        "parallel.pp_virtual_stages: 2 needs an interleaved schedule",
+    ),
+    (
+        4,
+        ["parallel.pp=4", "train.micro_batch_size=8"],
+        "parallel.pp_microbatches: 2 micro-batches per step is fewer than parallel.pp=4 stages",
+    ),
+    (
+        4,
+        ["parallel.pp=2", "train.global_batch_size=12", "train.micro_batch_size=2"],
+        "parallel.pp_microbatches: 3 micro-batches per step is not a multiple of parallel.pp=2",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_microbatches=5"],
+        "train.global_batch_size: 16 is not divisible by dp * parallel.pp_microbatches = 1 * 5",
+    ),
+    (
+        3,
+        ["train.global_batch_size=16"],
+        "train.global_batch_size: 16 is not divisible by dp * train.micro_batch_size = 3 * 2 = 6",
+    ),
+    (
+        4,
+        [
+            "train.global_batch_size=8",
+            "train.micro_batch_size=2",
+            "parallel.pp=2",
+            "parallel.pp_microbatches=4",
+        ],
+        "moe.token_group_seqs: 2 does not divide the per-rank micro-batch of 1 sequences",
+    ),
     (1, ["parallel.pp_microbatches=4"], "parallel.pp_microbatches: 4 set but parallel.pp=1"),
     (4, ["parallel.ep=3"], "parallel.ep: 3 does not divide the data-parallel degree 4"),
 ]
 
 
-@pytest.mark.parametrize(("world", "overrides", "message"), INVALID,
-                         ids=[" ".join(o) for _, o, _ in INVALID])
-def test_invalid_layout_names_keys_and_numbers(world: int, overrides: list[str],
-                                               message: str) -> None:
+@pytest.mark.parametrize(
+    ("world", "overrides", "message"), INVALID, ids=[" ".join(o) for _, o, _ in INVALID]
+)
+def test_invalid_layout_names_keys_and_numbers(
+    world: int, overrides: list[str], message: str
+) -> None:
     with pytest.raises(ConfigError) as exc:
         dims_for(world, *overrides)
     assert message in str(exc.value)

@@ -43,15 +43,21 @@ def _layouts_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
     return results if rank == 0 else None
 
 
-def check_layouts(world_size: int, layouts: dict[str, list[str]], reference: dict,
-                  timeout: float) -> None:
-    results = run_ranks(_layouts_worker, world_size, list(layouts.values()),
-                        timeout=timeout)[0]
+def check_layouts(
+    world_size: int, layouts: dict[str, list[str]], reference: dict, timeout: float
+) -> None:
+    results = run_ranks(_layouts_worker, world_size, list(layouts.values()), timeout=timeout)[0]
     failures = []
     for name, got in zip(layouts, results, strict=True):
         try:
-            errs = compare_runs(got, reference, atol=VALUE_TOL["atol"], rtol=VALUE_TOL["rtol"],
-                                param_tol=PARAM_TOL, what=name)
+            errs = compare_runs(
+                got,
+                reference,
+                atol=VALUE_TOL["atol"],
+                rtol=VALUE_TOL["rtol"],
+                param_tol=PARAM_TOL,
+                what=name,
+            )
         except AssertionError as exc:
             failures.append(f"{name}: {exc}")
         else:
@@ -62,55 +68,90 @@ def check_layouts(world_size: int, layouts: dict[str, list[str]], reference: dic
 @pytest.mark.multirank
 @pytest.mark.timeout(400)
 def test_each_axis_alone_on_two_ranks(reference: dict) -> None:
-    check_layouts(2, {
-        "dp=2 zero0": ["parallel.zero_stage=0"],
-        "dp=2 zero1": ["parallel.zero_stage=1"],
-        "dp=2 zero2 + full AC": ["parallel.zero_stage=2",
-                                 "parallel.activation_checkpointing=full"],
-        "dp=2 zero3": ["parallel.zero_stage=3"],
-        "tp=2": ["parallel.tp=2"],
-        "tp=2 + SP + selective AC": ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                     "parallel.activation_checkpointing=selective"],
-        "pp=2 gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
-        "pp=2 1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
-        "pp=2 interleaved_1f1b v=2": ["parallel.pp=2", "parallel.pp_virtual_stages=2"],
-        "pp=2 zero_bubble v=2": ["parallel.pp=2", "parallel.pp_schedule=zero_bubble",
-                                 "parallel.pp_virtual_stages=2"],
-    }, reference, timeout=380)
+    check_layouts(
+        2,
+        {
+            "dp=2 zero0": ["parallel.zero_stage=0"],
+            "dp=2 zero1": ["parallel.zero_stage=1"],
+            "dp=2 zero2 + full AC": [
+                "parallel.zero_stage=2",
+                "parallel.activation_checkpointing=full",
+            ],
+            "dp=2 zero3": ["parallel.zero_stage=3"],
+            "tp=2": ["parallel.tp=2"],
+            "tp=2 + SP + selective AC": [
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.activation_checkpointing=selective",
+            ],
+            "pp=2 gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+            "pp=2 1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+            "pp=2 interleaved_1f1b v=2": ["parallel.pp=2", "parallel.pp_virtual_stages=2"],
+            "pp=2 zero_bubble v=2": [
+                "parallel.pp=2",
+                "parallel.pp_schedule=zero_bubble",
+                "parallel.pp_virtual_stages=2",
+            ],
+        },
+        reference,
+        timeout=380,
+    )
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_axis_compositions_on_four_ranks(reference: dict) -> None:
-    check_layouts(4, {
-        "dp x tp = 2x2, zero2, SP": ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                     "parallel.zero_stage=2"],
-        "pp x dp = 2x2, zero1": ["parallel.pp=2", "parallel.zero_stage=1"],
-        "pp x dp = 2x2, zero3": ["parallel.pp=2", "parallel.zero_stage=3"],
-        "hybrid dp_replicate x dp_shard = 2x2, zero3": ["parallel.dp_replicate=2",
-                                                        "parallel.zero_stage=3"],
-        "hybrid dp_replicate x dp_shard = 2x2, zero1": ["parallel.dp_replicate=2",
-                                                        "parallel.zero_stage=1"],
-    }, reference, timeout=380)
+    check_layouts(
+        4,
+        {
+            "dp x tp = 2x2, zero2, SP": [
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.zero_stage=2",
+            ],
+            "pp x dp = 2x2, zero1": ["parallel.pp=2", "parallel.zero_stage=1"],
+            "pp x dp = 2x2, zero3": ["parallel.pp=2", "parallel.zero_stage=3"],
+            "hybrid dp_replicate x dp_shard = 2x2, zero3": [
+                "parallel.dp_replicate=2",
+                "parallel.zero_stage=3",
+            ],
+            "hybrid dp_replicate x dp_shard = 2x2, zero1": [
+                "parallel.dp_replicate=2",
+                "parallel.zero_stage=1",
+            ],
+        },
+        reference,
+        timeout=380,
+    )
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_three_axes_pp_dp_tp_on_eight_ranks(reference: dict) -> None:
-    check_layouts(8, {
-        "pp x dp x tp = 2x2x2, zero3, SP, interleaved v=2": [
-            "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-            "parallel.zero_stage=3", "parallel.pp_virtual_stages=2"],
-    }, reference, timeout=380)
+    check_layouts(
+        8,
+        {
+            "pp x dp x tp = 2x2x2, zero3, SP, interleaved v=2": [
+                "parallel.pp=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "parallel.zero_stage=3",
+                "parallel.pp_virtual_stages=2",
+            ],
+        },
+        reference,
+        timeout=380,
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _reshard_worker(rank: int, world_size: int, out: str, save: list[str],
-                    load: list[str]) -> dict | None:
+def _reshard_worker(
+    rank: int, world_size: int, out: str, save: list[str], load: list[str]
+) -> dict | None:
     from multirank import micro_config
 
     from moetrain.train.trainer import Trainer
@@ -132,16 +173,21 @@ def _reshard_worker(rank: int, world_size: int, out: str, save: list[str],
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_checkpoint_saved_under_one_layout_loads_under_another(reference: dict,
-                                                               tmp_path) -> None:
+def test_checkpoint_saved_under_one_layout_loads_under_another(reference: dict, tmp_path) -> None:
     """dp=4 with ZeRO-1 saves after 2 steps; pp=2 x tp=2 (+SP) loads it and takes the third
     step: the same loss and parameters as three uninterrupted single-process steps."""
-    got = run_ranks(_reshard_worker, 4, str(tmp_path / "dp4"), ["parallel.zero_stage=1"],
-                    ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-                    timeout=380)[0]
+    got = run_ranks(
+        _reshard_worker,
+        4,
+        str(tmp_path / "dp4"),
+        ["parallel.zero_stage=1"],
+        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        timeout=380,
+    )[0]
     import torch
 
-    torch.testing.assert_close(torch.tensor(got["loss"]), torch.tensor(reference["loss"]),
-                               **VALUE_TOL)
+    torch.testing.assert_close(
+        torch.tensor(got["loss"]), torch.tensor(reference["loss"]), **VALUE_TOL
+    )
     for name, value in reference["params"].items():
         torch.testing.assert_close(got["params"][name], value, **PARAM_TOL, msg=name)
