@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import csv
 import html
 import io
 import math
@@ -58,10 +59,20 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
         else:
             found = sorted(d.parent for d in p.glob("runs/*/tb") if d.is_dir())
             found = found or sorted(d.parent for d in p.glob("*/tb") if d.is_dir())
+            found.sort(key=_sweep_order(p))
         if not found:
             raise FileNotFoundError(f"{p}: no run here (a run directory has a tb/ folder)")
         runs += [r for r in found if r not in runs]
     return runs
+
+
+def _sweep_order(sweep_dir: Path):
+    """Sort key: a sweep's runs in the order of its results.csv, the others after, by name."""
+    order: list[str] = []
+    if (sweep_dir / "results.csv").is_file():
+        with (sweep_dir / "results.csv").open(newline="") as f:
+            order = [row.get("run", "") for row in csv.DictReader(f)]
+    return lambda run: (order.index(run.name) if run.name in order else len(order), run.name)
 
 
 def run_labels(runs: list[Path]) -> list[str]:
