@@ -23,18 +23,22 @@ from moetrain.model.moe import MoELayer
 
 @contextmanager
 def _keep_moe_stats(module: nn.Module):
+    """Recomputing a block in backward must not count its MoE statistics twice: snapshot
+    every ``stat_*`` buffer (and the dispatcher's byte counter) and restore them after."""
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     saved = [
-        (m.stat_sums.clone(), m.stat_tokens_per_expert.clone(), m.stat_counts.clone())
+        ({n: b.clone() for n, b in m.named_buffers(recurse=False) if n.startswith("stat_")},
+         getattr(m.dispatcher, "bytes_sent", None))
         for m in layers
     ]
     try:
         yield
     finally:
-        for m, (sums, tokens, counts) in zip(layers, saved, strict=True):
-            m.stat_sums.copy_(sums)
-            m.stat_tokens_per_expert.copy_(tokens)
-            m.stat_counts.copy_(counts)
+        for m, (buffers, bytes_sent) in zip(layers, saved, strict=True):
+            for name, value in buffers.items():
+                getattr(m, name).copy_(value)
+            if bytes_sent is not None:
+                m.dispatcher.bytes_sent = bytes_sent
 
 
 def _wrap(module: nn.Module) -> nn.Module:
