@@ -56,11 +56,12 @@ def merge_stats(
     return {k: (b[k].clone() if k == "expert_bias" else a[k] + b[k]) for k in b}
 
 
-def peak_flops(device: torch.device) -> tuple[float, str]:
+def peak_flops(device: torch.device, seconds: float = 0.2) -> tuple[float, str]:
     """Peak FLOP/s for the MFU denominator and where it came from.
 
-    On a known GPU: its bf16 dense peak. Elsewhere: a dense fp32 matmul measured now,
-    so on a CPU 'MFU' reads as a fraction of what this machine's matmul actually reaches.
+    On a known GPU: its bf16 dense peak. Elsewhere: a dense fp32 matmul measured now for
+    ``seconds``, so on a CPU 'MFU' reads as a fraction of what this machine's matmul reaches
+    at the moment (the trainer re-measures every log window: a shared CPU's speed varies).
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -72,7 +73,7 @@ def peak_flops(device: torch.device) -> tuple[float, str]:
     b = torch.randn(n, n, device=device)
     a @ b  # warm-up
     reps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 0.2:
+    while time.perf_counter() - start < seconds:
         a @ b
         reps += 1
     if device.type == "cuda":

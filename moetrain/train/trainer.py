@@ -188,14 +188,18 @@ class Trainer:
         tb = self.out_dir / "tb" if (cfg.log.tensorboard and self.is_main) else None
         # dashboard cadence, dead-expert/imbalance warnings
         self.writer = MetricsWriter(tb, cfg.log)
-        self.peak_flops, self.peak_source = peak_flops(self.device)
-        if dims.world_size > 1:  # tokens/s is the whole job's: so is the peak
-            self.peak_flops *= dims.world_size
-            self.peak_source += f" x {dims.world_size} ranks"
+        self._measure_peak()
         self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
         self.faults = FaultInjector(self.rank)
         self.collapse = CollapseMonitor(cfg.log.collapse_fraction, cfg.log.collapse_steps,
                                         cfg.moe.top_k)
+
+    def _measure_peak(self, seconds: float = 0.2) -> None:
+        """The MFU denominator: a GPU's datasheet peak, or on CPU a matmul measured now."""
+        self.peak_flops, self.peak_source = peak_flops(self.device, seconds)
+        if self.dims.world_size > 1:  # tokens/s is the whole job's: so is the peak
+            self.peak_flops *= self.dims.world_size
+            self.peak_source += f" x {self.dims.world_size} ranks"
 
     def full_model_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and persistent buffers as plain CPU tensors, gathered
@@ -399,6 +403,8 @@ class Trainer:
         return eval_loss
 
     def _log_window(self, window: list[StepResult], eval_loss: float | None, bar) -> None:
+        if self.peak_source.startswith("measured"):
+            self._measure_peak(0.05)  # the CPU is shared: MFU against its speed right now
         tokens = sum(r.tokens for r in window)
         seconds = sum(r.seconds for r in window)
         tok_s = tokens / max(seconds, 1e-9)
