@@ -365,8 +365,18 @@ class ParallelConfig:
     """Recompute activations in backward: none, selective (the attention of every block), or
     full (every block)."""
     ep: int = 1
-    """Expert-parallel degree (carved out of the data-parallel ranks; placeholder until the
-    expert-parallel dispatcher lands)."""
+    """Expert-parallel degree: each MoE layer's experts are split over ep data-parallel ranks
+    (ep innermost among them), tokens travel to their experts and back. Must divide
+    moe.num_experts and dp_replicate * dp_shard (docs/expert_parallel.md)."""
+    ep_dispatcher: Literal["all_to_all", "all_gather"] = "all_to_all"
+    """How tokens reach their experts under ep > 1: all_to_all (sends only the rows routed to
+    another rank; one host sync per layer for the split sizes unless moe.pad_to_capacity) or
+    all_gather (every rank gathers the EP group's tokens, static shapes, no host sync; ep x
+    the MoE input memory: for ep = 2 or tiny batches)."""
+    expert_tp: bool = False
+    """With tp > 1 and ep > 1: split every local expert's FFN width over the tensor-parallel
+    ranks (expert tensor parallelism, one all-reduce of the expert output per layer) instead
+    of replicating the experts on each tp rank. moe.expert_ffn_dim must divide by tp."""
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages", "ep", "pp_microbatches"):
@@ -380,6 +390,12 @@ class ParallelConfig:
         if self.pp_microbatches is not None and self.pp == 1:
             _fail("parallel.pp_microbatches", f"{self.pp_microbatches} set but parallel.pp=1; "
                   "without a pipeline use train.micro_batch_size")
+        if self.ep_dispatcher not in ("all_to_all", "all_gather"):
+            _fail("parallel.ep_dispatcher", "expected all_to_all or all_gather, got "
+                  f"{self.ep_dispatcher!r}")
+        if self.expert_tp and (self.ep == 1 or self.tp == 1):
+            _fail("parallel.expert_tp", f"needs parallel.ep > 1 and parallel.tp > 1, got "
+                  f"ep={self.ep}, tp={self.tp}")
         if self.pp_virtual_stages > 1 and self.pp_schedule in ("gpipe", "1f1b"):
             _fail("parallel.pp_virtual_stages", f"{self.pp_virtual_stages} needs an interleaved "
                   f"schedule; parallel.pp_schedule={self.pp_schedule!r} runs one stage per rank")

@@ -36,19 +36,27 @@ BUCKET_NUMEL = 1 << 22  # elements per all-reduce bucket (16 MiB of fp32)
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: Any, zero_stage: int, param_dtype: torch.dtype | None = None
+    model: nn.Module,
+    dp_mesh: Any,
+    zero_stage: int,
+    param_dtype: torch.dtype | None = None,
+    ignored: Iterable[nn.Parameter] = (),
 ) -> None:
     """ZeRO-2/3 with FSDP2: each block, then the root. ``dp_mesh`` is 1-D (dp_shard) or 2-D
-    (dp_replicate, dp_shard) for hybrid sharding. ``param_dtype``: mixed precision (GPU)."""
+    (dp_replicate, dp_shard) for hybrid sharding. ``param_dtype``: mixed precision (GPU).
+    ``ignored``: parameters FSDP must leave alone (the expert parameters under expert
+    parallelism: they differ per EP rank and are reduced over the expert-data-parallel
+    group by the engine, ``reduce_expert_grads``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard = zero_stage == 3
+    kw: dict[str, Any] = {"ignored_params": set(ignored)} if ignored else {}
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **kw)
     # The root (embedding, final norm, output) follows the stage too, so that ZeRO-3 sends
     # exactly its 3 Psi: gathered for forward and again for backward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **kw)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: Any, zero_stage: int) -> None:

@@ -16,7 +16,6 @@ numbers (``ConfigError``).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,13 @@ class Meshes:
     tp: Any
     dp_shard: Any
     dp_replicate: Any
+    ep: Any = None
+    """Expert-parallel group (``ep`` consecutive dp ranks, same pp stage and tp index);
+    None when parallel.ep = 1."""
+    edp: Any = None
+    """Expert-data-parallel group (dp ranks holding the same experts); None when ep = 1."""
+    ep_root: Any = None
+    """The ``(pp, edp, ep, tp)`` mesh the two above come from (None when ep = 1)."""
 
 
 @dataclass(frozen=True)
@@ -187,14 +193,13 @@ class ParallelDims:
                 f" * micro-batches={n_mb})); token groups must not change with the layout"
             )
         if self.ep > 1:
-            if self.dp % self.ep:
+            from moetrain.parallel.expert_parallel import check_ep_layout
+
+            check_ep_layout(cfg.moe.num_experts, self.ep, self.dp)
+            if p.expert_tp and tp > 1 and cfg.moe.expert_ffn_dim % tp:
                 raise ConfigError(
-                    f"parallel.ep: {self.ep} does not divide the data-parallel degree {self.dp}"
-                )
-            if importlib.util.find_spec("moetrain.parallel.expert_parallel") is None:
-                raise ConfigError(
-                    f"parallel.ep: {self.ep} > 1 needs the expert-parallel "
-                    "dispatcher, which is not available yet; use parallel.ep=1"
+                    f"moe.expert_ffn_dim: {cfg.moe.expert_ffn_dim} is not divisible by "
+                    f"parallel.tp={tp} (parallel.expert_tp splits it)"
                 )
         return self
 
@@ -212,6 +217,13 @@ class ParallelDims:
         )
         # Keep the flattened mesh object: looking it up again through the root is deprecated.
         dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        ep = edp = ep_root = None
+        if self.ep > 1:
+            from moetrain.parallel.expert_parallel import build_ep_meshes
+
+            ep, edp, ep_root = build_ep_meshes(
+                self.pp, self.dp, self.tp, self.ep, device_type, return_root=True
+            )
         return Meshes(
             world=world,
             dp=dp,
@@ -219,6 +231,9 @@ class ParallelDims:
             tp=world["tp"],
             dp_shard=world["dp_shard"],
             dp_replicate=world["dp_replicate"],
+            ep=ep,
+            edp=edp,
+            ep_root=ep_root,
         )
 
     def coords(self, rank: int) -> dict[str, int]:

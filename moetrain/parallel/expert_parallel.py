@@ -53,13 +53,16 @@ def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
         )
 
 
-def build_ep_meshes(pp: int, dp: int, tp: int, ep: int, device_type: str = "cpu"):
+def build_ep_meshes(
+    pp: int, dp: int, tp: int, ep: int, device_type: str = "cpu", *, return_root: bool = False
+):
     """The ``ep`` and ``edp`` 1-D meshes over the rank order of ``moetrain.parallel.dims``.
 
     The world is ``(pp, dp, tp)`` row-major with dp = dp_replicate x dp_shard; dp splits
     into ``(edp, ep)`` with ep innermost, so EP groups are ``ep`` consecutive dp ranks of
     one pipeline stage and TP index. Every rank must call this (it creates groups).
-    Returns ``(ep_mesh, edp_mesh)``.
+    Returns ``(ep_mesh, edp_mesh)``, plus the 4-D ``(pp, edp, ep, tp)`` root mesh with
+    ``return_root`` (its ``["ep", "tp"]`` sub-mesh places expert-TP shards in checkpoints).
     """
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -68,6 +71,8 @@ def build_ep_meshes(pp: int, dp: int, tp: int, ep: int, device_type: str = "cpu"
     mesh = init_device_mesh(
         device_type, (pp, dp // ep, ep, tp), mesh_dim_names=("pp", "edp", "ep", "tp")
     )
+    if return_root:
+        return mesh["ep"], mesh["edp"], mesh
     return mesh["ep"], mesh["edp"]
 
 
@@ -225,9 +230,9 @@ def expert_grad_sq_norm(params: Iterable[nn.Parameter], ep_mesh, etp_mesh=None) 
     hold identical experts) covers every expert once. Add it to the non-expert squared norm of
     this stage before any reduction over pipeline stages."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else "cpu")
+    total = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
     for g in grads:
-        total += g.detach().float().pow(2).sum()
+        total += g.detach().double().pow(2).sum()
     for mesh in (ep_mesh, etp_mesh):
         group = _group(mesh)
         if group is not None and dist.get_world_size(group) > 1:

@@ -12,7 +12,7 @@ config).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,16 +33,23 @@ class ParallelModel:
     parts: list[nn.Module]
     stage_ids: list[int]
     schedule: Any = None
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    """This rank's expert parameters (ep > 1): kept out of the dp reduction, reduced over
+    the expert-data-parallel group by the engine (``reduce_expert_grads``)."""
 
 
-def expert_parallel_hook(model: nn.Module, meshes: Meshes | None, cfg: ParallelConfig) -> None:
-    """The call site of expert parallelism (``moetrain.parallel.expert_parallel.apply_ep``);
-    a no-op at ep=1."""
+def expert_parallel_hook(
+    model: nn.Module, meshes: Meshes | None, cfg: ParallelConfig
+) -> list[nn.Parameter]:
+    """Expert parallelism (``moetrain.parallel.expert_parallel.apply_ep``): keep this rank's
+    experts, install the EP dispatcher, return the expert parameters. A no-op at ep=1."""
     if cfg.ep == 1:
-        return
-    from moetrain.parallel.expert_parallel import apply_ep  # noqa: PLC0415 - optional module
+        return []
+    if meshes is None or meshes.ep is None:
+        raise ValueError("parallel.ep > 1 needs the EP meshes (ParallelDims.build_mesh)")
+    from moetrain.parallel.expert_parallel import apply_ep
 
-    apply_ep(model, meshes, cfg)
+    return apply_ep(model, meshes, cfg)
 
 
 def parallelize(
@@ -60,10 +67,12 @@ def parallelize(
 ) -> ParallelModel:
     """Apply the layout ``dims`` to ``model`` (built identically on every rank)."""
     parts, ids = pipeline_split(model, pp_rank, cfg)
+    expert_params: list[nn.Parameter] = []
     for part in parts:
         if meshes is not None:
             apply_tp(part, meshes.tp, cfg)
-        expert_parallel_hook(part, meshes, cfg)
+        experts = expert_parallel_hook(part, meshes, cfg)
+        expert_params += experts
         apply_ac(part, cfg.activation_checkpointing)
         apply_compile(part, compile)
         if meshes is not None and dims.dp > 1:
@@ -73,7 +82,7 @@ def parallelize(
                     if dims.dp_replicate == 1
                     else meshes.world["dp_replicate", "dp_shard"]
                 )
-                apply_fsdp(part, dp_mesh, cfg.zero_stage, param_dtype)
+                apply_fsdp(part, dp_mesh, cfg.zero_stage, param_dtype, ignored=experts)
             else:
                 apply_ddp(part, meshes.dp, cfg.zero_stage)
     schedule = None
@@ -82,4 +91,4 @@ def parallelize(
         schedule = build_pipeline(
             parts, ids, meshes.pp.get_group(), device, cfg, n_microbatches, loss_fn
         )
-    return ParallelModel(parts, ids, schedule)
+    return ParallelModel(parts, ids, schedule, expert_params)

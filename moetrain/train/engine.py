@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.config import JobConfig
 from moetrain.model import Transformer
@@ -42,6 +42,12 @@ from moetrain.model.moe import SCORE_HIST_BINS, STAT_NAMES
 from moetrain.parallel.accounting import params_before_dp
 from moetrain.parallel.data_parallel import GradientSync, moe_layers
 from moetrain.parallel.dims import Meshes, ParallelDims
+from moetrain.parallel.expert_parallel import (
+    expert_grad_sq_norm,
+    gather_experts,
+    is_expert_param,
+    reduce_expert_grads,
+)
 from moetrain.parallel.parallelize import parallelize
 from moetrain.train.optim import build_optimizer, build_scheduler, param_groups
 
@@ -106,6 +112,15 @@ class Engine:
         self.schedule = pm.schedule
         self.num_stages = dims.num_stages
         self.moe = moe_layers(self.parts)
+        # Expert parallelism: this rank's E / ep experts per MoE layer. They are kept out of
+        # the dp reduction (GradientSync skips them, FSDP ignores them) and reduced over the
+        # expert-data-parallel group instead (``reduce_expert_grads``, after backward).
+        self.expert_params: list[nn.Parameter] = pm.expert_params
+        self.ep_mesh = meshes.ep if meshes is not None else None
+        self.edp_mesh = meshes.edp if meshes is not None else None
+        self.etp_mesh = (
+            meshes.tp if (meshes is not None and self.expert_params and pcfg.expert_tp) else None
+        )
         self.params_at_rest = params_before_dp(self.parts)
         # Accounting hook: called with "forward", "backward" and "step" (memory probes).
         self.probe: Callable[[str], None] | None = None
@@ -122,8 +137,8 @@ class Engine:
             decay, no_decay = [], []
             for part in self.parts:
                 d, n = param_groups(part)
-                decay += d
-                no_decay += n
+                decay += [p for p in d if not is_expert_param(p)]
+                no_decay += [p for p in n if not is_expert_param(p)]
             self.grad_sync = GradientSync(
                 [decay, no_decay],
                 self.zero_stage,
@@ -135,17 +150,29 @@ class Engine:
             assert self.grad_sync is not None
             decay_v, no_decay_v = self.grad_sync.optimizer_groups()
             o = cfg.optim
+            groups = [(decay_v, no_decay_v)]
+            if self.expert_params:
+                # Expert parameters differ per EP rank: their optimizer state is not sharded
+                # over dp (it already holds 1 / ep of the experts); a second AdamW steps them
+                # whole, with the same two groups.
+                groups.append(
+                    (
+                        [p for p in self.expert_params if p.ndim >= 2],
+                        [p for p in self.expert_params if p.ndim < 2],
+                    )
+                )
             self.optimizers = [
                 torch.optim.AdamW(
                     [
-                        {"params": decay_v, "weight_decay": o.weight_decay},
-                        {"params": no_decay_v, "weight_decay": 0.0},
+                        {"params": d, "weight_decay": o.weight_decay},
+                        {"params": n, "weight_decay": 0.0},
                     ],
                     lr=o.lr,
                     betas=(o.beta1, o.beta2),
                     eps=o.eps,
                     weight_decay=o.weight_decay,
                 )
+                for d, n in groups
             ]
         else:
             self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
@@ -292,9 +319,12 @@ class Engine:
             return out
         for part in self.parts:
             for p in part.parameters():
-                if p.grad is not None:
+                if p.grad is not None and not is_expert_param(p):
                     out.append((_local(p.grad), frozenset(_shard_dims(p.grad))))
         return out
+
+    def _expert_grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.expert_params if p.grad is not None]
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients: squares summed locally per sharding class, then
@@ -313,6 +343,11 @@ class Engine:
                 dist.all_reduce(part, group=group)
                 sq = torch.where(mask, part, sq)
         total = sq.sum()
+        if self.expert_params:
+            # Every expert once: summed over the EP group (and the TP group under expert TP),
+            # never over edp (identical replicas) nor over tp with replicated experts.
+            sq_e = expert_grad_sq_norm(self.expert_params, self.ep_mesh, self.etp_mesh)
+            total = total + sq_e.to(total.dtype)
         if self.pp_group is not None:
             dist.all_reduce(total, group=self.pp_group)
         return total.sqrt()
@@ -328,12 +363,16 @@ class Engine:
         self._match_grad_placements()
         if self.grad_sync is not None:
             self.grad_sync.reduce()
+        if self.expert_params:
+            reduce_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
         norm = self.grad_norm()
         norm_f = float(norm)
         update = math.isfinite(norm_f) and math.isfinite(loss)
         if update and max_norm is not None:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for grad, _ in self._grad_pieces():
+                grad.mul_(coef.to(grad.dtype))
+            for grad in self._expert_grads():
                 grad.mul_(coef.to(grad.dtype))
         if update:
             for opt in self.optimizers:
@@ -380,7 +419,10 @@ class Engine:
     def moe_stats(self) -> dict[int, dict[str, torch.Tensor]]:
         """Pop every MoE layer's statistics and return them for all layers, summed over dp
         and pp (each layer lives on one pp rank; tp ranks hold identical copies, not summed).
-        The expert bias is a state, identical over dp: returned as is."""
+        Token counts are counted on the source rank over all experts, so summing over dp
+        counts each assignment once under expert parallelism too; ``a2a_bytes`` (token bytes
+        sent to other EP ranks in forward) is the whole job's. The expert bias is a state,
+        identical over dp: returned as is."""
         from moetrain.model import is_moe_layer
 
         moe_ids = [i for i in range(self.n_layers) if is_moe_layer(i, self.cfg.moe)]
@@ -388,7 +430,7 @@ class Engine:
             return {}
         E = self.cfg.moe.num_experts
         H = SCORE_HIST_BINS  # router-score histogram (metrics: TensorBoard histograms)
-        width = len(STAT_NAMES) + 3 + 2 * E + H
+        width = len(STAT_NAMES) + 4 + 2 * E + H
         packed = torch.zeros(len(moe_ids), width, dtype=torch.float64, device=self.device)
         for row, i in enumerate(moe_ids):
             if i not in self.moe:
@@ -398,7 +440,9 @@ class Engine:
                 [
                     torch.stack([s[n] for n in STAT_NAMES]).double(),
                     s["tokens_per_expert"].double(),
-                    torch.stack([s["calls"], s["assignments"], s["dropped"]]).double(),
+                    torch.stack(
+                        [s["calls"], s["assignments"], s["dropped"], s["a2a_bytes"]]
+                    ).double(),
                     s["score_hist"].double(),
                     s["expert_bias"].double(),  # last: the slice divided by dp below
                 ]
@@ -414,9 +458,11 @@ class Engine:
             v = packed[row].float().cpu()
             d = {n: v[j] for j, n in enumerate(STAT_NAMES)}
             d["tokens_per_expert"] = v[k : k + E]
-            d["calls"], d["assignments"], d["dropped"] = v[k + E : k + E + 3].unbind()
-            d["score_hist"] = v[k + E + 3 : k + E + 3 + H]
-            d["expert_bias"] = v[k + E + 3 + H :]
+            d["calls"], d["assignments"], d["dropped"], d["a2a_bytes"] = v[
+                k + E : k + E + 4
+            ].unbind()
+            d["score_hist"] = v[k + E + 4 : k + E + 4 + H]
+            d["expert_bias"] = v[k + E + 4 + H :]
             out[i] = d
         return out
 
@@ -434,6 +480,13 @@ class Engine:
         assert self.grad_sync is not None
         sharded = self.optimizers[0]
         shadows = [build_optimizer(part, self.cfg.optim) for part in self.parts]
+        if self.expert_params:  # the experts' optimizer is whole: its state as it is
+            experts = self.optimizers[1]
+            for shadow in shadows:
+                for group in shadow.param_groups:
+                    for p in group["params"]:
+                        if p in experts.state:
+                            shadow.state[p] = {k: v.clone() for k, v in experts.state[p].items()}
         for shadow in shadows:  # lr, initial_lr (the scheduler's), betas...: the live values
             for group, live in zip(shadow.param_groups, sharded.param_groups, strict=True):
                 group.update({k: v for k, v in live.items() if k != "params"})
@@ -477,6 +530,14 @@ class Engine:
         owner = {id(p): sh for sh in shadows for g in sh.param_groups for p in g["params"]}
         for group, loaded in zip(sharded.param_groups, shadows[0].param_groups, strict=True):
             group.update({k: v for k, v in loaded.items() if k != "params"})
+        if self.expert_params:
+            experts = self.optimizers[1]
+            for group, loaded in zip(experts.param_groups, shadows[0].param_groups, strict=True):
+                group.update({k: v for k, v in loaded.items() if k != "params"})
+            for shadow in shadows:
+                for p, st in shadow.state.items():
+                    if is_expert_param(p):
+                        experts.state[p] = {k: v.clone() for k, v in st.items()}
         for shard in self.grad_sync.shards:
             for v, (i, start, length) in zip(shard.views, shard.pieces, strict=True):
                 p = shard.params[i]
@@ -501,11 +562,44 @@ class Engine:
         for part, opt in zip(self.parts, self._shadows, strict=True):
             model_sd.update(get_model_state_dict(part))
             optim_sd.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        # Expert parallelism: each rank holds a slice of every expert tensor under the full
+        # model's name. Saved as DTensor views (no copy) sharded over the EP mesh (and the
+        # FFN width over TP under expert TP), DCP writes each slice at its offset in the
+        # full (E, ...) tensor and reads any other slicing back: the checkpoint loads under
+        # any ep (ep = 1 included, where these are plain full tensors).
+        for fqn, mesh, placements in self._expert_layouts():
+            for sd, key in ((model_sd, fqn), *((optim_sd, f"state.{fqn}.{k}") for k in _MOMENTS)):
+                if key in sd and not isinstance(sd[key], DTensor):
+                    sd[key] = DTensor.from_local(sd[key], mesh, placements, run_check=False)
         return {"model": model_sd, "optim": optim_sd}
+
+    def _expert_layouts(self) -> list[tuple[str, Any, tuple[Any, ...]]]:
+        """(full-model name, mesh, placements) of each expert parameter of this rank."""
+        if not self.expert_params:
+            return []
+        out = []
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if not is_expert_param(p):
+                    continue
+                if self.etp_mesh is not None:
+                    ffn_dim = 1 if name.endswith("w2") else 2
+                    mesh = self.meshes.ep_root["ep", "tp"]
+                    out.append((_fqn(name), mesh, (Shard(0), Shard(ffn_dim))))
+                else:
+                    out.append((_fqn(name), self.ep_mesh, (Shard(0),)))
+        return out
 
     def load_app_state(self, state: dict[str, Any]) -> None:
         """Load what ``app_state()`` returned after DCP filled it."""
         shadows = self._shadows
+        for sd in (state["model"], state["optim"]):  # the expert DTensor views: local again
+            for key, value in sd.items():
+                if isinstance(value, DTensor) and any(
+                    key == fqn or key.startswith(f"state.{fqn}.")
+                    for fqn, _, _ in self._expert_layouts()
+                ):
+                    sd[key] = value.to_local()
         for part, opt in zip(self.parts, shadows, strict=True):
             keys = set(get_model_state_dict(part))
             set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in keys})
@@ -530,11 +624,24 @@ class Engine:
                 part, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
             )
             mine.update({k: _local(v).detach().cpu().clone() for k, v in sd.items()})
+            if self.expert_params:  # the experts, gathered over EP (and TP under expert TP)
+                full = gather_experts(part, self.ep_mesh, self.etp_mesh)
+                mine.update({_fqn(k): v.cpu().clone() for k, v in full.items()})
         if self.pp_group is None:
             return mine
         gathered: list[Any] = [None] * self.dims.pp
         dist.all_gather_object(gathered, mine, group=self.pp_group)
         return {k: v for d in gathered for k, v in d.items()}
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _fqn(name: str) -> str:
+    """A parameter's name as state dicts spell it (wrapper prefixes removed)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _shard_dims(t: torch.Tensor) -> list[str]:
