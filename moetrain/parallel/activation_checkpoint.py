@@ -27,8 +27,10 @@ def _keep_moe_stats(module: nn.Module):
     every ``stat_*`` buffer (and the dispatcher's byte counter) and restore them after."""
     layers = [m for m in module.modules() if isinstance(m, MoELayer)]
     saved = [
-        ({n: b.clone() for n, b in m.named_buffers(recurse=False) if n.startswith("stat_")},
-         getattr(m.dispatcher, "bytes_sent", None))
+        (
+            {n: b.clone() for n, b in m.named_buffers(recurse=False) if n.startswith("stat_")},
+            getattr(m.dispatcher, "bytes_sent", None),
+        )
         for m in layers
     ]
     try:

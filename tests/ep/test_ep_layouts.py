@@ -79,8 +79,13 @@ def _split_a2a(run: dict) -> float:
     return total
 
 
-def check(world_size: int, layouts: dict[str, list[str]], reference: dict, timeout: float,
-          reshard: dict[str, tuple[list[str], list[str]]] | None = None) -> None:
+def check(
+    world_size: int,
+    layouts: dict[str, list[str]],
+    reference: dict,
+    timeout: float,
+    reshard: dict[str, tuple[list[str], list[str]]] | None = None,
+) -> None:
     tasks = [("run", o, []) for o in layouts.values()]
     tasks += [("reshard", s, ld) for s, ld in (reshard or {}).values()]
     with tempfile.TemporaryDirectory() as root:
@@ -93,14 +98,18 @@ def check(world_size: int, layouts: dict[str, list[str]], reference: dict, timeo
             sent = _split_a2a(got)
             assert sent > 0, f"{name}: no a2a bytes counted under EP"
             errs = compare_runs(
-                got, ref, atol=VALUE_TOL["atol"], rtol=VALUE_TOL["rtol"],
-                param_tol=PARAM_TOL, what=name,
+                got,
+                ref,
+                atol=VALUE_TOL["atol"],
+                rtol=VALUE_TOL["rtol"],
+                param_tol=PARAM_TOL,
+                what=name,
             )
         except AssertionError as exc:
             failures.append(f"{name}: {exc}")
         else:
             print(f"{name}: max abs errors {errs}, a2a bytes {sent:.0f}")
-    for name, got in zip(reshard or {}, results[len(layouts):], strict=True):
+    for name, got in zip(reshard or {}, results[len(layouts) :], strict=True):
         try:
             torch.testing.assert_close(
                 torch.tensor(got["loss"]), torch.tensor(ref["loss"]), **VALUE_TOL
@@ -125,10 +134,14 @@ def test_ep2_with_each_zero_stage_and_reshard_to_ep1(reference: dict) -> None:
             "ep=2 zero0": ["parallel.ep=2", "parallel.zero_stage=0"],
             "ep=2 zero1": ["parallel.ep=2", "parallel.zero_stage=1"],
             "ep=2 zero2 all_gather": [
-                "parallel.ep=2", "parallel.zero_stage=2", "parallel.ep_dispatcher=all_gather"
+                "parallel.ep=2",
+                "parallel.zero_stage=2",
+                "parallel.ep_dispatcher=all_gather",
             ],
             "ep=2 zero3 + full AC": [
-                "parallel.ep=2", "parallel.zero_stage=3", "parallel.activation_checkpointing=full"
+                "parallel.ep=2",
+                "parallel.zero_stage=3",
+                "parallel.activation_checkpointing=full",
             ],
         },
         reference,
@@ -152,14 +165,20 @@ def test_ep4_and_ep2_composed_with_tp_pp_edp_on_four_ranks(reference: dict) -> N
             "dp=4 ep=2 (edp=2) zero1": ["parallel.ep=2", "parallel.zero_stage=1"],
             "dp=4 ep=2 (edp=2) zero3": ["parallel.ep=2", "parallel.zero_stage=3"],
             "ep=2 x tp=2 + SP": [
-                "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
             ],
             "ep=2 x tp=2 expert_tp zero2": [
-                "parallel.ep=2", "parallel.tp=2", "parallel.expert_tp=true",
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.expert_tp=true",
                 "parallel.zero_stage=2",
             ],
             "ep=2 x pp=2 interleaved_1f1b v=2": [
-                "parallel.ep=2", "parallel.pp=2", "parallel.pp_virtual_stages=2"
+                "parallel.ep=2",
+                "parallel.pp=2",
+                "parallel.pp_virtual_stages=2",
             ],
         },
         reference,
@@ -178,7 +197,10 @@ def test_ep_on_eight_ranks_and_reshard_ep2_to_ep4(reference: dict) -> None:
         {
             "ep=4 x tp=2": ["parallel.ep=4", "parallel.tp=2"],
             "pp=2 x ep=2 x tp=2 zero1 interleaved v=2": [
-                "parallel.pp=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=1",
+                "parallel.pp=2",
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.zero_stage=1",
                 "parallel.pp_virtual_stages=2",
             ],
         },
