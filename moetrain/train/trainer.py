@@ -319,11 +319,14 @@ class Trainer:
                  str(self.dtype).removeprefix("torch."))
         d = self.dims
         log.info("layout: world %d = pp %d x dp_replicate %d x dp_shard %d x tp %d; zero_stage "
-                 "%d, sequence_parallel %s, %d micro-batches of %d per dp rank%s", d.world_size,
+                 "%d, sequence_parallel %s, %d micro-batches of %d per dp rank%s%s", d.world_size,
                  d.pp, d.dp_replicate, d.dp_shard, d.tp, cfg.parallel.zero_stage,
                  cfg.parallel.sequence_parallel, d.microbatches(cfg), d.micro_batch_size(cfg),
                  f", schedule {cfg.parallel.pp_schedule} x {d.virtual_stages} virtual stages"
-                 if d.pp > 1 else "")
+                 if d.pp > 1 else "",
+                 # expert parallelism (ep)
+                 f", ep {d.ep} x edp {d.dp // d.ep} ({cfg.parallel.ep_dispatcher}"
+                 f"{', expert_tp' if cfg.parallel.expert_tp else ''})" if d.ep > 1 else "")
         log.info("data: unigram entropy of the training tokens %.3f nats/token; MFU against "
                  "%.1f GFLOP/s (%s)", entropy, self.peak_flops / 1e9, self.peak_source)
         self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
