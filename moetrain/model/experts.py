@@ -34,3 +34,17 @@ class GroupedExperts(nn.Module):
             x_ND, w3, offs_E, backend=backend
         )
         return grouped_mm(h_NF, w2, offs_E, backend=backend)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x). The dense FFN, and the shared experts of an MoE
+    layer (fused into one SwiGLU every token goes through)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

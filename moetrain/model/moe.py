@@ -22,7 +22,7 @@ from torch import nn
 from moetrain.config import MoEConfig
 from moetrain.kernels import RouteResult, resolve_backend, route
 from moetrain.model.dispatch import Dispatcher, DispatchPlan, LocalDispatcher, plan_dispatch
-from moetrain.model.experts import GroupedExperts
+from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.losses import (
     AuxLossInjector,
     balance_probs,
@@ -110,19 +110,6 @@ class Router(nn.Module):
         return r
 
 
-class SharedExperts(nn.Module):
-    """The shared experts, fused into one SwiGLU every token goes through."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
-
-
 class MoELayer(nn.Module):
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
@@ -130,10 +117,10 @@ class MoELayer(nn.Module):
         self.num_experts = cfg.num_experts
         self.router = Router(dim, cfg)
         self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_dim, cfg.top_k)
-        self.shared_experts: SharedExperts | None = None
+        self.shared_experts: FeedForward | None = None
         if cfg.num_shared_experts > 0:
             hidden = cfg.shared_expert_ffn_dim or cfg.num_shared_experts * cfg.expert_ffn_dim
-            self.shared_experts = SharedExperts(dim, hidden)
+            self.shared_experts = FeedForward(dim, hidden)
         # The seam for expert parallelism: moetrain.parallel swaps in an all-to-all dispatcher.
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss_scale = 1.0

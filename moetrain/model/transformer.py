@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.model.experts import GroupedExperts
+from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.moe import MoELayer
 
 
@@ -74,19 +74,6 @@ class Attention(nn.Module):
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
         return self.wo(out.transpose(1, 2).reshape(B, S, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
