@@ -109,7 +109,20 @@ INVALID = [
         "moe.token_group_seqs: 2 does not divide the per-rank micro-batch of 1 sequences",
     ),
     (1, ["parallel.pp_microbatches=4"], "parallel.pp_microbatches: 4 set but parallel.pp=1"),
-    (4, ["parallel.ep=3"], "parallel.ep: 3 does not divide the data-parallel degree 4"),
+    (4, ["parallel.ep=3"], "parallel.ep: 3 does not divide moe.num_experts=4"),
+    (
+        6,
+        ["parallel.ep=4", "train.global_batch_size=12"],
+        "parallel.ep: 4 does not divide the data-parallel size 6",
+    ),
+    (4, ["parallel.ep=2", "moe.num_experts=0"], "parallel.ep: 2 needs MoE layers"),
+    (4, ["parallel.expert_tp=true", "parallel.ep=2"], "parallel.expert_tp: needs parallel.ep > 1"),
+    (
+        4,
+        ["parallel.ep=2", "parallel.tp=2", "parallel.expert_tp=true", "moe.expert_ffn_dim=33"],
+        "moe.expert_ffn_dim: 33 is not divisible by parallel.tp=2",
+    ),
+    (4, ["parallel.ep=2", "parallel.ep_dispatcher=ring"], "parallel.ep_dispatcher"),
 ]
 
 
