@@ -593,12 +593,11 @@ class Engine:
     def load_app_state(self, state: dict[str, Any]) -> None:
         """Load what ``app_state()`` returned after DCP filled it."""
         shadows = self._shadows
+        experts = {fqn for fqn, _, _ in self._expert_layouts()}
+        expert_keys = experts | {f"state.{f}.{k}" for f in experts for k in _MOMENTS}
         for sd in (state["model"], state["optim"]):  # the expert DTensor views: local again
             for key, value in sd.items():
-                if isinstance(value, DTensor) and any(
-                    key == fqn or key.startswith(f"state.{fqn}.")
-                    for fqn, _, _ in self._expert_layouts()
-                ):
+                if key in expert_keys and isinstance(value, DTensor):
                     sd[key] = value.to_local()
         for part, opt in zip(self.parts, shadows, strict=True):
             keys = set(get_model_state_dict(part))

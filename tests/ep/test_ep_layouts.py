@@ -190,8 +190,9 @@ def test_ep4_and_ep2_composed_with_tp_pp_edp_on_four_ranks(reference: dict) -> N
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ep_on_eight_ranks_and_reshard_ep2_to_ep4(reference: dict) -> None:
-    """ep=4 x tp=2 (the tiny_ep.yaml layout) and pp=2 x ep=2 x tp=2 with ZeRO-1; a checkpoint
-    saved under pp=2 x ep=2 x tp=2 with expert TP resumes under ep=4 x tp=2."""
+    """ep=4 x tp=2 (the tiny_ep.yaml layout) and pp=2 x ep=2 x tp=2 with ZeRO-1; checkpoints
+    saved under pp=2 x ep=2 x tp=2 and under dp=4 x ep=2 x tp=2 with expert TP (experts
+    sharded over ep and tp) resume under ep=4 x tp=2 and under ep=1 x tp=2."""
     check(
         8,
         {
@@ -207,9 +208,13 @@ def test_ep_on_eight_ranks_and_reshard_ep2_to_ep4(reference: dict) -> None:
         reference,
         timeout=380,
         reshard={
-            "pp=2 x ep=2 x tp=2 expert_tp -> ep=4 x tp=2 zero3": (
-                ["parallel.pp=2", "parallel.ep=2", "parallel.tp=2", "parallel.expert_tp=true"],
+            "pp=2 x ep=2 x tp=2 -> ep=4 x tp=2 zero3": (
+                ["parallel.pp=2", "parallel.ep=2", "parallel.tp=2"],
                 ["parallel.ep=4", "parallel.tp=2", "parallel.zero_stage=3"],
+            ),
+            "dp=4 x ep=2 x tp=2 expert_tp -> ep=1 x tp=2 zero1": (
+                ["parallel.ep=2", "parallel.tp=2", "parallel.expert_tp=true"],
+                ["parallel.tp=2", "parallel.zero_stage=1"],
             ),
         },
     )

@@ -123,6 +123,11 @@ INVALID = [
         "moe.expert_ffn_dim: 33 is not divisible by parallel.tp=2",
     ),
     (4, ["parallel.ep=2", "parallel.ep_dispatcher=ring"], "parallel.ep_dispatcher"),
+    (
+        8,
+        ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.expert_tp=true"],
+        "parallel.expert_tp: not supported with parallel.pp=2",
+    ),
 ]
 
 
