@@ -43,6 +43,8 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "seq_aux_loss": float(stats["seq_aux_loss"]) / calls,
         "z_loss": float(stats["z_loss"]) / calls,
         "dead_experts": float((load_E == 0).sum()),
+        # Expert-parallel dispatch: token bytes this layer sent to other ranks, all ranks.
+        "a2a_bytes": float(stats["a2a_bytes"]) if "a2a_bytes" in stats else 0.0,
     }
     return out
 

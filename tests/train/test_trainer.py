@@ -45,7 +45,7 @@ def test_trains_logs_every_metric_and_resumes_exactly(tmp_path: Path) -> None:
         assert tag in full, f"missing {tag}"
     for layer in (0, 1):
         for name in ["max_over_mean", "cv", "dropped_fraction", "router_entropy", "aux_loss",
-                     "seq_aux_loss", "z_loss", "dead_experts", "tokens/expert0",
+                     "seq_aux_loss", "z_loss", "dead_experts", "a2a_bytes", "tokens/expert0",
                      "expert_bias/expert3"]:
             assert f"moe/layer{layer}/{name}" in full, f"missing moe/layer{layer}/{name}"
     assert [s for s, _ in full["train/loss"]] == [1, 2, 3, 4, 5, 6]
