@@ -9,7 +9,7 @@ every final parameter (experts gathered over EP). Under EP the job also reports 
 bytes its dispatchers sent to other ranks (``a2a_bytes``, 0 in one process): checked > 0,
 left out of the comparison.
 
-Tolerances (fp32, those of tests/parallel/test_layouts.py): values atol 1e-5, rtol 1e-4;
+Tolerances (fp32, ``VALUE_TOL``/``PARAM_TOL`` of tests/multirank.py): values atol 1e-5, rtol 1e-4;
 parameters atol 5e-5, rtol 1e-4 (see there why); token and drop counts are compared with
 the same tolerance, which for integer counts is exact.
 
@@ -23,11 +23,9 @@ import tempfile
 
 import pytest
 import torch
-from multirank import compare_runs, micro_config, micro_run, run_ranks
+from multirank import PARAM_TOL, VALUE_TOL, compare_runs, micro_config, micro_run, run_ranks
 
 STEPS = 3
-VALUE_TOL = {"atol": 1e-5, "rtol": 1e-4}
-PARAM_TOL = {"atol": 5e-5, "rtol": 1e-4}
 # Smaller than the layout tests' micro model (time budget): 4 layers stay, so that pp=2 with
 # two virtual stages (interleaved 1F1B) has a layer per chunk.
 SMALL = ["model.dim=32", "model.ffn_dim=64", "moe.expert_ffn_dim=32", "data.seq_len=16"]

@@ -22,11 +22,9 @@ from __future__ import annotations
 import tempfile
 
 import pytest
-from multirank import compare_runs, micro_run, run_ranks
+from multirank import PARAM_TOL, VALUE_TOL, compare_runs, micro_run, run_ranks
 
 STEPS = 3
-VALUE_TOL = {"atol": 1e-5, "rtol": 1e-4}
-PARAM_TOL = {"atol": 5e-5, "rtol": 1e-4}
 
 
 @pytest.fixture(scope="module")
