@@ -1,5 +1,7 @@
 """Bad input, end to end through the command line: each case exits with status 2 and one
-message that names what is wrong, before any work is lost. docs/long_runs.md lists them."""
+message that names what is wrong, and leaves the run directory it was pointed at
+byte-identical (no new file, no changed file, no TensorBoard event file). docs/long_runs.md
+lists them."""
 
 from __future__ import annotations
 
@@ -29,13 +31,30 @@ MICRO = [
     "train.eval_batches=1",
     "train.eval_every=0",
     "log.progress_bar=false",
-    "log.tensorboard=false",
 ]
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     code = cli_main(args)
     return code, capsys.readouterr().err
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` with its bytes (None for a directory)."""
+    return {
+        p.relative_to(root).as_posix(): (None if p.is_dir() else p.read_bytes())
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def assert_untouched(before: dict[str, bytes | None], after: dict[str, bytes | None]) -> None:
+    added = sorted(set(after) - set(before))
+    removed = sorted(set(before) - set(after))
+    changed = sorted(k for k in set(before) & set(after) if before[k] != after[k])
+    assert not (added or removed or changed), (
+        f"a refused start touched the run directory: added {added}, removed {removed}, "
+        f"changed {changed}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +113,12 @@ CASES = [
         "train.device:",
     ),
     (
+        "layout-world-size",
+        lambda f: ["parallel.tp=2"],
+        "config error: parallel.pp * parallel.dp_replicate * parallel.tp = 1 * 1 * 2 = 2 does "
+        "not divide the world size 1",
+    ),
+    (
         "data-missing-path",
         lambda f: ["data.dataset=/no/such/corpus.txt"],
         "data.dataset: local path '/no/such/corpus.txt' does not exist",
@@ -120,27 +145,13 @@ def _cuda() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_bad_input_is_one_clear_error(
-    case, files, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    _, make_args, message = case
-    args = make_args(files)
-    base = [] if "--config" in args else ["--config", TINY]
-    code, err = run_cli([*base, *args, f"train.output_dir={tmp_path / 'run'}"], capsys)
-    assert code == 2, err
-    assert message in err, err
-    assert err.count("\n") == 1, f"expected one line, got:\n{err}"
-    assert not (tmp_path / "run" / "checkpoints").exists(), "work started despite bad input"
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run directory holding one good checkpoint of the micro model."""
+    """A run directory holding one good checkpoint of the micro model, its config.yaml and
+    its TensorBoard events: what a refused start must leave as it is."""
     out = tmp_path_factory.mktemp("trained")
     assert cli_main(["--config", TINY, *MICRO, "train.steps=1", f"train.output_dir={out}"]) == 0
+    assert list((out / "tb").glob("events.out.tfevents.*")), "the fixture run wrote no events"
     return out
 
 
@@ -149,14 +160,67 @@ def _copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_error(
+    case, files, trained: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    _, make_args, message = case
+    args = make_args(files)
+    base = [] if "--config" in args else ["--config", TINY]
+    # Pointed at an existing run (as a typo in a restart command would be).
+    run = _copy_run(trained, tmp_path / "run")
+    before = snapshot(run)
+    code, err = run_cli([*base, *args, f"train.output_dir={run}"], capsys)
+    assert code == 2, err
+    assert message in err, err
+    assert err.count("\n") == 1, f"expected one line, got:\n{err}"
+    assert_untouched(before, snapshot(run))
+
+
 CKPT_CASES = [
-    # (id, how to damage the copied run, extra overrides, text the message must contain)
-    ("ckpt-truncated", "truncate", [], "truncated"),
-    ("ckpt-file-missing", "delete", [], "missing"),
-    ("ckpt-other-shape", None, ["moe.num_experts=8"], "num_experts"),
-    ("ckpt-other-dim", None, ["model.dim=64"], "dim"),
-    ("ckpt-other-data-seed", None, ["data.seed=7"], "data.seed"),
-    ("ckpt-auto-none-verifies", "auto-none-verifies", [], "but none verifies"),
+    # (id, how to damage the copied run, extra overrides, text the message must contain;
+    # {ckpt} stands for the checkpoint's path)
+    (
+        "ckpt-truncated",
+        "truncate",
+        [],
+        "checkpoint {ckpt} is not usable: __0_0.distcp is 100 bytes but manifest.json records",
+    ),
+    ("ckpt-file-missing", "delete", [], "checkpoint {ckpt} is not usable: __0_0.distcp is missing"),
+    (
+        "ckpt-other-shape",
+        None,
+        ["moe.num_experts=8"],
+        "checkpoint error: checkpoint {ckpt} was saved for a different model: "
+        "num_experts: checkpoint has 4, this run has 8\n",
+    ),
+    (
+        "ckpt-other-dim",
+        None,
+        ["model.dim=64"],
+        "checkpoint error: checkpoint {ckpt} was saved for a different model: "
+        "dim: checkpoint has 32, this run has 64\n",
+    ),
+    (
+        "ckpt-other-data-seed",
+        None,
+        ["data.seed=7"],
+        "data error: data.seed: the checkpoint's data order used seed 0, this run has 7",
+    ),
+    (
+        "ckpt-auto-none-verifies",
+        "auto-none-verifies",
+        [],
+        "checkpoint(s) in {root} but none verifies",
+    ),
+    (
+        "ckpt-resume-never",
+        "resume-never",
+        [],
+        "config error: train.resume: 'never' but {root} already holds checkpoints",
+    ),
 ]
 
 
@@ -166,14 +230,12 @@ def test_bad_checkpoint_is_one_clear_error(case, trained: Path, tmp_path: Path, 
     run = _copy_run(trained, tmp_path / "run")
     ckpt = run / "checkpoints" / "step_00000001"
     shard = next(ckpt.glob("*.distcp"))
-    if damage == "truncate":
+    if damage in ("truncate", "auto-none-verifies"):
         shard.write_bytes(shard.read_bytes()[:100])
     elif damage == "delete":
         shard.unlink()
-    elif damage == "auto-none-verifies":
-        shard.write_bytes(shard.read_bytes()[:100])
-    before = {p: p.stat().st_size for p in ckpt.iterdir()}
-    resume = "auto" if damage == "auto-none-verifies" else str(ckpt)
+    resume = {"auto-none-verifies": "auto", "resume-never": "never"}.get(damage, str(ckpt))
+    before = snapshot(run)
     code, err = run_cli(
         [
             "--config",
@@ -187,6 +249,8 @@ def test_bad_checkpoint_is_one_clear_error(case, trained: Path, tmp_path: Path, 
         capsys,
     )
     assert code == 2, err
-    assert message in err, err
-    # Nothing already saved is lost or changed.
-    assert {p: p.stat().st_size for p in ckpt.iterdir()} == before
+    assert message.format(ckpt=ckpt, root=run / "checkpoints") in err, err
+    assert err.count("\n") == 1, f"expected one line, got:\n{err}"
+    # Nothing already saved is lost or changed, and nothing is added: config.yaml still
+    # describes the saved model (the tools build the model from it), no new event file.
+    assert_untouched(before, snapshot(run))

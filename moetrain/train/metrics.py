@@ -101,8 +101,10 @@ def custom_scalars_layout(layers: list[int]) -> dict[str, dict[str, list]]:
             "dropped-token fraction": ["Multiline", [f"{p}/dropped_fraction"]],
             "router entropy": ["Multiline", [f"{p}/router_entropy"]],
             "dead experts": ["Multiline", [f"{p}/dead_experts"]],
-            "aux and z losses": ["Multiline", [f"{p}/aux_loss", f"{p}/seq_aux_loss",
-                                               f"{p}/z_loss"]],
+            "aux and z losses": [
+                "Multiline",
+                [f"{p}/aux_loss", f"{p}/seq_aux_loss", f"{p}/z_loss"],
+            ],
             "expert bias": ["Multiline", [rf"{p}/expert_bias/expert\d+"]],
             "token share per expert": ["Multiline", [rf"{p}/tokens/expert\d+"]],
         }
@@ -136,8 +138,13 @@ class ExpertLoadMonitor:
         last[load_E.cpu() > 0] = step
         dead_now = set(torch.nonzero(step - last >= self.window).flatten().tolist())
         for e in sorted(dead_now - self.dead[layer]):
-            log.warning("moe layer %d: expert %d is dead (no tokens in the last %d steps) "
-                        "at step %d", layer, e, self.window, step)
+            log.warning(
+                "moe layer %d: expert %d is dead (no tokens in the last %d steps) at step %d",
+                layer,
+                e,
+                self.window,
+                step,
+            )
         for e in sorted(self.dead[layer] - dead_now):
             log.info("moe layer %d: expert %d receives tokens again at step %d", layer, e, step)
         self.dead[layer] = dead_now
@@ -145,9 +152,14 @@ class ExpertLoadMonitor:
         if t is not None:
             over = max_over_mean > t
             if over and not self.over[layer]:
-                log.warning("moe layer %d: load imbalance max/mean %.2f passed "
-                            "log.imbalance_warn_threshold=%g at step %d", layer, max_over_mean,
-                            t, step)
+                log.warning(
+                    "moe layer %d: load imbalance max/mean %.2f passed "
+                    "log.imbalance_warn_threshold=%g at step %d",
+                    layer,
+                    max_over_mean,
+                    t,
+                    step,
+                )
             self.over[layer] = over
         return len(dead_now)
 
@@ -161,8 +173,9 @@ def render_share_heatmap(share_LE: np.ndarray, layers: list[int], title: str) ->
     fig = Figure(figsize=(max(4.0, 0.5 * E + 2.0), max(2.5, 0.45 * L + 1.5)), dpi=100)
     canvas = FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    im = ax.imshow(share_LE, aspect="auto", cmap="viridis", vmin=0.0,
-                   vmax=max(float(share_LE.max()), 2.0 / E))
+    im = ax.imshow(
+        share_LE, aspect="auto", cmap="viridis", vmin=0.0, vmax=max(float(share_LE.max()), 2.0 / E)
+    )
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     ax.set_xticks(range(E))
@@ -170,8 +183,15 @@ def render_share_heatmap(share_LE: np.ndarray, layers: list[int], title: str) ->
     ax.set_title(title, fontsize=9)
     if L * E <= 256:
         for (i, j), v in np.ndenumerate(share_LE):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                    color="white" if v < share_LE.max() * 0.6 else "black")
+            ax.text(
+                j,
+                i,
+                f"{v:.2f}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if v < share_LE.max() * 0.6 else "black",
+            )
     fig.colorbar(im, ax=ax, label="token share")
     fig.tight_layout()
     canvas.draw()
@@ -196,8 +216,14 @@ class MetricsWriter:
         self._score_hist: dict[int, torch.Tensor] = {}
         self.writer = None
         if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
+            self.open(log_dir)
 
+    def open(self, log_dir: Path) -> None:
+        """Start writing TensorBoard events to ``log_dir`` (creates an event file there);
+        until then every write is a no-op."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.writer is None:
             self.writer = SummaryWriter(log_dir=str(log_dir))
 
     def scalars(self, values: dict[str, float], step: int) -> None:
@@ -211,8 +237,11 @@ class MetricsWriter:
         summaries = {}
         for layer, stats in sorted(per_layer.items()):
             summary = layer_summary(stats)
-            summary["dead_experts"] = float(self.monitor.update(
-                layer, stats["tokens_per_expert"], summary["max_over_mean"], step))
+            summary["dead_experts"] = float(
+                self.monitor.update(
+                    layer, stats["tokens_per_expert"], summary["max_over_mean"], step
+                )
+            )
             summaries[layer] = summary
         if self.writer is None or not per_layer:
             return
@@ -232,16 +261,21 @@ class MetricsWriter:
             # One bucket per expert: the histogram view shows the load across experts.
             E = load_E.numel()
             self.writer.add_histogram_raw(
-                f"{prefix}/tokens_per_expert", min=0, max=E - 1, num=int(load_E.sum()),
+                f"{prefix}/tokens_per_expert",
+                min=0,
+                max=E - 1,
+                num=int(load_E.sum()),
                 sum=float((torch.arange(E) * load_E).sum()),
                 sum_squares=float((torch.arange(E) ** 2 * load_E).sum()),
-                bucket_limits=[e + 0.5 for e in range(E)], bucket_counts=load_E.tolist(),
+                bucket_limits=[e + 0.5 for e in range(E)],
+                bucket_counts=load_E.tolist(),
                 global_step=step,
             )
             self._heat_tokens[layer] = self._heat_tokens.get(layer, 0) + load_E
             if "score_hist" in stats:
-                self._score_hist[layer] = (self._score_hist.get(layer, 0)
-                                           + stats["score_hist"].double().cpu())
+                self._score_hist[layer] = (
+                    self._score_hist.get(layer, 0) + stats["score_hist"].double().cpu()
+                )
         if self.heatmap_every and step % self.heatmap_every == 0:
             self._write_heatmap(step)
         if self.histogram_every and step % self.histogram_every == 0:
@@ -249,12 +283,13 @@ class MetricsWriter:
 
     def _write_heatmap(self, step: int) -> None:
         layers = sorted(self._heat_tokens)
-        share_LE = torch.stack([
-            self._heat_tokens[layer] / self._heat_tokens[layer].sum().clamp_min(1)
-            for layer in layers
-        ]).numpy()
-        image = render_share_heatmap(share_LE, layers, f"token share per expert, up to step "
-                                     f"{step}")
+        share_LE = torch.stack(
+            [
+                self._heat_tokens[layer] / self._heat_tokens[layer].sum().clamp_min(1)
+                for layer in layers
+            ]
+        ).numpy()
+        image = render_share_heatmap(share_LE, layers, f"token share per expert, up to step {step}")
         self.writer.add_image("moe/token_share_heatmap", image, step, dataformats="HWC")
         self._heat_tokens.clear()
 
@@ -264,11 +299,15 @@ class MetricsWriter:
             n = counts.numel()
             centers = (torch.arange(n, dtype=torch.float64) + 0.5) / n
             self.writer.add_histogram_raw(
-                f"moe/layer{layer}/router_scores", min=0.0, max=1.0, num=int(counts.sum()),
+                f"moe/layer{layer}/router_scores",
+                min=0.0,
+                max=1.0,
+                num=int(counts.sum()),
                 sum=float((centers * counts).sum()),
                 sum_squares=float((centers**2 * counts).sum()),
                 bucket_limits=((torch.arange(n) + 1.0) / n).tolist(),
-                bucket_counts=counts.tolist(), global_step=step,
+                bucket_counts=counts.tolist(),
+                global_step=step,
             )
         self._score_hist.clear()
 
@@ -287,9 +326,17 @@ class MetricsWriter:
 
 def format_log_line(step: int, total: int, values: dict[str, Any]) -> str:
     parts = [f"step {step}/{total}"]
-    for key, fmt in (("loss", "{:.4f}"), ("eval_loss", "{:.4f}"), ("aux", "{:.4f}"),
-                     ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"), ("tokens_per_s", "{:,.0f}"),
-                     ("mfu", "{:.1%}"), ("max_over_mean", "{:.2f}"), ("dropped", "{:.2%}")):
+    for key, fmt in (
+        ("loss", "{:.4f}"),
+        ("eval_loss", "{:.4f}"),
+        ("aux", "{:.4f}"),
+        ("lr", "{:.2e}"),
+        ("grad_norm", "{:.3f}"),
+        ("tokens_per_s", "{:,.0f}"),
+        ("mfu", "{:.1%}"),
+        ("max_over_mean", "{:.2f}"),
+        ("dropped", "{:.2%}"),
+    ):
         if key in values:
             parts.append(f"{key} " + fmt.format(values[key]))
     return " | ".join(parts)
@@ -321,8 +368,13 @@ def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def moe_layer_ids(scalars: dict[str, list[tuple[int, float]]]) -> list[int]:
-    return sorted({int(m.group(1)) for tag in scalars
-                   if (m := re.fullmatch(r"moe/layer(\d+)/max_over_mean", tag))})
+    return sorted(
+        {
+            int(m.group(1))
+            for tag in scalars
+            if (m := re.fullmatch(r"moe/layer(\d+)/max_over_mean", tag))
+        }
+    )
 
 
 def run_summary(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, float]:

@@ -49,14 +49,19 @@ log = logging.getLogger("moetrain")
 
 def setup_logging() -> None:
     if not logging.getLogger().handlers:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                            datefmt="%H:%M:%S", stream=sys.stdout)
+        logging.basicConfig(
+            level=logging.INFO,
+            format="%(asctime)s %(levelname)s %(message)s",
+            datefmt="%H:%M:%S",
+            stream=sys.stdout,
+        )
 
 
 def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device: 'cuda' requested but no CUDA device is available; "
-                          "use 'auto' or 'cpu'")
+        raise ConfigError(
+            "train.device: 'cuda' requested but no CUDA device is available; use 'auto' or 'cpu'"
+        )
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
@@ -98,10 +103,17 @@ def model_fingerprint(cfg: JobConfig, vocab_size: int) -> dict[str, Any]:
     """What a checkpoint must agree on to be loadable into this run's model."""
     m, e = cfg.model, cfg.moe
     return {
-        "vocab_size": vocab_size, "dim": m.dim, "n_layers": m.n_layers, "n_heads": m.n_heads,
-        "n_kv_heads": m.kv_heads, "ffn_dim": m.ffn_dim, "tie_embeddings": m.tie_embeddings,
-        "num_experts": e.num_experts, "expert_ffn_dim": e.expert_ffn_dim,
-        "every_n_layers": e.every_n_layers, "num_shared_experts": e.num_shared_experts,
+        "vocab_size": vocab_size,
+        "dim": m.dim,
+        "n_layers": m.n_layers,
+        "n_heads": m.n_heads,
+        "n_kv_heads": m.kv_heads,
+        "ffn_dim": m.ffn_dim,
+        "tie_embeddings": m.tie_embeddings,
+        "num_experts": e.num_experts,
+        "expert_ffn_dim": e.expert_ffn_dim,
+        "every_n_layers": e.every_n_layers,
+        "num_shared_experts": e.num_shared_experts,
         "shared_expert_ffn_dim": e.shared_expert_ffn_dim,
     }
 
@@ -130,8 +142,9 @@ def init_distributed(device: torch.device, timeout_s: int) -> None:
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
+    )
 
 
 class Trainer:
@@ -151,8 +164,10 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's "
-                              f"vocabulary of {self.tokenizer.vocab_size}")
+            raise ConfigError(
+                f"model.vocab_size: {vocab} is smaller than the tokenizer's "
+                f"vocabulary of {self.tokenizer.vocab_size}"
+            )
         cfg.model.vocab_size = vocab
         self.dims = dims.validate(cfg)  # before any process group exists
 
@@ -163,14 +178,16 @@ class Trainer:
         coords = dims.coords(self.rank)
         dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
         mbs = dims.micro_batch_size(cfg)
-        self.train_data = PackedBatches(cfg.data, self.tokenizer, "train",
-                                        tcfg.global_batch_size, mbs, dp_rank, dims.dp)
+        self.train_data = PackedBatches(
+            cfg.data, self.tokenizer, "train", tcfg.global_batch_size, mbs, dp_rank, dims.dp
+        )
         # Eval: at least eval_batches * micro_batch_size sequences, rounded up to what the
         # layout runs at once (dp ranks x pipeline micro-batches).
         unit = dims.dp * mbs * (dims.microbatches(cfg) if dims.pp > 1 else 1)
         eval_seqs = -(-tcfg.eval_batches * tcfg.micro_batch_size // unit) * unit
-        self.eval_data = PackedBatches(cfg.data, self.tokenizer, "eval", eval_seqs, mbs,
-                                       dp_rank, dims.dp)
+        self.eval_data = PackedBatches(
+            cfg.data, self.tokenizer, "eval", eval_seqs, mbs, dp_rank, dims.dp
+        )
 
         # The full model is built from the seed on every rank before any sharding, so every
         # layout starts from the same parameters.
@@ -185,14 +202,15 @@ class Trainer:
         self.step = 0
         torch.manual_seed(tcfg.seed)  # router jitter draws from the global generator
 
-        tb = self.out_dir / "tb" if (cfg.log.tensorboard and self.is_main) else None
-        # dashboard cadence, dead-expert/imbalance warnings
-        self.writer = MetricsWriter(tb, cfg.log)
+        # Dashboard cadence, dead-expert/imbalance warnings. TensorBoard is opened by fit once
+        # the start is accepted (``_open_run_dir``): a refused start writes no event file.
+        self.writer = MetricsWriter(None, cfg.log)
         self._measure_peak()
         self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
         self.faults = FaultInjector(self.rank)
-        self.collapse = CollapseMonitor(cfg.log.collapse_fraction, cfg.log.collapse_steps,
-                                        cfg.moe.top_k)
+        self.collapse = CollapseMonitor(
+            cfg.log.collapse_fraction, cfg.log.collapse_steps, cfg.moe.top_k
+        )
 
     def _measure_peak(self, seconds: float = 0.2) -> None:
         """The MFU denominator: a GPU's datasheet peak, or on CPU a matmul measured now."""
@@ -221,17 +239,23 @@ class Trainer:
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
         }
-        path = self.ckpt.save(self.step, self.engine.app_state(), extra,
-                              fingerprint=self.fingerprint)
+        path = self.ckpt.save(
+            self.step, self.engine.app_state(), extra, fingerprint=self.fingerprint
+        )
         log.info("saved checkpoint %s", path)
         return path
 
     def maybe_resume(self) -> None:
+        """Load the checkpoint ``train.resume`` names, or refuse the start (ConfigError,
+        CheckpointError, DataError). Reads only: nothing in the run directory is written."""
         resume = self.cfg.train.resume
         if resume == "never":
-            if self.ckpt.latest() is not None:
-                raise ConfigError(f"train.resume: 'never' but {self.ckpt.root} already holds "
-                                  "checkpoints; pick another train.output_dir or resume")
+            # Any checkpoint directory counts, verified or not: starting over would bury it.
+            if self.ckpt.checkpoints():
+                raise ConfigError(
+                    f"train.resume: 'never' but {self.ckpt.root} already holds "
+                    "checkpoints; pick another train.output_dir or resume"
+                )
             return
         path = self.ckpt.latest() if resume == "auto" else Path(resume)
         if path is None:
@@ -247,7 +271,8 @@ class Trainer:
                 raise CheckpointError(
                     f"train.resume: 'auto' found {len(existing)} checkpoint(s) in "
                     f"{self.ckpt.root} but none verifies ({problem}); repair or move them, or "
-                    "start a new train.output_dir")
+                    "start a new train.output_dir"
+                )
             return
         # Keys are full-model names under every layout: DCP reshards a checkpoint saved under
         # another layout on load. Data state is the global stream position (layout-free).
@@ -292,9 +317,15 @@ class Trainer:
         scalars["memory/model_state_over_zero_formula"] = report.peak.total / formula
         self.writer.scalars(scalars, self.step)
         sent = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sorted(report.sent.items()))
-        log.info("accounting (rank 0, step %d): model state %.2f MB = %.3f x the ZeRO-%d "
-                 "formula; sent %s", self.step, report.peak.total / 1e6,
-                 report.peak.total / formula, zero, sent or "nothing")
+        log.info(
+            "accounting (rank 0, step %d): model state %.2f MB = %.3f x the ZeRO-%d "
+            "formula; sent %s",
+            self.step,
+            report.peak.total / 1e6,
+            report.peak.total / formula,
+            zero,
+            sent or "nothing",
+        )
         return report.result
 
     @torch.no_grad()
@@ -309,26 +340,47 @@ class Trainer:
         interruption would) and return the final eval loss and the unigram entropy."""
         cfg, tcfg = self.cfg, self.cfg.train
         end = tcfg.steps if stop_at is None else min(stop_at, tcfg.steps)
-        if self.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "config.yaml").write_text(config_to_yaml(cfg))
+        # Validate first, write after: a refused start leaves the run directory as it was.
         self.maybe_resume()
+        self._open_run_dir()
         entropy = unigram_entropy(self.tokenizer, cfg.data) if self.is_main else 0.0
-        log.info("model: %.2fM params (%.2fM active per token), %d MoE layers, device %s %s",
-                 self.n_params / 1e6, self.n_active / 1e6, self.n_moe_layers, self.device,
-                 str(self.dtype).removeprefix("torch."))
+        log.info(
+            "model: %.2fM params (%.2fM active per token), %d MoE layers, device %s %s",
+            self.n_params / 1e6,
+            self.n_active / 1e6,
+            self.n_moe_layers,
+            self.device,
+            str(self.dtype).removeprefix("torch."),
+        )
         d = self.dims
-        log.info("layout: world %d = pp %d x dp_replicate %d x dp_shard %d x tp %d; zero_stage "
-                 "%d, sequence_parallel %s, %d micro-batches of %d per dp rank%s%s", d.world_size,
-                 d.pp, d.dp_replicate, d.dp_shard, d.tp, cfg.parallel.zero_stage,
-                 cfg.parallel.sequence_parallel, d.microbatches(cfg), d.micro_batch_size(cfg),
-                 f", schedule {cfg.parallel.pp_schedule} x {d.virtual_stages} virtual stages"
-                 if d.pp > 1 else "",
-                 # expert parallelism (ep)
-                 f", ep {d.ep} x edp {d.dp // d.ep} ({cfg.parallel.ep_dispatcher}"
-                 f"{', expert_tp' if cfg.parallel.expert_tp else ''})" if d.ep > 1 else "")
-        log.info("data: unigram entropy of the training tokens %.3f nats/token; MFU against "
-                 "%.1f GFLOP/s (%s)", entropy, self.peak_flops / 1e9, self.peak_source)
+        log.info(
+            "layout: world %d = pp %d x dp_replicate %d x dp_shard %d x tp %d; zero_stage "
+            "%d, sequence_parallel %s, %d micro-batches of %d per dp rank%s%s",
+            d.world_size,
+            d.pp,
+            d.dp_replicate,
+            d.dp_shard,
+            d.tp,
+            cfg.parallel.zero_stage,
+            cfg.parallel.sequence_parallel,
+            d.microbatches(cfg),
+            d.micro_batch_size(cfg),
+            f", schedule {cfg.parallel.pp_schedule} x {d.virtual_stages} virtual stages"
+            if d.pp > 1
+            else "",
+            # expert parallelism (ep)
+            f", ep {d.ep} x edp {d.dp // d.ep} ({cfg.parallel.ep_dispatcher}"
+            f"{', expert_tp' if cfg.parallel.expert_tp else ''})"
+            if d.ep > 1
+            else "",
+        )
+        log.info(
+            "data: unigram entropy of the training tokens %.3f nats/token; MFU against "
+            "%.1f GFLOP/s (%s)",
+            entropy,
+            self.peak_flops / 1e9,
+            self.peak_source,
+        )
         self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
         self.writer.scalars({"data/unigram_entropy": entropy}, self.step)
 
@@ -347,10 +399,18 @@ class Trainer:
         self.writer.flush()
         self.writer.close()
         if preempt.signum is not None:
-            log.info("stopped at step %d after %s; the next launch resumes from the checkpoint",
-                     self.step, signal.Signals(preempt.signum).name)
-            summary.update({"eval_loss": float("nan") if eval_loss is None else eval_loss,
-                            "step": self.step, "preempted": 1.0})
+            log.info(
+                "stopped at step %d after %s; the next launch resumes from the checkpoint",
+                self.step,
+                signal.Signals(preempt.signum).name,
+            )
+            summary.update(
+                {
+                    "eval_loss": float("nan") if eval_loss is None else eval_loss,
+                    "step": self.step,
+                    "preempted": 1.0,
+                }
+            )
             return summary
         if eval_loss is None:
             eval_loss = self.evaluate()
@@ -358,8 +418,19 @@ class Trainer:
         log.info("done: eval loss %.4f nats/token vs unigram entropy %.4f", eval_loss, entropy)
         return summary
 
-    def _loop(self, end: int, window: list[StepResult], bar: Any,
-              preempt: PreemptionGuard) -> float | None:
+    def _open_run_dir(self) -> None:
+        """Rank 0, once the start is accepted: write ``config.yaml`` (what the tools rebuild
+        the model from) and open the TensorBoard writer (which creates an event file)."""
+        if not self.is_main:
+            return
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
+        if self.cfg.log.tensorboard:
+            self.writer.open(self.out_dir / "tb")
+
+    def _loop(
+        self, end: int, window: list[StepResult], bar: Any, preempt: PreemptionGuard
+    ) -> float | None:
         """Steps until ``end`` or a preemption signal; returns the last eval loss."""
         cfg, tcfg = self.cfg, self.cfg.train
         eval_loss = None
@@ -378,9 +449,14 @@ class Trainer:
                     # state, positioned after the bad batch.
                     self.save_checkpoint()
                     raise
-            scalars = {"train/loss": res.loss, "train/lr": res.lr, "train/grad_norm": res.grad_norm,
-                       "perf/tokens_per_s": tok_s, "perf/mfu": mfu,
-                       "train/skipped_steps": self.nonfinite.skipped}
+            scalars = {
+                "train/loss": res.loss,
+                "train/lr": res.lr,
+                "train/grad_norm": res.grad_norm,
+                "perf/tokens_per_s": tok_s,
+                "perf/mfu": mfu,
+                "train/skipped_steps": self.nonfinite.skipped,
+            }
             self.writer.scalars(scalars, self.step)
             self.writer.moe_layers(res.moe, self.step)
             if self.is_main:
@@ -393,8 +469,11 @@ class Trainer:
                 eval_loss = self.evaluate()
                 self.writer.scalars({"eval/loss": eval_loss}, self.step)
             if self.step % cfg.log.log_every == 0 or last:
-                self._log_window(window, eval_loss if self.step % max(tcfg.eval_every, 1) == 0
-                                 or last else None, bar)
+                self._log_window(
+                    window,
+                    eval_loss if self.step % max(tcfg.eval_every, 1) == 0 or last else None,
+                    bar,
+                )
                 window = []
             saved = (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) or last
             if saved:
@@ -412,8 +491,10 @@ class Trainer:
         seconds = sum(r.seconds for r in window)
         tok_s = tokens / max(seconds, 1e-9)
         values: dict[str, Any] = {
-            "loss": sum(r.loss for r in window) / len(window), "lr": window[-1].lr,
-            "grad_norm": window[-1].grad_norm, "tokens_per_s": tok_s,
+            "loss": sum(r.loss for r in window) / len(window),
+            "lr": window[-1].lr,
+            "grad_norm": window[-1].grad_norm,
+            "tokens_per_s": tok_s,
             "mfu": tok_s * self.flops_per_token / self.peak_flops,
         }
         merged: dict[int, dict[str, torch.Tensor]] = {}
