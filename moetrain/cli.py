@@ -80,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip())
         print("\ncommands: " + ", ".join(COMMANDS) + " (default: train)")
         return 0
+    if argv and not argv[0].startswith("-") and "=" not in argv[0]:
+        # Neither an option nor a key=value override of the default train command: a word
+        # that names no command (a typo, or a command this version does not have).
+        print(
+            f"moetrain: unknown command {argv[0]!r}; commands are {', '.join(COMMANDS)} "
+            "(default: train, as in moetrain --config FILE key=value ...)",
+            file=sys.stderr,
+        )
+        return 2
     return train_main(argv)
 
 
