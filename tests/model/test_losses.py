@@ -147,19 +147,24 @@ def test_moe_layer_records_loss_values(score_func, token_group_seqs, assert_clos
 
 
 def _loss_reference(name, x_TD, gate_ED, cfg, batch):
+    """The loss from its definition (float64, independent of moetrain.model.losses)."""
     logits_TE, probs_TE, ids_TK = router_reference(x_TD, gate_ED, cfg)
+    seq = x_TD.shape[0] // batch
     if name == "aux":
-        groups = batch // cfg.token_group_seqs if cfg.token_group_seqs else 1
-        return load_balancing_loss(probs_TE, ids_TK, groups)
+        group_tokens = seq * (cfg.token_group_seqs or batch)
+        return switch_loss_reference(probs_TE, ids_TK, cfg.num_experts, group_tokens)
     if name == "seq_aux":
-        return load_balancing_loss(probs_TE, ids_TK, batch)
-    return z_loss(torch.logsumexp(logits_TE, -1))
+        return switch_loss_reference(probs_TE, ids_TK, cfg.num_experts, seq)
+    return torch.logsumexp(logits_TE, -1).pow(2).mean()
 
 
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("loss_name", ["aux", "seq_aux", "z"])
 @pytest.mark.parametrize("scale", [1.0, 0.25])
-def test_moe_layer_injects_loss_gradient(score_func, loss_name, scale, assert_close):
+@pytest.mark.parametrize("token_group_seqs", [1, None])
+def test_moe_layer_injects_loss_gradient(
+    score_func, loss_name, scale, token_group_seqs, assert_close
+):
     B, S, D, coef = 2, 6, 8, 0.3
     coefs = {"aux_loss_coef": 0.0, "seq_aux_loss_coef": 0.0, "z_loss_coef": 0.0}
     coefs[f"{loss_name}_loss_coef"] = coef
@@ -168,7 +173,7 @@ def test_moe_layer_injects_loss_gradient(score_func, loss_name, scale, assert_cl
         top_k=2,
         expert_ffn_dim=8,
         score_func=score_func,
-        token_group_seqs=1,
+        token_group_seqs=token_group_seqs,
         kernels="torch",
         **coefs,
     )
