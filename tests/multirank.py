@@ -25,12 +25,14 @@ overrides it is the layout under test (every rank returns the same gathered valu
 from __future__ import annotations
 
 import io
+import math
 import os
 import queue
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,17 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["MICRO", "RankFailure", "micro_config", "micro_run", "run_ranks", "compare_runs"]
+__all__ = [
+    "GRAD_TOL",
+    "MICRO",
+    "PARAM_TOL",
+    "VALUE_TOL",
+    "RankFailure",
+    "compare_runs",
+    "micro_config",
+    "micro_run",
+    "run_ranks",
+]
 
 PG_TIMEOUT_S = 60
 """Timeout of the gloo process group: a collective some rank never joins fails after this."""
@@ -206,57 +218,303 @@ def micro_config(out_dir: str | Path, *overrides: str):
     return load_config(None, [*MICRO, f"train.output_dir={out_dir}", *overrides])
 
 
-def micro_run(out_dir: str | Path, steps: int, *overrides: str) -> dict[str, Any]:
+def micro_run(
+    out_dir: str | Path,
+    steps: int,
+    *overrides: str,
+    inject: Callable[[Any, int], None] | None = None,
+) -> dict[str, Any]:
     """Train the micro MoE ``steps`` steps (no eval, no checkpoint) and report.
 
     Returns ``loss``, ``grad_norm`` (lists over steps), ``moe`` (per step, per layer:
     aux_loss, seq_aux_loss, z_loss sums per call, calls, tokens_per_expert, dropped,
-    expert_bias) and ``params`` (the full fp32 state dict gathered over every parallel
-    dimension, on CPU). Under a process group every rank returns the same values.
+    expert_bias), ``grads`` (per step: every parameter's reduced gradient, before clipping,
+    gathered to full size under the single-process names), ``optim`` (AdamW's exp_avg and
+    exp_avg_sq of every parameter after the last step, full size) and ``params`` (the full
+    fp32 state dict gathered over every parallel dimension, on CPU). Under a process group
+    every rank returns the same values (each gathered on that rank).
+
+    ``inject(engine, step)`` runs on the reduced gradients before they are recorded and
+    used: the oracle's own tests plant errors with it.
     """
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(micro_config(out_dir, f"train.steps={steps}", *overrides))
+    grads: list[dict[str, torch.Tensor]] = []
+    counter: Any = None
+
+    def hook(engine: Any) -> None:
+        if inject is not None:
+            inject(engine, len(grads))
+        seen = len(counter.records) if counter is not None else 0
+        grads.append(engine.full_grad_dict())
+        if counter is not None:  # the oracle's own gathers are not the layout's traffic
+            del counter.records[seen:]
+
+    trainer.engine.grad_hook = hook
+    watch = _watch_fsdp(trainer.engine)
     losses, norms, moe = [], [], []
-    for _ in range(steps):
-        res = trainer.train_step()
+    facts: dict[str, Any] = {}
+    for step in range(steps):
+        if step == 0:
+            from moetrain.parallel.accounting import CommCounter
+
+            with CommCounter() as counter:
+                res = trainer.train_step()
+            facts = layout_facts(trainer, counter.records)
+            facts["fsdp_resharded_after_forward"] = watch.pop("resharded", None)
+            facts["ep_bytes_sent"] = any(float(s["a2a_bytes"]) > 0 for s in res.moe.values())
+            counter = None
+        else:
+            res = trainer.train_step()
         losses.append(res.loss)
         norms.append(res.grad_norm)
         moe.append(
             {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in res.moe.items()}
         )
     params = trainer.full_model_state_dict()
+    optim = trainer.engine.full_optimizer_state()
     trainer.close()
-    return {"loss": losses, "grad_norm": norms, "moe": moe, "params": params}
+    return {
+        "loss": losses,
+        "grad_norm": norms,
+        "moe": moe,
+        "grads": grads,
+        "optim": optim,
+        "params": params,
+        "layout": facts,
+    }
 
 
-# fp32 tolerances of every layout-vs-single-process comparison, stated once. Parameters get a
-# looser atol: Adam turns last-bit differences in near-zero gradients into visible updates.
+# ----------------------------------------------------------------------------- layout facts
+
+
+def _watch_fsdp(engine: Any) -> dict[str, bool]:
+    """After the first FSDP block's forward (FSDP's own post-forward hook runs first), note
+    whether its parameters went back to their sharded DTensors: ZeRO-3 reshards, ZeRO-2
+    keeps them gathered for backward."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[str, bool] = {}
+    for part in engine.parts:
+        for block in part.layers.values():
+            if isinstance(block, FSDPModule):
+
+                def after(module: Any, args: Any, out: Any) -> None:
+                    p = next(module.parameters())
+                    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+                    seen.setdefault("resharded", "dp_shard" in names)
+
+                block.register_forward_hook(after)
+                return seen
+    return seen
+
+
+def _group_dims(meshes: Any) -> dict[str, str]:
+    """Process-group name -> the parallel axis it belongs to (groups of size > 1). The
+    data-parallel groups (dp, dp_shard, dp_replicate, and ep / edp, which are carved out of
+    dp and may share a group with them) all read "dp"."""
+    out: dict[str, str] = {}
+    if meshes is None:
+        return out
+    for dim, axis in (
+        ("tp", "tp"),
+        ("pp", "pp"),
+        ("dp", "dp"),
+        ("dp_shard", "dp"),
+        ("dp_replicate", "dp"),
+        ("ep", "dp"),
+        ("edp", "dp"),
+    ):
+        mesh = getattr(meshes, dim, None)
+        if mesh is not None and mesh.size() > 1:
+            out.setdefault(mesh.get_group().group_name, axis)
+    return out
+
+
+def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
+    """What this rank's layout really is, read off the built model and one step's
+    collectives (``records`` of a ``CommCounter``): the evidence every layout test holds
+    against ``expected_layout``."""
+    from collections import Counter
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from moetrain.model.moe import MoELayer
+
+    eng = trainer.engine
+    by_group = _group_dims(eng.meshes)
+    kinds: dict[str, set[str]] = {}
+    for r in records:
+        if r.sent > 0:
+            kinds.setdefault(by_group.get(r.group, "other"), set()).add(r.kind)
+    # The first attention projection (column-parallel under tp), wrapper prefixes and all.
+    wq = next(p for n, p in eng.parts[0].named_parameters() if ".attention." in n and p.ndim == 2)
+    tp_placement = None
+    if isinstance(wq, DTensor) and "tp" in (wq.device_mesh.mesh_dim_names or ()):
+        tp_placement = str(wq.placements[wq.device_mesh.mesh_dim_names.index("tp")])
+    wrapped: Counter[str] = Counter()
+    for part in eng.parts:
+        for name, module in part.named_modules():
+            if isinstance(module, CheckpointWrapper):
+                wrapped["attention" if name.endswith("attention") else "block"] += 1
+    moe = [m for part in eng.parts for m in part.modules() if isinstance(m, MoELayer)]
+    return {
+        "stages": tuple(eng.stage_ids),
+        "schedule": type(eng.schedule).__name__ if eng.schedule is not None else None,
+        "microbatches": eng.n_micro,
+        "tp_placement": tp_placement,
+        "fsdp_units": sum(isinstance(m, FSDPModule) for p in eng.parts for m in p.modules()),
+        "zero1_sharded": bool(eng.grad_sync is not None and eng.grad_sync.shards),
+        "checkpointed": dict(wrapped),
+        "experts": tuple(moe[0].experts.w1.shape[::2]) if moe else None,
+        "dispatcher": type(moe[0].dispatcher).__name__ if moe else None,
+        "traffic_axes": sorted(k for k in kinds if k != "other"),
+        "sequence_parallel_traffic": "reduce_scatter" in kinds.get("tp", ()),
+    }
+
+
+def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[str, Any]:
+    """The ``layout_facts`` (plus ``fsdp_resharded_after_forward`` and ``ep_bytes_sent``)
+    that ``overrides`` on the micro MoE must produce on ``rank``, derived from the config
+    alone: a ``parallel.*`` key the code ignored would leave a fact at its default."""
+    from moetrain.parallel.dims import ParallelDims
+    from moetrain.parallel.pipeline import SCHEDULES, stage_ids, stage_layers
+
+    cfg = micro_config("unused", *overrides)
+    p = cfg.parallel
+    dims = ParallelDims.from_config(p, world_size)
+    pp_rank = dims.coords(rank)["pp"]
+    stages = tuple(stage_ids(pp_rank, dims.pp, dims.virtual_stages) if dims.pp > 1 else [0])
+    layers = sum(len(stage_layers(cfg.model.n_layers, dims.num_stages, s)) for s in stages)
+    moe_layers = [
+        i
+        for s in stages
+        for i in stage_layers(cfg.model.n_layers, dims.num_stages, s)
+        if cfg.moe.num_experts and i % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1
+    ]
+    zero = p.zero_stage if dims.dp > 1 else 0
+    ep_split = dims.ep > 1 and cfg.moe.num_experts > 0
+    experts = None
+    if moe_layers:
+        f = cfg.moe.expert_ffn_dim // (dims.tp if p.expert_tp else 1)
+        experts = (cfg.moe.num_experts // dims.ep, f)
+    dispatcher = None
+    if moe_layers:
+        dispatcher = (
+            {"all_to_all": "AllToAllDispatcher", "all_gather": "AllGatherDispatcher"}[
+                p.ep_dispatcher
+            ]
+            if ep_split
+            else "LocalDispatcher"
+        )
+    ac = p.activation_checkpointing
+    return {
+        "stages": stages,
+        "schedule": SCHEDULES[p.pp_schedule] if dims.pp > 1 else None,
+        "microbatches": dims.microbatches(cfg),
+        "tp_placement": "S(0)" if dims.tp > 1 else None,
+        "fsdp_units": (layers + len(stages)) if zero >= 2 else 0,
+        "zero1_sharded": zero == 1,
+        "checkpointed": {"attention": layers}
+        if ac == "selective"
+        else ({"block": layers} if ac == "full" else {}),
+        "experts": experts,
+        "dispatcher": dispatcher,
+        "traffic_axes": sorted(
+            axis for axis, n in (("dp", dims.dp), ("pp", dims.pp), ("tp", dims.tp)) if n > 1
+        ),
+        "sequence_parallel_traffic": p.sequence_parallel,
+        "fsdp_resharded_after_forward": (zero == 3) if zero >= 2 else None,
+        "ep_bytes_sent": ep_split,
+    }
+
+
+def layout_mismatches(facts: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """The facts that differ from what the config asks, one line each."""
+    return [
+        f"{key}: the config asks for {want[key]!r}, the run has {facts.get(key)!r}"
+        for key in want
+        if facts.get(key) != want[key]
+    ]
+
+
+# fp32 tolerances of every layout-vs-single-process comparison, stated once.
 VALUE_TOL = {"atol": 1e-5, "rtol": 1e-4}
+"""Losses, gradient norms, router statistics, token and drop counts, expert bias: layouts
+only reorder fp32 sums."""
 PARAM_TOL = {"atol": 5e-5, "rtol": 1e-4}
+"""Final parameters: looser than VALUE_TOL because Adam turns last-bit differences in
+near-zero gradients into visible updates (m / sqrt(v) does not scale with the gradient)."""
+GRAD_TOL = {"scale": 1e-4}
+"""Gradients (every step, before clipping) and AdamW's moments (after the last step), per
+tensor: max |got - ref| <= scale * max |ref|, relative to the tensor's own magnitude
+(gradients span 1e-4..1e-1 between tensors: one absolute atol would be blind on the small
+ones). Measured: the first step's gradients agree to <= 4e-7 (reordered fp32 sums); later
+steps inherit the Adam-amplified parameter differences and reach 3.5e-5 (tp=2). A constant
+factor on one tensor's gradient -- what Adam hides from the parameters -- is an error of
+the order of the tensor itself: x0.5 reads 0.5."""
+LAYOUT_STATS = ("a2a_bytes", "calls")
+"""MoE statistics that describe the layout rather than the training (bytes sent between
+EP ranks, forward calls = micro-batches): not compared with one process; the layout checks
+assert them instead."""
+PER_CALL_STATS = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
+"""MoE statistics summed over a step's forward calls: compared as per-call means (a layout
+may cut the step into other micro-batches; token counts and drops are sums over tokens)."""
 
 
 def compare_runs(
     got: dict[str, Any],
     ref: dict[str, Any],
     *,
-    atol: float,
-    rtol: float,
+    atol: float = VALUE_TOL["atol"],
+    rtol: float = VALUE_TOL["rtol"],
     param_tol: dict[str, float] | None = None,
+    grad_tol: dict[str, float] | None = None,
     what: str = "",
 ) -> dict[str, float]:
-    """Assert two ``micro_run`` reports agree (values within atol/rtol, parameters within
-    ``param_tol``, default the same); return the max abs error of each part."""
+    """Assert two ``micro_run`` reports agree: values within atol/rtol, parameters within
+    ``param_tol`` (default PARAM_TOL), every gradient at every step and both AdamW moments
+    of every parameter within ``grad_tol`` (default GRAD_TOL; skipped when either report
+    lacks them). Returns the worst error of each part (relative to the tensor's scale for
+    gradients and moments). The assertion message names the tensor."""
     errs: dict[str, float] = {}
+    param_tol = param_tol or PARAM_TOL
+    scale_tol = (grad_tol or GRAD_TOL)["scale"]
+
+    def note(name: str, err: float) -> None:
+        key = name.split("[")[0]
+        errs[key] = max(errs.get(key, 0.0), err)
 
     def check(name: str, a: Any, b: Any, atol: float = atol, rtol: float = rtol) -> None:
         a_t = torch.as_tensor(a, dtype=torch.float64)
         b_t = torch.as_tensor(b, dtype=torch.float64)
         assert a_t.shape == b_t.shape, f"{what} {name}: shape {a_t.shape} vs {b_t.shape}"
-        err = (a_t - b_t).abs().max().item() if a_t.numel() else 0.0
-        errs[name.split("[")[0]] = max(errs.get(name.split("[")[0], 0.0), err)
+        note(name, (a_t - b_t).abs().max().item() if a_t.numel() else 0.0)
         torch.testing.assert_close(
             a_t, b_t, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}"
+        )
+
+    def check_scaled(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        a_t, b_t = a.double(), b.double()
+        assert a_t.shape == b_t.shape, f"{what} {name}: shape {a_t.shape} vs {b_t.shape}"
+        scale = b_t.abs().max().item() if b_t.numel() else 0.0
+        err = (a_t - b_t).abs().max().item() if a_t.numel() else 0.0
+        rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
+        note(name, rel)
+        assert rel <= scale_tol, (
+            f"{what} {name}: max abs error {err:.3g} is {rel:.3g} of the reference's max "
+            f"abs {scale:.3g} (allowed {scale_tol:g}); ratio of norms got/ref "
+            f"{a_t.norm().item() / max(b_t.norm().item(), 1e-30):.4g}"
+        )
+
+    def same_names(kind: str, a: dict[str, Any], b: dict[str, Any]) -> None:
+        missing, extra = sorted(set(b) - set(a)), sorted(set(a) - set(b))
+        assert not missing and not extra, (
+            f"{what} {kind}: missing {missing[:5]}, unexpected {extra[:5]}"
         )
 
     check("loss", got["loss"], ref["loss"])
@@ -265,13 +523,211 @@ def compare_runs(
         assert sorted(g) == sorted(r), f"{what} step {step}: MoE layers {sorted(g)} vs {sorted(r)}"
         for layer in r:
             for key in r[layer]:
-                check(f"moe.{key}[step {step} layer {layer}]", g[layer][key], r[layer][key])
-    assert sorted(got["params"]) == sorted(ref["params"]), f"{what}: parameter names differ"
+                if key in LAYOUT_STATS:
+                    continue
+                a, b = g[layer][key], r[layer][key]
+                if key in PER_CALL_STATS:  # sums over forward calls: compare the means
+                    a, b = a / g[layer]["calls"], b / r[layer]["calls"]
+                check(f"moe.{key}[step {step} layer {layer}]", a, b)
+    if "grads" in got and "grads" in ref:
+        assert len(got["grads"]) == len(ref["grads"]), f"{what}: gradient steps differ"
+        for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+            same_names(f"gradients of step {step}", g, r)
+            for name in r:
+                check_scaled(f"grad[step {step} {name}]", g[name], r[name])
+    if "optim" in got and "optim" in ref:
+        same_names("optimizer state", got["optim"], ref["optim"])
+        for name in ref["optim"]:
+            check_scaled(f"optim[{name}]", got["optim"][name], ref["optim"][name])
+    same_names("parameters", got["params"], ref["params"])
     for name in ref["params"]:
-        check(
-            f"param[{name}]",
-            got["params"][name],
-            ref["params"][name],
-            **(param_tol or {"atol": atol, "rtol": rtol}),
-        )
+        check(f"param[{name}]", got["params"][name], ref["params"][name], **param_tol)
     return errs
+
+
+# ----------------------------------------------------------------------------- layout checks
+
+
+@dataclass(frozen=True)
+class Case:
+    """One cell of a layout test: ``layout`` (``parallel.*`` overrides) run on ``options``
+    (model / MoE / training overrides, which the single-process reference shares)."""
+
+    name: str
+    layout: tuple[str, ...]
+    options: tuple[str, ...] = ()
+    fault: tuple[Any, ...] | None = None
+    """For the oracle's own tests, an error planted on one rank: ``("scale", rank, suffix,
+    factor)`` multiplies the reduced gradient of every parameter whose name ends with
+    ``suffix``; ``("disable", rank, "module:function")`` replaces a function of moetrain
+    with a no-op, as if the code silently ignored what it implements."""
+
+
+def scale_grads(suffix: str, factor: float) -> Callable[[Any, int], None]:
+    """A ``micro_run`` injection: multiply the reduced gradients of the parameters whose
+    single-process name ends with ``suffix`` by ``factor``."""
+
+    def inject(engine: Any, step: int) -> None:
+        from moetrain.train.engine import _fqn
+
+        for part in engine.parts:
+            for name, p in part.named_parameters():
+                if _fqn(name).endswith(suffix) and p.grad is not None:
+                    p.grad.mul_(factor)
+
+    return inject
+
+
+def _plant(fault: tuple[Any, ...] | None, rank: int) -> Callable[[Any, int], None] | None:
+    if fault is None or fault[1] != rank:
+        return None
+    if fault[0] == "scale":
+        return scale_grads(fault[2], fault[3])
+    if fault[0] == "disable":
+        import importlib
+
+        module, attr = fault[2].split(":")
+        setattr(importlib.import_module(module), attr, lambda *a, **k: None)
+        return None
+    raise ValueError(f"unknown fault {fault!r}")
+
+
+_REFERENCES: dict[tuple[tuple[str, ...], int], dict[str, Any]] = {}
+
+
+def reference_run(options: tuple[str, ...], steps: int) -> dict[str, Any]:
+    """The single-process ``micro_run`` of ``options`` (computed once per test process)."""
+    key = (tuple(options), steps)
+    if key not in _REFERENCES:
+        with tempfile.TemporaryDirectory() as out:
+            _REFERENCES[key] = micro_run(out, steps, *options)
+    return _REFERENCES[key]
+
+
+def _cases_worker(
+    rank: int,
+    world_size: int,
+    cases: list[Case],
+    refs: dict[tuple[str, ...], dict[str, Any]],
+    steps: int,
+) -> list[dict[str, Any]]:
+    out = []
+    for case in cases:
+        overrides = [*case.options, *case.layout]
+        inject = _plant(case.fault, rank)
+        with tempfile.TemporaryDirectory() as tmp:
+            got = micro_run(tmp, steps, *overrides, inject=inject)
+        facts = {**got["layout"]}
+        problems = [
+            f"layout {m}"
+            for m in layout_mismatches(facts, expected_layout(overrides, world_size, rank))
+        ]
+        errs: dict[str, float] = {}
+        try:
+            errs = compare_runs(got, refs[case.options], what=f"rank {rank}")
+        except AssertionError as exc:
+            problems.append(str(exc))
+        out.append({"name": case.name, "problems": problems, "errs": errs})
+    return out
+
+
+def check_cases(world_size: int, cases: list[Case], steps: int, timeout: float) -> None:
+    """Run every case on ``world_size`` spawned ranks (one job, a fresh Trainer per case);
+    on every rank compare the run with the single-process reference of its options
+    (``compare_runs``: losses, MoE statistics, every gradient of every step, the optimizer
+    moments and the final parameters) and its layout facts with what the config asks
+    (``expected_layout``). Raises one AssertionError listing every failing case and rank."""
+    refs = {c.options: reference_run(c.options, steps) for c in cases}
+    results = run_ranks(_cases_worker, world_size, cases, refs, steps, timeout=timeout)
+    failures, worst = [], {}
+    for rank, per_rank in enumerate(results):
+        for res in per_rank:
+            if res["problems"]:
+                failures.append(f"{res['name']} (rank {rank}):\n  " + "\n  ".join(res["problems"]))
+            for k, v in res["errs"].items():
+                worst[k] = max(worst.get(k, 0.0), v)
+    print(f"{len(cases)} cases x {world_size} ranks; worst errors {worst}")
+    assert not failures, "\n\n".join(failures)
+
+
+def reshard_run(
+    out_dir: str | Path,
+    steps: int,
+    save: list[str],
+    load: list[str],
+    *,
+    after_load: Callable[[Any], None] | None = None,
+) -> dict[str, Any]:
+    """Train ``steps - 1`` steps under ``save``, checkpoint, resume under ``load`` (a fresh
+    Trainer: DCP reshards), take the last step. Reports like ``micro_run`` for the last
+    step: ``loss`` (all steps), ``grads`` (a list holding the last step's), ``optim`` and
+    ``params`` (after it). ``after_load(trainer)`` runs after the resume (the oracle's tests
+    plant errors there). ``out_dir`` must be shared by every rank."""
+    from moetrain.train.trainer import Trainer
+
+    first = Trainer(micro_config(out_dir, f"train.steps={steps}", *save))
+    losses = [first.train_step().loss for _ in range(steps - 1)]
+    first.save_checkpoint()
+    first.close()
+    del first
+    second = Trainer(micro_config(out_dir, f"train.steps={steps}", *load))
+    second.maybe_resume()
+    assert second.step == steps - 1, second.step
+    if after_load is not None:
+        after_load(second)
+    grads: list[dict[str, torch.Tensor]] = []
+    second.engine.grad_hook = lambda engine: grads.append(engine.full_grad_dict())
+    losses.append(second.train_step().loss)
+    result = {
+        "loss": losses,
+        "grads": grads,
+        "optim": second.engine.full_optimizer_state(),
+        "params": second.full_model_state_dict(),
+    }
+    second.close()
+    return result
+
+
+def compare_resumed(got: dict[str, Any], ref: dict[str, Any], what: str = "") -> None:
+    """A ``reshard_run`` against the uninterrupted single-process ``micro_run``: losses,
+    the last step's gradients, the optimizer moments and the parameters."""
+    compare_runs(
+        {**got, "grad_norm": [], "moe": []},
+        {**ref, "grad_norm": [], "moe": [], "grads": ref["grads"][-1:]},
+        what=what,
+    )
+
+
+def _reshard_worker(
+    rank: int,
+    world_size: int,
+    root: str,
+    cases: list[tuple[str, list[str], list[str]]],
+    ref: dict[str, Any],
+    steps: int,
+) -> list[str]:
+    problems = []
+    for i, (name, save, load) in enumerate(cases):
+        got = reshard_run(f"{root}/{i}", steps, save, load)
+        try:
+            compare_resumed(got, ref, what=f"{name} (rank {rank})")
+        except AssertionError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def check_reshards(
+    world_size: int,
+    cases: list[tuple[str, list[str], list[str]]],
+    steps: int,
+    timeout: float,
+    options: tuple[str, ...] = (),
+) -> None:
+    """Each (name, save layout, load layout) resumed mid-run reproduces the single-process
+    run of ``options`` on every rank (``compare_resumed``)."""
+    ref = reference_run(options, steps)
+    cases = [(n, [*options, *s], [*options, *ld]) for n, s, ld in cases]
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(_reshard_worker, world_size, root, cases, ref, steps, timeout=timeout)
+    failures = [p for per_rank in results for p in per_rank]
+    assert not failures, "\n\n".join(failures)

@@ -186,6 +186,17 @@ class ParallelDims:
             )
         mbs = self.micro_batch_size(cfg)
         groups = cfg.moe.token_group_seqs
+        if cfg.moe.num_experts and groups is None and mbs != t.micro_batch_size:
+            # Without fixed token groups, capacity and the balancing losses are taken per
+            # micro-batch: re-cutting the micro-batches would change the training itself.
+            raise ConfigError(
+                f"parallel.pp_microbatches: {n_mb} pipeline micro-batches make micro-batches "
+                f"of {mbs} sequences instead of train.micro_batch_size={t.micro_batch_size}, "
+                "and moe.token_group_seqs=null takes MoE capacity and balancing statistics per "
+                "micro-batch, so training would differ from the same job without a pipeline; "
+                f"set moe.token_group_seqs to a divisor of {mbs}, or train.micro_batch_size="
+                f"{mbs}"
+            )
         if cfg.moe.num_experts and groups is not None and mbs % groups:
             raise ConfigError(
                 f"moe.token_group_seqs: {groups} does not divide the per-rank micro-batch of "

@@ -204,11 +204,19 @@ def gather_experts(model: nn.Module, ep_mesh, etp_mesh=None) -> dict[str, torch.
     """Full (E, ...) expert weights of every MoE layer, gathered over the EP group (and the
     FFN width over ``etp_mesh``), keyed by parameter name: for checks and for exporting a
     layout-independent state dict."""
+    local = {name: p.detach() for name, p in model.named_parameters() if is_expert_param(p)}
+    return gather_expert_tensors(local, ep_mesh, etp_mesh)
+
+
+@torch.no_grad()
+def gather_expert_tensors(
+    local: dict[str, torch.Tensor], ep_mesh, etp_mesh=None
+) -> dict[str, torch.Tensor]:
+    """This rank's slices of expert tensors (weights, gradients, ...) keyed by the expert
+    parameter's name (``...experts.w1`` / ``w3`` / ``w2``), gathered to full (E, ...) size
+    over the EP group and the FFN width over ``etp_mesh`` (collective)."""
     out = {}
-    for name, p in model.named_parameters():
-        if not is_expert_param(p):
-            continue
-        full = p.detach()
+    for name, full in local.items():
         ffn_dim = 1 if name.endswith("w2") else 2
         for mesh, dim in ((etp_mesh, ffn_dim), (ep_mesh, 0)):
             group = _group(mesh)

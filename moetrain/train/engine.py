@@ -44,6 +44,7 @@ from moetrain.parallel.data_parallel import GradientSync, moe_layers
 from moetrain.parallel.dims import Meshes, ParallelDims
 from moetrain.parallel.expert_parallel import (
     expert_grad_sq_norm,
+    gather_expert_tensors,
     gather_experts,
     is_expert_param,
     reduce_expert_grads,
@@ -124,6 +125,10 @@ class Engine:
         self.params_at_rest = params_before_dp(self.parts)
         # Accounting hook: called with "forward", "backward" and "step" (memory probes).
         self.probe: Callable[[str], None] | None = None
+        # Called once per optimizer step with the engine, after the gradients are reduced
+        # over every parallel dimension and before clipping: the layout oracle reads the
+        # step's full gradients here (``full_grad_dict``), the oracle's own tests alter them.
+        self.grad_hook: Callable[[Engine], None] | None = None
 
         # Groups of the step-level collectives.
         self.dp_group = _group(meshes.dp) if meshes else None
@@ -365,6 +370,8 @@ class Engine:
             self.grad_sync.reduce()
         if self.expert_params:
             reduce_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
+        if self.grad_hook is not None:
+            self.grad_hook(self)
         norm = self.grad_norm()
         norm_f = float(norm)
         update = math.isfinite(norm_f) and math.isfinite(loss)
@@ -632,8 +639,77 @@ class Engine:
         dist.all_gather_object(gathered, mine, group=self.pp_group)
         return {k: v for d in gathered for k, v in d.items()}
 
+    @torch.no_grad()
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's reduced gradient (the global-batch mean loss's), gathered to full
+        size as CPU tensors under the single-process names (collective: every rank calls it
+        and gets it). Valid between the reduction and the optimizer step (``grad_hook``)."""
+        mine: dict[str, torch.Tensor] = {}
+        zero1: dict[int, torch.Tensor] = {}
+        if self.zero_stage == 1:
+            assert self.grad_sync is not None
+            for shard in self.grad_sync.shards:  # ZeRO-1 holds reduce-scattered slices only
+                if not shard.params:
+                    continue
+                mine_flat = shard.grad_shard
+                if mine_flat is None:
+                    mine_flat = torch.zeros(shard.size, device=self.device)
+                full = torch.empty(shard.padded, dtype=mine_flat.dtype, device=self.device)
+                if shard.n > 1:
+                    dist.all_gather_into_tensor(full, mine_flat, group=self.grad_sync.shard_group)
+                else:
+                    full.copy_(mine_flat)
+                offset = 0
+                for p, numel in zip(shard.params, shard.numels, strict=True):
+                    zero1[id(p)] = full[offset : offset + numel].view_as(_local(p))
+                    offset += numel
+        for part in self.parts:
+            experts: dict[str, torch.Tensor] = {}
+            for name, p in part.named_parameters():
+                if is_expert_param(p):
+                    experts[name] = p.grad if p.grad is not None else torch.zeros_like(p)
+                    continue
+                g = zero1.get(id(p), p.grad)
+                if g is None:
+                    g = torch.zeros_like(_local(p))
+                if isinstance(p, DTensor) and not isinstance(g, DTensor):
+                    g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
+                mine[_fqn(name)] = _full(g)
+            if experts:  # gathered over EP (and TP under expert TP), like the weights
+                full = gather_expert_tensors(experts, self.ep_mesh, self.etp_mesh)
+                mine.update({_fqn(k): _full(v) for k, v in full.items()})
+        return self._merge_stages(mine)
+
+    @torch.no_grad()
+    def full_optimizer_state(self) -> dict[str, torch.Tensor]:
+        """AdamW's ``exp_avg`` and ``exp_avg_sq`` of every parameter, full size, on CPU, keyed
+        ``<single-process name>.<moment>`` (collective; every rank gets it)."""
+        state = self.app_state()["optim"]
+        self._shadows = None
+        mine: dict[str, torch.Tensor] = {}
+        for key, value in state.items():
+            if not key.startswith("state.") or not key.endswith(_MOMENTS):
+                continue
+            if isinstance(value, torch.Tensor):
+                mine[_fqn(key.removeprefix("state."))] = _full(value)
+        return self._merge_stages(mine)
+
+    def _merge_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.pp_group is None:
+            return mine
+        gathered: list[Any] = [None] * self.dims.pp
+        dist.all_gather_object(gathered, mine, group=self.pp_group)
+        return {k: v for d in gathered for k, v in d.items()}
+
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered to full size (collective), or a plain tensor, as a CPU fp32 copy."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().float().cpu().clone()
 
 
 def _fqn(name: str) -> str:

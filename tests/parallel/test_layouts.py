@@ -1,191 +1,136 @@
 """Every parallel layout reproduces the single-process run of the micro MoE.
 
-The oracle: ``micro_run`` (tests/multirank.py) trains the micro MoE for ``STEPS`` fp32 steps
-on the same global batches, in one process and under each layout; the layouts must agree on
-the loss, the gradient norm, every MoE layer's aux / seq-aux / z losses, router entropy,
-token counts, drops and expert bias, and on every final parameter.
-
-Tolerances (fp32, stated once):
-- losses, gradient norms and router statistics: atol 1e-5, rtol 1e-4 (the fp32 row of the
-  model tests' table): layouts only reorder fp32 sums.
-- final parameters: atol 5e-5, rtol 1e-4. Adam's update m / sqrt(v) does not scale with the
-  gradient, so a gradient element near zero whose fp32 rounding differs by reduction order
-  can move by a sizeable fraction of the learning rate (1e-3 in the warm-up): 5e-5 is 1/20
-  of one such update. Measured: <= 1.2e-5.
+The oracle (``check_cases`` in tests/multirank.py): ``micro_run`` trains the micro MoE for
+``STEPS`` fp32 steps on the same global batches, in one process and under each layout. On
+every rank, the layout must agree with one process on the losses, the gradient norm, every
+MoE layer's aux / seq-aux / z losses, router entropy, token counts, drops and expert bias,
+every parameter's gradient at every step (gathered to full size, before clipping), AdamW's
+two moments after the last step and every final parameter; and the layout must really have
+run (``expected_layout``: DTensor placements under tp, FSDP units and resharding under
+ZeRO-2/3, ZeRO-1 shards, pipeline stages and schedule, checkpoint wrappers, experts per
+rank, and traffic on each parallel axis). Tolerances: ``VALUE_TOL``, ``PARAM_TOL`` and
+``GRAD_TOL`` of tests/multirank.py, stated there once with what was measured.
 
 Several layouts share one spawned job (one process group, a fresh Trainer per layout) to
-keep the suite inside its time budget on two cores.
+keep the suite inside its time budget on two cores. Every option of the model and the
+router is crossed with these layouts in tests/parallel/test_matrix.py.
 """
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
-from multirank import PARAM_TOL, VALUE_TOL, compare_runs, micro_run, run_ranks
+from multirank import Case, check_cases, check_reshards
 
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict:
-    with tempfile.TemporaryDirectory() as out:
-        return micro_run(out, STEPS)
-
-
-def _layouts_worker(rank: int, world_size: int, layouts: list[list[str]]) -> list[dict] | None:
-    results = []
-    for overrides in layouts:
-        with tempfile.TemporaryDirectory() as out:
-            results.append(micro_run(out, STEPS, *overrides))
-    return results if rank == 0 else None
-
-
-def check_layouts(
-    world_size: int, layouts: dict[str, list[str]], reference: dict, timeout: float
-) -> None:
-    results = run_ranks(_layouts_worker, world_size, list(layouts.values()), timeout=timeout)[0]
-    failures = []
-    for name, got in zip(layouts, results, strict=True):
-        try:
-            errs = compare_runs(
-                got,
-                reference,
-                atol=VALUE_TOL["atol"],
-                rtol=VALUE_TOL["rtol"],
-                param_tol=PARAM_TOL,
-                what=name,
-            )
-        except AssertionError as exc:
-            failures.append(f"{name}: {exc}")
-        else:
-            print(f"{name}: max abs errors {errs}")
-    assert not failures, "\n\n".join(failures)
+def _cases(layouts: dict[str, list[str]], **options: list[str]) -> list[Case]:
+    return [
+        Case(name, tuple(overrides), tuple(options.get(name, ())))
+        for name, overrides in layouts.items()
+    ]
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(400)
-def test_each_axis_alone_on_two_ranks(reference: dict) -> None:
-    check_layouts(
-        2,
-        {
-            "dp=2 zero0": ["parallel.zero_stage=0"],
-            "dp=2 zero1": ["parallel.zero_stage=1"],
-            "dp=2 zero2 + full AC": [
-                "parallel.zero_stage=2",
-                "parallel.activation_checkpointing=full",
-            ],
-            "dp=2 zero3": ["parallel.zero_stage=3"],
-            "tp=2": ["parallel.tp=2"],
-            "tp=2 + SP + selective AC": [
-                "parallel.tp=2",
-                "parallel.sequence_parallel=true",
-                "parallel.activation_checkpointing=selective",
-            ],
-            "pp=2 gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
-            "pp=2 1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
-            "pp=2 interleaved_1f1b v=2": ["parallel.pp=2", "parallel.pp_virtual_stages=2"],
-            "pp=2 zero_bubble v=2": [
-                "parallel.pp=2",
-                "parallel.pp_schedule=zero_bubble",
-                "parallel.pp_virtual_stages=2",
-            ],
-        },
-        reference,
-        timeout=380,
-    )
+def test_each_axis_alone_on_two_ranks() -> None:
+    layouts = {
+        "dp=2 zero0": ["parallel.zero_stage=0"],
+        "dp=2 zero1": ["parallel.zero_stage=1"],
+        "dp=2 zero2 + full AC": [
+            "parallel.zero_stage=2",
+            "parallel.activation_checkpointing=full",
+        ],
+        "dp=2 zero3": ["parallel.zero_stage=3"],
+        "tp=2": ["parallel.tp=2"],
+        "tp=2 + SP + selective AC": [
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.activation_checkpointing=selective",
+        ],
+        "pp=2 gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+        "pp=2 1f1b, 4 pipeline micro-batches of 2 (one process: 2 of 4)": [
+            "parallel.pp=2",
+            "parallel.pp_schedule=1f1b",
+            "parallel.pp_microbatches=4",
+        ],
+        "pp=2 interleaved_1f1b v=2": ["parallel.pp=2", "parallel.pp_virtual_stages=2"],
+        "pp=2 zero_bubble v=2": [
+            "parallel.pp=2",
+            "parallel.pp_schedule=zero_bubble",
+            "parallel.pp_virtual_stages=2",
+        ],
+    }
+    # parallel.pp_microbatches re-cuts the pipeline's micro-batches: the reference
+    # accumulates 2 micro-batches of 4 sequences, the pipeline 4 of 2; token groups of 2
+    # sequences keep routing, capacity and the balancing losses the same.
+    options = {
+        "pp=2 1f1b, 4 pipeline micro-batches of 2 (one process: 2 of 4)": [
+            "train.micro_batch_size=4"
+        ]
+    }
+    check_cases(2, _cases(layouts, **options), STEPS, timeout=380)
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_two_axis_compositions_on_four_ranks(reference: dict) -> None:
-    check_layouts(
-        4,
-        {
-            "dp x tp = 2x2, zero2, SP": [
-                "parallel.tp=2",
-                "parallel.sequence_parallel=true",
-                "parallel.zero_stage=2",
-            ],
-            "pp x dp = 2x2, zero1": ["parallel.pp=2", "parallel.zero_stage=1"],
-            "pp x dp = 2x2, zero3": ["parallel.pp=2", "parallel.zero_stage=3"],
-            "hybrid dp_replicate x dp_shard = 2x2, zero3": [
-                "parallel.dp_replicate=2",
-                "parallel.zero_stage=3",
-            ],
-            "hybrid dp_replicate x dp_shard = 2x2, zero1": [
-                "parallel.dp_replicate=2",
-                "parallel.zero_stage=1",
-            ],
-        },
-        reference,
-        timeout=380,
-    )
+def test_two_axis_compositions_on_four_ranks() -> None:
+    layouts = {
+        "dp x tp = 2x2, zero2, SP": [
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.zero_stage=2",
+        ],
+        "pp x dp = 2x2, zero1": ["parallel.pp=2", "parallel.zero_stage=1"],
+        "pp x dp = 2x2, zero3": ["parallel.pp=2", "parallel.zero_stage=3"],
+        "hybrid dp_replicate x dp_shard = 2x2, zero3": [
+            "parallel.dp_replicate=2",
+            "parallel.zero_stage=3",
+        ],
+        "hybrid dp_replicate x dp_shard = 2x2, zero1": [
+            "parallel.dp_replicate=2",
+            "parallel.zero_stage=1",
+        ],
+    }
+    check_cases(4, _cases(layouts), STEPS, timeout=380)
 
 
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_three_axes_pp_dp_tp_on_eight_ranks(reference: dict) -> None:
-    check_layouts(
-        8,
-        {
-            "pp x dp x tp = 2x2x2, zero3, SP, interleaved v=2": [
-                "parallel.pp=2",
-                "parallel.tp=2",
-                "parallel.sequence_parallel=true",
-                "parallel.zero_stage=3",
-                "parallel.pp_virtual_stages=2",
-            ],
-        },
-        reference,
-        timeout=380,
-    )
+def test_three_axes_pp_dp_tp_on_eight_ranks() -> None:
+    layouts = {
+        "pp x dp x tp = 2x2x2, zero3, SP, interleaved v=2": [
+            "parallel.pp=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.zero_stage=3",
+            "parallel.pp_virtual_stages=2",
+        ],
+    }
+    check_cases(8, _cases(layouts), STEPS, timeout=380)
 
 
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _reshard_worker(
-    rank: int, world_size: int, out: str, save: list[str], load: list[str]
-) -> dict | None:
-    from multirank import micro_config
-
-    from moetrain.train.trainer import Trainer
-
-    first = Trainer(micro_config(out, f"train.steps={STEPS}", *save))
-    losses = [first.train_step().loss for _ in range(STEPS - 1)]
-    first.save_checkpoint()
-    first.close()
-    del first
-    second = Trainer(micro_config(out, f"train.steps={STEPS}", *load))
-    second.maybe_resume()
-    assert second.step == STEPS - 1, second.step
-    losses.append(second.train_step().loss)
-    params = second.full_model_state_dict()
-    second.close()
-    return {"loss": losses, "params": params} if rank == 0 else None
-
-
 @pytest.mark.multirank
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-def test_checkpoint_saved_under_one_layout_loads_under_another(reference: dict, tmp_path) -> None:
+def test_checkpoint_saved_under_one_layout_loads_under_another() -> None:
     """dp=4 with ZeRO-1 saves after 2 steps; pp=2 x tp=2 (+SP) loads it and takes the third
-    step: the same loss and parameters as three uninterrupted single-process steps."""
-    got = run_ranks(
-        _reshard_worker,
+    step: the same loss, gradients, optimizer moments and parameters as three uninterrupted
+    single-process steps."""
+    check_reshards(
         4,
-        str(tmp_path / "dp4"),
-        ["parallel.zero_stage=1"],
-        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        [
+            (
+                "dp=4 zero1 -> pp=2 x tp=2 + SP",
+                ["parallel.zero_stage=1"],
+                ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+            )
+        ],
+        STEPS,
         timeout=380,
-    )[0]
-    import torch
-
-    torch.testing.assert_close(
-        torch.tensor(got["loss"]), torch.tensor(reference["loss"]), **VALUE_TOL
     )
-    for name, value in reference["params"].items():
-        torch.testing.assert_close(got["params"][name], value, **PARAM_TOL, msg=name)
