@@ -517,6 +517,17 @@ def compare_runs(
             f"{what} {kind}: missing {missing[:5]}, unexpected {extra[:5]}"
         )
 
+    # The most specific evidence first: a wrong tensor is named by its own gradient.
+    if "grads" in got and "grads" in ref:
+        assert len(got["grads"]) == len(ref["grads"]), f"{what}: gradient steps differ"
+        for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
+            same_names(f"gradients of step {step}", g, r)
+            for name in r:
+                check_scaled(f"grad[step {step} {name}]", g[name], r[name])
+    if "optim" in got and "optim" in ref:
+        same_names("optimizer state", got["optim"], ref["optim"])
+        for name in ref["optim"]:
+            check_scaled(f"optim[{name}]", got["optim"][name], ref["optim"][name])
     check("loss", got["loss"], ref["loss"])
     check("grad_norm", got["grad_norm"], ref["grad_norm"])
     for step, (g, r) in enumerate(zip(got["moe"], ref["moe"], strict=True)):
@@ -529,16 +540,6 @@ def compare_runs(
                 if key in PER_CALL_STATS:  # sums over forward calls: compare the means
                     a, b = a / g[layer]["calls"], b / r[layer]["calls"]
                 check(f"moe.{key}[step {step} layer {layer}]", a, b)
-    if "grads" in got and "grads" in ref:
-        assert len(got["grads"]) == len(ref["grads"]), f"{what}: gradient steps differ"
-        for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
-            same_names(f"gradients of step {step}", g, r)
-            for name in r:
-                check_scaled(f"grad[step {step} {name}]", g[name], r[name])
-    if "optim" in got and "optim" in ref:
-        same_names("optimizer state", got["optim"], ref["optim"])
-        for name in ref["optim"]:
-            check_scaled(f"optim[{name}]", got["optim"][name], ref["optim"][name])
     same_names("parameters", got["params"], ref["params"])
     for name in ref["params"]:
         check(f"param[{name}]", got["params"][name], ref["params"][name], **param_tol)
@@ -557,10 +558,11 @@ class Case:
     layout: tuple[str, ...]
     options: tuple[str, ...] = ()
     fault: tuple[Any, ...] | None = None
-    """For the oracle's own tests, an error planted on one rank: ``("scale", rank, suffix,
-    factor)`` multiplies the reduced gradient of every parameter whose name ends with
-    ``suffix``; ``("disable", rank, "module:function")`` replaces a function of moetrain
-    with a no-op, as if the code silently ignored what it implements."""
+    """For the oracle's own tests, an error planted on one rank (``rank`` None: on every
+    rank): ``("scale", rank, suffix, factor)`` multiplies the reduced gradient of every
+    parameter whose name ends with ``suffix``; ``("disable", rank, "module:function")``
+    replaces a function of moetrain with a no-op, as if the code silently ignored what it
+    implements."""
 
 
 def scale_grads(suffix: str, factor: float) -> Callable[[Any, int], None]:
@@ -579,7 +581,7 @@ def scale_grads(suffix: str, factor: float) -> Callable[[Any, int], None]:
 
 
 def _plant(fault: tuple[Any, ...] | None, rank: int) -> Callable[[Any, int], None] | None:
-    if fault is None or fault[1] != rank:
+    if fault is None or fault[1] not in (None, rank):
         return None
     if fault[0] == "scale":
         return scale_grads(fault[2], fault[3])
