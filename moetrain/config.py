@@ -244,7 +244,9 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train. auto: CUDA when available, else CPU."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Compute dtype: auto is bf16 autocast on CUDA and fp32 on CPU. Parameters stay fp32."""
+    """Compute dtype: bf16 is autocast with fp32 master weights (and FSDP2 mixed precision
+    under ZeRO-2/3: bf16 all-gathers, fp32 gradient reduction), on CUDA or CPU; auto is bf16
+    on CUDA and fp32 on CPU. Parameters and optimizer state stay fp32."""
     output_dir: str = "outputs/run"
     """Run directory: TensorBoard events in <output_dir>/tb, checkpoints in
     <output_dir>/checkpoints."""

@@ -95,7 +95,9 @@ class Engine:
         # Aux losses are averaged over a rank's micro-batches like the LM loss (and over dp
         # by the gradient averaging), so each injected gradient is 1 / micro-batches.
         model.set_aux_loss_scale(1.0 / self.n_micro)
-        fsdp_dtype = dtype if (device.type == "cuda" and dtype != torch.float32) else None
+        # FSDP2 mixed precision (ZeRO-2/3): parameters all-gathered in the compute dtype, the
+        # fp32 shards stay the master weights, gradients reduced in fp32 (gloo and NCCL).
+        fsdp_dtype = dtype if dtype != torch.float32 else None
         pm = parallelize(
             model,
             dims,
