@@ -40,6 +40,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
     sp = cfg.sequence_parallel
     act = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
 
+    emb, out = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = emb is not None and out is not None and out.weight is emb.weight
     top: dict[str, object] = {}
     if getattr(model, "tok_embeddings", None) is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
@@ -53,6 +55,12 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if tied:
+        # Each style distributes its module's weight into a new Parameter, which unties a
+        # shared embedding/output weight: each half would then get only its own gradient and
+        # the two copies drift apart from the first optimizer step. Both are Shard(0) over
+        # the vocabulary, so one DTensor serves both uses; their gradients add up in it.
+        model.output.weight = model.tok_embeddings.weight
 
     for block in model.layers.values():
         plan: dict[str, object] = {
