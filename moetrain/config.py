@@ -334,9 +334,12 @@ class DataConfig:
     split: str = "train"
     """Split to train on."""
     eval_split: str | None = None
-    """Split for the held-out eval loss. null: hold out ``eval_fraction`` of the documents."""
+    """Split for the held-out eval loss. null: the default corpus's own eval split; for any
+    other dataset, ``eval_fraction`` of ``split``'s documents, held out by index (training
+    then skips them)."""
     eval_fraction: float = 0.02
-    """Fraction of documents held out for eval when there is no ``eval_split``."""
+    """Fraction of ``split``'s documents held out for eval when ``eval_split`` is null (unused
+    with the default corpus, which has its own eval split)."""
     text_column: str = "text"
     """Column holding the text."""
     streaming: bool = False
@@ -428,8 +431,11 @@ class TrainConfig:
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after a newer one is verified."""
     resume: str = "auto"
-    """"auto": resume from the latest complete checkpoint in output_dir if there is one;
-    "never": start fresh (refuses a non-empty checkpoint dir); or a checkpoint path."""
+    """"auto": resume from the checkpoint ``<output_dir>/checkpoints/latest`` names, or else
+    the newest one that verifies; start fresh when there is none; refuse when checkpoints
+    exist but none verifies. "never": start fresh; refuse when ``<output_dir>/checkpoints``
+    holds any checkpoint. Or the path of a checkpoint (or of a checkpoints directory: its
+    latest) to resume from. A refused start exits with status 2 and writes nothing."""
     compile: bool = False
     """Wrap the model in torch.compile."""
     nonfinite_policy: Literal["skip", "halt"] = "skip"
