@@ -363,3 +363,41 @@ def test_command_check_can_fail(argv: list[str], error: str, monkeypatch) -> Non
     with pytest.raises(BaseException) as info:
         check_command(argv)
     assert error in f"{type(info.value).__name__}: {info.value}", info.value
+
+
+# ----------------------------------------------------------------------------- TensorBoard tags
+
+
+def _documented(tag: str, page: str) -> bool:
+    """Whether ``tag`` (as a run writes it) appears in the dashboards page: top-level tags
+    literally, per-layer tags by their name after ``moe/layer{L}/``, numbered experts and
+    collective kinds as ``{e}`` / ``{kind}``."""
+    tag = re.sub(r"/expert\d+$", "/expert{e}", tag)
+    tag = re.sub(r"^comm/bytes_sent/\w+$", "comm/bytes_sent/{kind}", tag)
+    layer = re.fullmatch(r"moe/layer\d+/(.+)", tag)
+    return f"`{layer.group(1) if layer else tag}`" in page
+
+
+def test_every_tensorboard_scalar_is_documented(tmp_path: Path) -> None:
+    """A micro run's scalars (past the accounting step) each have a row in dashboards.md."""
+    from moetrain.config import load_config
+    from moetrain.train.metrics import read_scalars
+    from moetrain.train.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_dim=64",
+            "model.max_seq_len=32", "moe.num_experts=4", "moe.expert_ffn_dim=32",
+            "moe.token_group_seqs=null", "data.seq_len=16", "train.global_batch_size=2",
+            "train.micro_batch_size=2", "train.eval_batches=1", "train.steps=2",
+            "log.progress_bar=false", f"train.output_dir={tmp_path}",
+        ],
+    )  # fmt: skip
+    Trainer(cfg).fit()
+    tags = sorted(read_scalars(tmp_path))
+    assert "perf/mfu" in tags and "moe/layer1/a2a_bytes" in tags and "memory/grad_bytes" in tags
+    page = (REPO / "docs" / "dashboards.md").read_text()
+    missing = [t for t in tags if not _documented(t, page)]
+    assert not missing, f"written to TensorBoard but not in docs/dashboards.md: {missing}"
+    assert not _documented("train/no_such_tag", page)
