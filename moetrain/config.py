@@ -325,8 +325,10 @@ class MoEConfig:
 @dataclass
 class DataConfig:
     dataset: str = "default"
-    """"default" (the embedded corpus), a Hugging Face hub dataset name, or local files:
-    a file, a directory or a glob of .txt/.json/.jsonl/.parquet files."""
+    """"default" (the embedded corpus), a Hugging Face hub dataset name, local files (a file,
+    a directory or a glob of .txt/.json/.jsonl/.parquet files), or a prepared dataset: a
+    directory written by ``moetrain prepare-data``, read through memory maps (the keys that
+    say what to read and how to split it were applied when it was prepared)."""
     dataset_config: str | None = None
     """Hub dataset configuration name (the second argument of ``load_dataset``)."""
     format: Literal["text", "json", "parquet"] | None = None
@@ -343,7 +345,9 @@ class DataConfig:
     text_column: str = "text"
     """Column holding the text."""
     streaming: bool = False
-    """Stream the dataset instead of downloading/materialising it."""
+    """Stream the dataset instead of downloading/materialising it. Every rank reads and
+    tokenizes the whole stream (in a background thread); for large corpora use
+    ``moetrain prepare-data`` instead. Not used for prepared datasets."""
     trust_remote_code: bool = False
     """Allow a hub dataset to run its own loading script. Off: nothing loaded runs code."""
     tokenizer: str = "default"
@@ -355,11 +359,46 @@ class DataConfig:
     """Seed of the document shuffle; the data order depends on it alone."""
     cache_dir: str | None = None
     """Where the default corpus, tokenizer and token caches live. null: ~/.cache/moetrain."""
+    mix: str | None = None
+    """Train on several prepared datasets (``moetrain prepare-data`` directories) mixed by
+    weight: "DIR:WEIGHT,DIR:WEIGHT,...". Each training sequence comes from one of them, drawn
+    with probability weight / sum of weights from (``seed``, sequence index); eval mixes their
+    eval splits the same way. null: train on ``dataset`` (which must then stay "default")."""
+
+    def mix_entries(self) -> list[tuple[str, float]]:
+        """``mix`` parsed: [(directory, weight), ...]; empty when ``mix`` is null."""
+        if self.mix is None:
+            return []
+        entries = []
+        for item in self.mix.split(","):
+            path, sep, weight = item.strip().rpartition(":")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = math.nan
+            if not sep or not path or not (value > 0 and math.isfinite(value)):
+                _fail("data.mix", f"{item.strip()!r} is not DIR:WEIGHT with a weight > 0; "
+                      "write e.g. 'data/web:0.7,data/code:0.3'")
+            entries.append((path, value))
+        return entries
 
     def validate(self) -> None:
         _positive("data", self, "seq_len")
         if not self.dataset:
             _fail("data.dataset", "must be 'default', a hub dataset name or a local path")
+        if self.mix is not None:
+            entries = self.mix_entries()
+            paths = [p for p, _ in entries]
+            dup = next((p for p in paths if paths.count(p) > 1), None)
+            if dup is not None:
+                _fail("data.mix", f"{dup!r} is listed twice; give each dataset one weight")
+            missing = next((p for p in paths if not Path(p).expanduser().is_dir()), None)
+            if missing is not None:
+                _fail("data.mix", f"{missing!r} is not a directory; list prepared datasets "
+                      "(made by `moetrain prepare-data`)")
+            if self.dataset != "default":
+                _fail("data.mix", f"set, and data.dataset={self.dataset!r} too: the mixture "
+                      "replaces data.dataset; leave data.dataset unset")
         if not 0 < self.eval_fraction < 1:
             _fail("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
         if not self.text_column:
