@@ -82,6 +82,38 @@ def check_gather(op: str, x_TK: torch.Tensor, src_N: torch.Tensor) -> None:
         _fail(op, f"src must be on x's device {x_TK.device}, got {src_N.device}")
 
 
+def check_groups(op: str, num_experts: int, top_k: int, n_groups: int, topk_groups: int) -> None:
+    if n_groups < 1 or num_experts % n_groups:
+        _fail(op, f"n_groups must be >= 1 and divide E={num_experts}, got {n_groups}")
+    if n_groups == 1:
+        return
+    per_group = num_experts // n_groups
+    if per_group < 2:
+        _fail(
+            op,
+            f"group-limited routing scores a group by its two best experts; {n_groups} "
+            f"groups of E={num_experts} leave {per_group}",
+        )
+    if not 1 <= topk_groups <= n_groups:
+        _fail(op, f"topk_groups must be in [1, n_groups={n_groups}], got {topk_groups}")
+    if top_k > topk_groups * per_group:
+        _fail(
+            op,
+            f"top_k={top_k} exceeds the {topk_groups * per_group} experts of "
+            f"topk_groups={topk_groups} groups",
+        )
+
+
+def group_mask(select_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """(T, E) bool: True for the experts of each token's ``topk_groups`` best groups, a group
+    scored by the sum of its two highest entries of ``select_TE`` (DeepSeek-V3)."""
+    T, E = select_TE.shape
+    group_scores_TG = select_TE.view(T, n_groups, E // n_groups).topk(2, dim=-1).values.sum(-1)
+    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
+    keep_TG.scatter_(1, group_scores_TG.topk(topk_groups, dim=-1).indices, True)
+    return keep_TG.repeat_interleave(E // n_groups, dim=1)
+
+
 def check_route(
     op: str,
     logits_TE: torch.Tensor,

@@ -59,8 +59,11 @@ def route_reference(
     score_func: str = "softmax",
     expert_bias_E: torch.Tensor | None = None,
     renormalize: bool = True,
+    n_groups: int = 1,
+    topk_groups: int = 1,
 ) -> RouteResult:
-    """Scores, biased top-k selection, (re)normalised weights, logsumexp and counts."""
+    """Scores, biased top-k selection (among each token's best expert groups when
+    ``n_groups > 1``), (re)normalised weights, logsumexp and counts."""
     logits_TE = logits_TE.float()
     if score_func == "softmax":
         scores_TE = torch.softmax(logits_TE, dim=-1)
@@ -69,6 +72,26 @@ def route_reference(
     select_TE = scores_TE.detach()
     if expert_bias_E is not None:
         select_TE = select_TE + expert_bias_E.float()
+    if n_groups > 1:
+        # Token by token: rank the groups by the sum of their two best entries, then mask
+        # every expert outside the topk_groups best.
+        per = logits_TE.shape[1] // n_groups
+        masked = []
+        for row_E in select_TE:
+            group_scores = [
+                sorted(row_E[g * per : (g + 1) * per].tolist())[-2:] for g in range(n_groups)
+            ]
+            ranked = sorted(range(n_groups), key=lambda g: -sum(group_scores[g]))
+            keep = set(ranked[:topk_groups])
+            masked.append(
+                torch.tensor(
+                    [
+                        row_E[e].item() if e // per in keep else float("-inf")
+                        for e in range(row_E.shape[0])
+                    ]
+                )
+            )
+        select_TE = torch.stack(masked).to(select_TE.device)
     ids_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
     weights_TK = scores_TE.gather(1, ids_TK)
     if renormalize:

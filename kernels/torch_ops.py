@@ -7,7 +7,7 @@ the benchmarks compare the Triton kernels against. No host syncs on the native p
 from __future__ import annotations
 
 import torch
-from moetrain.kernels.common import RouteResult
+from moetrain.kernels.common import RouteResult, group_mask
 
 # ---------------------------------------------------------------------------------------------
 # Grouped GEMM
@@ -129,6 +129,8 @@ def route_torch(
     score_func: str,
     expert_bias_E: torch.Tensor | None,
     renormalize: bool,
+    n_groups: int = 1,
+    topk_groups: int = 1,
 ) -> RouteResult:
     """The unfused router: each step is its own torch op (and kernel launch)."""
     if score_func == "softmax":
@@ -138,6 +140,9 @@ def route_torch(
     select_TE = scores_TE.detach()
     if expert_bias_E is not None:
         select_TE = select_TE + expert_bias_E.to(torch.float32)
+    if n_groups > 1:
+        keep_TE = group_mask(select_TE, n_groups, topk_groups)
+        select_TE = select_TE.masked_fill(~keep_TE, float("-inf"))
     ids_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
     weights_TK = scores_TE.gather(1, ids_TK)
     if renormalize:

@@ -2,6 +2,7 @@
 
 moetrain [train] --config configs/tiny.yaml key.sub=value ...
 moetrain ablate configs/sweeps/router.yaml [--parallel N] [key.sub=value ...]
+moetrain prepare-data --config configs/tiny.yaml data.dataset=big.jsonl --out data/big
 python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
 """
 
@@ -69,7 +70,13 @@ def ablate_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
-COMMANDS = {"train": train_main, "ablate": ablate_main}
+def prepare_data_main(argv: list[str] | None = None) -> int:
+    from moetrain.data.prepare import main
+
+    return main(argv)
+
+
+COMMANDS = {"train": train_main, "ablate": ablate_main, "prepare-data": prepare_data_main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,21 +59,150 @@ class ModelConfig:
     """Share the token embedding with the output projection."""
     init_std: float = 0.02
     """Standard deviation of the normal initialisation of weights."""
+    head_dim: int | None = None
+    """Width of each attention head's q, k and v (grouped-query attention), independent of
+    ``dim / n_heads`` (Qwen3 uses 128 with any width). null: ``dim // n_heads``."""
+    rope_style: Literal["interleaved", "half"] = "interleaved"
+    """Which dimensions RoPE rotates together: "interleaved" consecutive pairs (x0, x1),
+    (x2, x3)... (moetrain's original layout, Meta's Llama and DeepSeek's reference code), or
+    "half" the pairs (x_i, x_{i + Dh/2}) of transformers' rotate_half. The two differ by a
+    permutation of the q/k projection rows, so a checkpoint is only valid with the style it
+    was trained with (it is part of the checkpoint fingerprint)."""
+    rope_scaling: Literal["none", "linear", "yarn", "llama3"] = "none"
+    """RoPE frequency scaling for long contexts: "linear" (position interpolation), "yarn"
+    (YaRN, DeepSeek-V3 and Qwen3 long-context), "llama3" (Llama 3.1's), or "none"."""
+    rope_scaling_factor: float = 1.0
+    """Context-extension factor of ``rope_scaling`` (transformers' ``factor``)."""
+    rope_original_max_seq_len: int | None = None
+    """Pretraining context of a yarn / llama3 scaled RoPE (``original_max_position_embeddings``).
+    Required by those two."""
+    rope_yarn_beta_fast: float = 32.0
+    """YaRN: rotations above which a frequency is left unscaled (``beta_fast``)."""
+    rope_yarn_beta_slow: float = 1.0
+    """YaRN: rotations below which a frequency is fully interpolated (``beta_slow``)."""
+    rope_yarn_mscale: float = 0.0
+    """YaRN ``mscale``; with ``rope_yarn_mscale_all_dim`` both > 0 the cos/sin factor is
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) (DeepSeek-V3), else
+    0.1 * ln(factor) + 1. 0: unset."""
+    rope_yarn_mscale_all_dim: float = 0.0
+    """YaRN ``mscale_all_dim``; multi-head latent attention also multiplies its softmax scale
+    by (0.1 * mscale_all_dim * ln(factor) + 1)^2 when it is > 0 (DeepSeek-V3). 0: unset."""
+    rope_llama3_low_freq_factor: float = 1.0
+    """llama3 RoPE scaling: ``low_freq_factor``."""
+    rope_llama3_high_freq_factor: float = 4.0
+    """llama3 RoPE scaling: ``high_freq_factor``."""
+    qk_norm: Literal["none", "head", "full"] = "none"
+    """RMSNorm on queries and keys before RoPE: "head" normalises each head's Dh values with
+    one weight shared by the heads (Qwen3); "full" normalises the whole q and k projections
+    at once, one weight per channel (OLMoE; cannot be split over tensor-parallel ranks)."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections (Qwen2-MoE; transformers' ``attention_bias``
+    sets both this and ``out_bias``)."""
+    out_bias: bool = False
+    """Bias on the attention output projection."""
+    clip_qkv: float | None = None
+    """Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (OLMoE). null: off."""
+    attention: Literal["gqa", "mla"] = "gqa"
+    """"gqa": grouped-query attention (``n_heads``, ``n_kv_heads``, ``head_dim``). "mla":
+    DeepSeek's multi-head latent attention: queries through a ``q_lora_rank`` bottleneck,
+    keys and values from one ``kv_lora_rank`` latent, RoPE on a separate ``qk_rope_head_dim``
+    part shared by all heads."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query down-projection (followed by an RMSNorm). null: a full-rank
+    query projection."""
+    kv_lora_rank: int | None = None
+    """MLA: width of the compressed key/value latent. Required with attention=mla."""
+    qk_nope_head_dim: int | None = None
+    """MLA: per-head query/key width without RoPE. Required with attention=mla."""
+    qk_rope_head_dim: int | None = None
+    """MLA: per-head query/key width that RoPE rotates (the key part is shared by all heads).
+    Required with attention=mla."""
+    v_head_dim: int | None = None
+    """MLA: per-head value width. Required with attention=mla."""
+    init_from: str | None = None
+    """A local directory saved by transformers (config.json + safetensors) to start from: its
+    architecture replaces this section's and the moe section's architecture keys (each
+    replaced value is logged), its weights are read, each rank reading only the slices it
+    holds, and its tokenizer is used when it has one (docs/interop.md)."""
+    upcycle_from: str | None = None
+    """A dense transformers checkpoint (Llama, Mistral, Qwen2, Qwen3) to upcycle: attention,
+    norms and embeddings are copied, and every MoE layer's experts are copies of the dense
+    FFN (split into ``upcycle_granularity`` parts). The moe section says how many experts."""
+    upcycle_granularity: int = 1
+    """Sparse upcycling: split each dense FFN into this many parts of ``ffn_dim / g`` hidden
+    units; expert e copies part e % g (moe.expert_ffn_dim must be ffn_dim / g). 1: every
+    expert is a whole copy, which reproduces the dense model at step 0 with renormalised
+    top-k."""
+    upcycle_router_std: float = 0.0
+    """Sparse upcycling: standard deviation of the router's normal initialisation (0: a zero
+    router, every expert scored alike)."""
+    upcycle_noise: float = 0.0
+    """Sparse upcycling: multiply every copied expert weight by (1 + N(0, noise^2)) so that
+    the copies can diverge (0: exact copies)."""
 
     def validate(self) -> None:
         _positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
-                  "ffn_dim", "max_seq_len", "rope_theta", "norm_eps", "init_std")
-        if self.dim % self.n_heads:
-            _fail("model.dim", f"{self.dim} is not divisible by model.n_heads={self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
-            _fail("model.dim", f"head dim {self.dim // self.n_heads} must be even for RoPE")
+                  "ffn_dim", "max_seq_len", "rope_theta", "norm_eps", "init_std", "head_dim",
+                  "rope_scaling_factor", "rope_original_max_seq_len", "clip_qkv",
+                  "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "upcycle_granularity")
+        if self.head_dim is None and self.dim % self.n_heads:
+            _fail("model.dim", f"{self.dim} is not divisible by model.n_heads={self.n_heads} "
+                  "(or set model.head_dim)")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) is None:
+                    _fail(f"model.{name}", "required with model.attention=mla")
+            if self.qk_rope_head_dim % 2:
+                _fail("model.qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even for "
+                      "RoPE")
+            for name in ("qk_norm", "qkv_bias", "out_bias", "clip_qkv", "head_dim"):
+                if getattr(self, name) not in (None, False, "none"):
+                    _fail(f"model.{name}", "applies to attention=gqa only; multi-head latent "
+                          "attention has its own latent norms and no biases")
+        elif self.rope_dim % 2:
+            key = "model.head_dim" if self.head_dim is not None else "model.dim"
+            _fail(key, f"head dim {self.rope_dim} must be even for RoPE")
         kv = self.kv_heads
         if self.n_heads % kv:
             _fail("model.n_kv_heads", f"{kv} does not divide model.n_heads={self.n_heads}")
+        if self.rope_scaling in ("yarn", "llama3") and self.rope_original_max_seq_len is None:
+            _fail("model.rope_original_max_seq_len", f"required with "
+                  f"model.rope_scaling={self.rope_scaling!r}")
+        if self.rope_scaling != "none" and self.rope_scaling_factor < 1:
+            _fail("model.rope_scaling_factor", f"must be >= 1 with model.rope_scaling="
+                  f"{self.rope_scaling!r}, got {self.rope_scaling_factor}")
+        for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim", "upcycle_router_std",
+                     "upcycle_noise"):
+            if getattr(self, name) < 0:
+                _fail(f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if self.rope_llama3_high_freq_factor <= self.rope_llama3_low_freq_factor:
+            _fail("model.rope_llama3_high_freq_factor", f"must exceed "
+                  f"model.rope_llama3_low_freq_factor={self.rope_llama3_low_freq_factor}")
+        if self.init_from is not None and self.upcycle_from is not None:
+            _fail("model.upcycle_from", "model.init_from is set too; start from one of them")
+        for name in ("init_from", "upcycle_from"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).expanduser().is_dir():
+                _fail(f"model.{name}", f"{path!r} is not a directory (a local directory saved "
+                      "by transformers' save_pretrained)")
 
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def attn_head_dim(self) -> int:
+        """Per-head q/k/v width of grouped-query attention."""
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Width of the part of each head that RoPE rotates."""
+        if self.attention == "mla":
+            assert self.qk_rope_head_dim is not None
+            return self.qk_rope_head_dim
+        return self.attn_head_dim
 
 
 @dataclass
@@ -124,12 +253,54 @@ class MoEConfig:
     kernels: Literal["auto", "torch", "triton"] = "auto"
     """Compute path of the MoE layer: "triton" kernels, pure "torch", or "auto" (Triton on
     CUDA, torch elsewhere)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layers (0-based) that use the dense FFN whatever ``every_n_layers`` says: DeepSeek-V3's
+    first_k_dense_replace = k is [0, ..., k-1], Qwen-MoE's mlp_only_layers is itself."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x . w), a learned per-token gate
+    (Qwen2-MoE's shared_expert_gate). Needs num_shared_experts > 0."""
+    route_with_bias: bool = False
+    """Select experts by score + ``expert_bias`` even when ``expert_bias_rate`` is 0: a loaded,
+    frozen selection bias (DeepSeek-V3's e_score_correction_bias). expert_bias_rate > 0
+    implies it."""
+    n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups,
+    each scored by the sum of its two highest (bias-corrected) scores, and a token picks its
+    top_k experts among the ``topk_groups`` best groups only. 1: off. The Triton router does
+    not implement it: the routing step then runs the torch router."""
+    topk_groups: int = 1
+    """Groups a token may route to under group-limited routing (DeepSeek-V3's topk_group)."""
+    routed_scaling_factor: float = 1.0
+    """Multiplies the routed experts' combine weights, after renormalisation
+    (DeepSeek-V3's routed_scaling_factor)."""
 
     def validate(self) -> None:
         if self.num_experts < 0:
             _fail("moe.num_experts", f"must be >= 0, got {self.num_experts}")
+        if any(not isinstance(i, int) or i < 0 for i in self.dense_layers):
+            _fail("moe.dense_layers", f"must be layer indices >= 0, got {self.dense_layers}")
         if self.num_experts == 0:
             return
+        if self.routed_scaling_factor <= 0:
+            _fail("moe.routed_scaling_factor", f"must be > 0, got {self.routed_scaling_factor}")
+        if self.shared_expert_gate and self.num_shared_experts == 0:
+            _fail("moe.shared_expert_gate", "needs moe.num_shared_experts > 0")
+        if self.n_groups < 1 or self.num_experts % self.n_groups:
+            _fail("moe.n_groups", f"must be >= 1 and divide moe.num_experts="
+                  f"{self.num_experts}, got {self.n_groups}")
+        if self.n_groups > 1:
+            per_group = self.num_experts // self.n_groups
+            if per_group < 2:
+                _fail("moe.n_groups", f"{self.n_groups} groups leave {per_group} expert per "
+                      "group; a group is scored by its two best experts")
+            if not 1 <= self.topk_groups <= self.n_groups:
+                _fail("moe.topk_groups", f"must be in [1, moe.n_groups={self.n_groups}], got "
+                      f"{self.topk_groups}")
+            if self.top_k > self.topk_groups * per_group:
+                _fail("moe.top_k", f"{self.top_k} exceeds the {self.topk_groups * per_group} "
+                      f"experts of moe.topk_groups={self.topk_groups} groups")
+        elif self.topk_groups != 1:
+            _fail("moe.topk_groups", f"needs moe.n_groups > 1, got {self.topk_groups}")
         if not 1 <= self.top_k <= self.num_experts:
             _fail("moe.top_k", f"must be in [1, moe.num_experts={self.num_experts}], "
                   f"got {self.top_k}")
@@ -154,8 +325,10 @@ class MoEConfig:
 @dataclass
 class DataConfig:
     dataset: str = "default"
-    """"default" (the embedded corpus), a Hugging Face hub dataset name, or local files:
-    a file, a directory or a glob of .txt/.json/.jsonl/.parquet files."""
+    """"default" (the embedded corpus), a Hugging Face hub dataset name, local files (a file,
+    a directory or a glob of .txt/.json/.jsonl/.parquet files), or a prepared dataset: a
+    directory written by ``moetrain prepare-data``, read through memory maps (the keys that
+    say what to read and how to split it were applied when it was prepared)."""
     dataset_config: str | None = None
     """Hub dataset configuration name (the second argument of ``load_dataset``)."""
     format: Literal["text", "json", "parquet"] | None = None
@@ -163,13 +336,18 @@ class DataConfig:
     split: str = "train"
     """Split to train on."""
     eval_split: str | None = None
-    """Split for the held-out eval loss. null: hold out ``eval_fraction`` of the documents."""
+    """Split for the held-out eval loss. null: the default corpus's own eval split; for any
+    other dataset, ``eval_fraction`` of ``split``'s documents, held out by index (training
+    then skips them)."""
     eval_fraction: float = 0.02
-    """Fraction of documents held out for eval when there is no ``eval_split``."""
+    """Fraction of ``split``'s documents held out for eval when ``eval_split`` is null (unused
+    with the default corpus, which has its own eval split)."""
     text_column: str = "text"
     """Column holding the text."""
     streaming: bool = False
-    """Stream the dataset instead of downloading/materialising it."""
+    """Stream the dataset instead of downloading/materialising it. Every rank reads and
+    tokenizes the whole stream (in a background thread); for large corpora use
+    ``moetrain prepare-data`` instead. Not used for prepared datasets."""
     trust_remote_code: bool = False
     """Allow a hub dataset to run its own loading script. Off: nothing loaded runs code."""
     tokenizer: str = "default"
@@ -181,11 +359,46 @@ class DataConfig:
     """Seed of the document shuffle; the data order depends on it alone."""
     cache_dir: str | None = None
     """Where the default corpus, tokenizer and token caches live. null: ~/.cache/moetrain."""
+    mix: str | None = None
+    """Train on several prepared datasets (``moetrain prepare-data`` directories) mixed by
+    weight: "DIR:WEIGHT,DIR:WEIGHT,...". Each training sequence comes from one of them, drawn
+    with probability weight / sum of weights from (``seed``, sequence index); eval mixes their
+    eval splits the same way. null: train on ``dataset`` (which must then stay "default")."""
+
+    def mix_entries(self) -> list[tuple[str, float]]:
+        """``mix`` parsed: [(directory, weight), ...]; empty when ``mix`` is null."""
+        if self.mix is None:
+            return []
+        entries = []
+        for item in self.mix.split(","):
+            path, sep, weight = item.strip().rpartition(":")
+            try:
+                value = float(weight)
+            except ValueError:
+                value = math.nan
+            if not sep or not path or not (value > 0 and math.isfinite(value)):
+                _fail("data.mix", f"{item.strip()!r} is not DIR:WEIGHT with a weight > 0; "
+                      "write e.g. 'data/web:0.7,data/code:0.3'")
+            entries.append((path, value))
+        return entries
 
     def validate(self) -> None:
         _positive("data", self, "seq_len")
         if not self.dataset:
             _fail("data.dataset", "must be 'default', a hub dataset name or a local path")
+        if self.mix is not None:
+            entries = self.mix_entries()
+            paths = [p for p, _ in entries]
+            dup = next((p for p in paths if paths.count(p) > 1), None)
+            if dup is not None:
+                _fail("data.mix", f"{dup!r} is listed twice; give each dataset one weight")
+            missing = next((p for p in paths if not Path(p).expanduser().is_dir()), None)
+            if missing is not None:
+                _fail("data.mix", f"{missing!r} is not a directory; list prepared datasets "
+                      "(made by `moetrain prepare-data`)")
+            if self.dataset != "default":
+                _fail("data.mix", f"set, and data.dataset={self.dataset!r} too: the mixture "
+                      "replaces data.dataset; leave data.dataset unset")
         if not 0 < self.eval_fraction < 1:
             _fail("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
         if not self.text_column:
@@ -259,8 +472,11 @@ class TrainConfig:
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after a newer one is verified."""
     resume: str = "auto"
-    """"auto": resume from the latest complete checkpoint in output_dir if there is one;
-    "never": start fresh (refuses a non-empty checkpoint dir); or a checkpoint path."""
+    """"auto": resume from the checkpoint ``<output_dir>/checkpoints/latest`` names, or else
+    the newest one that verifies; start fresh when there is none; refuse when checkpoints
+    exist but none verifies. "never": start fresh; refuse when ``<output_dir>/checkpoints``
+    holds any checkpoint. Or the path of a checkpoint (or of a checkpoints directory: its
+    latest) to resume from. A refused start exits with status 2 and writes nothing."""
     compile: bool = False
     """Wrap the model in torch.compile."""
     nonfinite_policy: Literal["skip", "halt"] = "skip"
@@ -427,6 +643,12 @@ class JobConfig:
             _fail("data.seq_len", f"{self.data.seq_len} exceeds model.max_seq_len="
                   f"{self.model.max_seq_len}")
         moe = self.moe
+        late = [i for i in moe.dense_layers if i >= self.model.n_layers]
+        if late:
+            _fail("moe.dense_layers", f"{late} are not layers of a model.n_layers="
+                  f"{self.model.n_layers} model")
+        if self.model.upcycle_from is not None and moe.num_experts == 0:
+            _fail("model.upcycle_from", "needs MoE layers: set moe.num_experts > 0")
         if moe.token_group_seqs is not None and moe.num_experts:
             if self.train.micro_batch_size % moe.token_group_seqs:
                 _fail("moe.token_group_seqs", f"{moe.token_group_seqs} does not divide "
@@ -448,6 +670,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -484,6 +708,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, list):
+            return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
     else:  # pragma: no cover - only the types above are used in this file
         raise TypeError(f"unsupported config type {tp}")
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")

@@ -3,6 +3,13 @@
 Timing on CUDA: CUDA events around each rep, a 256 MB buffer written between reps so
 that no rep starts with its operands in L2, warm-up first, median reported. On CPU (the
 `--device cpu --quick` smoke mode) the same loop runs with perf_counter and no flush.
+
+Every benchmark writes rows of one schema (CSV_FIELDS): who measured (device, torch,
+triton, commit), what (benchmark, case, routing, dtype, op, impl), the figures (ms,
+TFLOP/s, GB/s, ratio to the ceiling measured in the same run, speed-up over a named peer
+measured in the same run), a free figure with its unit for what is not a kernel time
+(tokens/s, MFU, memory, loss differences, test counts) and a status (ok, mismatch, fail,
+timeout, skipped).
 """
 
 from __future__ import annotations
@@ -23,8 +30,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_CSV = os.path.join(REPO, "docs", "benchmarks.csv")
 CSV_FIELDS = [
     "timestamp", "device", "torch", "triton", "commit", "benchmark", "case", "routing",
-    "dtype", "op", "impl", "ms", "tflops", "gbs", "ratio_ceiling",
+    "dtype", "op", "impl", "ms", "tflops", "gbs", "ratio_ceiling", "peer", "ratio_peer",
+    "value", "unit", "status",
 ]  # fmt: skip
+# A row's identity: a row merged again with the same key replaces the older one.
+ROW_KEY = ("timestamp", "device", "benchmark", "case", "routing", "dtype", "op", "impl")
 
 # Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3 per rank (EP=8): (E, H, F, top_k) from ANCHORS.md.
 ANCHOR_SHAPES = {
@@ -169,6 +179,10 @@ def device_name(device: torch.device) -> str:
 
 
 def git_commit() -> str:
+    """MOETRAIN_COMMIT if set (a copy of the tree without .git, as on the GPU machine),
+    else the checkout's short HEAD, else "unknown"."""
+    if os.environ.get("MOETRAIN_COMMIT"):
+        return os.environ["MOETRAIN_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                              capture_output=True, text=True, check=True)  # fmt: skip
@@ -186,59 +200,114 @@ def triton_version() -> str:
         return "none"
 
 
+def run_meta(benchmark: str, device: torch.device) -> dict[str, str]:
+    """The columns every row of one run shares: when, where, which versions and commit."""
+    return {
+        "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "triton": triton_version(),
+        "commit": git_commit(),
+        "benchmark": benchmark,
+    }
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "" if x is None else format(x, spec)
+
+
 class Results:
     """Collects rows, prints them as they come, appends them to the CSV at the end."""
 
     def __init__(self, benchmark: str, device: torch.device):
         self.benchmark = benchmark
-        self.meta = {
-            "timestamp": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-            "device": device_name(device),
-            "torch": torch.__version__,
-            "triton": triton_version(),
-            "commit": git_commit(),
-            "benchmark": benchmark,
-        }
+        self.meta = run_meta(benchmark, device)
         self.rows: list[dict] = []
         print(f"# {benchmark} on {self.meta['device']}, torch {self.meta['torch']}, "
               f"triton {self.meta['triton']}, commit {self.meta['commit']}")  # fmt: skip
 
-    def add(self, *, case: str, routing: str, dtype: torch.dtype, op: str, impl: str,
-            ms: float, tflops: float | None = None, gbs: float | None = None,
-            ceiling: float | None = None) -> dict:  # fmt: skip
+    def add(self, *, case: str, routing: str, dtype: torch.dtype | str, op: str, impl: str,
+            ms: float | None = None, tflops: float | None = None, gbs: float | None = None,
+            ceiling: float | None = None, value: float | None = None, unit: str = "",
+            status: str = "ok") -> dict:  # fmt: skip
+        """One row. ratio_ceiling = (tflops or gbs) / ceiling; value/unit hold any other
+        figure (tokens/s, MFU, GiB, a loss difference, a test count)."""
         figure = tflops if tflops is not None else gbs
         ratio = figure / ceiling if (figure is not None and ceiling) else None
         row = {
             **self.meta, "case": case, "routing": routing,
-            "dtype": str(dtype).replace("torch.", ""), "op": op, "impl": impl, "ms": f"{ms:.4f}",
-            "tflops": "" if tflops is None else f"{tflops:.4g}",
-            "gbs": "" if gbs is None else f"{gbs:.4g}",
-            "ratio_ceiling": "" if ratio is None else f"{ratio:.3f}",
+            "dtype": str(dtype).replace("torch.", ""), "op": op, "impl": impl,
+            "ms": _fmt(ms, ".4f"), "tflops": _fmt(tflops, ".4g"), "gbs": _fmt(gbs, ".4g"),
+            "ratio_ceiling": _fmt(ratio, ".3f"), "peer": "", "ratio_peer": "",
+            "value": _fmt(value, ".6g"), "unit": unit, "status": status,
         }  # fmt: skip
         self.rows.append(row)
-        unit = f"{tflops:8.2f} TFLOP/s" if tflops is not None else f"{gbs:8.1f} GB/s"
+        value_text = f"{value:.6g} {unit}" if value is not None else ""
+        if tflops is not None:
+            fig = f"{tflops:8.2f} TFLOP/s"
+        elif gbs is not None:
+            fig = f"{gbs:8.1f} GB/s"
+        else:
+            fig, value_text = value_text, ""
+        ms_text = f"{ms:9.3f} ms" if ms is not None else " " * 12
         extra = f"  ({ratio:.0%} of ceiling)" if ratio is not None else ""
-        print(f"{case:18s} {routing:8s} {op:8s} {impl:10s} {ms:9.3f} ms {unit}{extra}")
+        flag = "" if status == "ok" else f"  [{status}]"
+        if value_text:
+            extra += f"  {value_text}"
+        print(f"{case:18s} {routing:8s} {op:8s} {impl:10s} {ms_text} {fig}{extra}{flag}")
         return row
 
-    def ratio(self, case: str, routing: str, op: str, impl: str, peer: str) -> None:
-        """Print impl's speed relative to a peer measured in this run (time ratio)."""
-        times = {
-            r["impl"]: float(r["ms"])
+    def ratio(self, case: str, routing: str, op: str, impl: str, peer: str,
+              record: bool = False) -> float | None:  # fmt: skip
+        """impl's speed-up over a peer measured in this run (peer time / impl time), printed;
+        with record=True also stored in impl's row (peer, ratio_peer)."""
+        rows = {
+            r["impl"]: r
             for r in self.rows
-            if r["case"] == case and r["routing"] == routing and r["op"] == op
+            if r["case"] == case and r["routing"] == routing and r["op"] == op and r["ms"]
         }
-        if impl in times and peer in times:
-            speedup = times[peer] / times[impl]
-            print(f"{'':18s} {routing:8s} {op:8s} {impl} vs {peer}: {speedup:.3g}x")
+        if impl not in rows or peer not in rows or float(rows[impl]["ms"]) <= 0:
+            return None
+        speedup = float(rows[peer]["ms"]) / float(rows[impl]["ms"])
+        print(f"{'':18s} {routing:8s} {op:8s} {impl} vs {peer}: {speedup:.3g}x")
+        if record:
+            rows[impl]["peer"] = peer
+            rows[impl]["ratio_peer"] = f"{speedup:.3f}"
+        return speedup
 
     def write(self, path: str, append: bool) -> None:
         if not append:
             return
-        new_file = not os.path.exists(path) or os.path.getsize(path) == 0
-        with open(path, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-            if new_file:
-                writer.writeheader()
-            writer.writerows(self.rows)
+        append_rows(path, self.rows)
         print(f"appended {len(self.rows)} rows to {path}")
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+    """Append rows to a CSV of CSV_FIELDS, writing the header when the file is new."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new_file = not os.path.exists(path) or os.path.getsize(path) == 0
+    if not new_file:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != CSV_FIELDS:  # an older schema: rewrite it in this one first
+            rows = read_rows(path) + list(rows)
+            os.remove(path)
+            new_file = True
+    with open(path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        if new_file:
+            writer.writeheader()
+        writer.writerows({k: r.get(k, "") for k in CSV_FIELDS} for r in rows)
+
+
+def read_rows(path: str) -> list[dict]:
+    """Rows of a results CSV, every CSV_FIELDS column present (blank where an older file
+    lacks it). Raises ValueError when the header lacks the identity columns."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        missing = [k for k in ROW_KEY if k not in (reader.fieldnames or [])]
+        if missing:
+            raise ValueError(f"{path}: not a benchmark results CSV (missing columns {missing})")
+        return [{k: (r.get(k) or "") for k in CSV_FIELDS} for r in reader]

@@ -7,7 +7,11 @@ For each shape (E experts, H model dim, F expert FFN dim, top-k), token count an
 (uniform, Zipf-skewed), both expert GEMMs (up: H->F, down: F->H) are timed as fwd, dgrad,
 wgrad, bwd (autograd: dgrad + wgrad) and fwd+bwd. TFLOP/s count only real routed rows.
 The dense ceiling is a plain matmul with the same FLOPs, measured in the same run.
-MegaBlocks' grouped GEMM joins the comparison when `import megablocks` works.
+Each Triton row records its speed-up over `torch._grouped_mm` (peer, ratio_peer) and the
+relative error of its fwd/dgrad/wgrad output against that peer (value, unit rel_err; status
+"mismatch" past the dtype's bound), so the autotuned configs are checked on these shapes too.
+MegaBlocks' grouped GEMM (the `grouped_gemm` package, its CUTLASS dependency) joins the
+comparison when it imports; no wheel of it exists, see docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,19 +25,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 from moetrain.kernels import grouped_mm  # noqa: E402
 
+# Relative Frobenius error allowed between two implementations of one GEMM (METHOD: bf16
+# operands land between 1e-3 and 1e-2; fp32 with full-precision products far under 1e-3).
+REL_ERR_BOUND = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
 
 def _megablocks_gmm():
-    """MegaBlocks' grouped GEMM (the `grouped_gemm` CUTLASS op) if it imports, else None."""
+    """MegaBlocks' grouped GEMM backend (package `grouped_gemm`) as (fwd, dgrad, wgrad)
+    makers, or None when it does not import (it has no wheel; see docs/benchmarks.md)."""
     try:
-        import megablocks  # noqa: F401
-        from megablocks import grouped_gemm_util as gg
-    except Exception as exc:  # any import failure (missing CUDA extension, pins) means absent
-        print(f"# megablocks not available: {type(exc).__name__}: {exc}")
+        from grouped_gemm import backend
+    except Exception as exc:  # missing package or unbuilt CUDA extension: the peer is absent
+        print(f"# grouped_gemm (MegaBlocks) not available: {type(exc).__name__}: {exc}")
         return None
-    if not gg.grouped_gemm_is_available():
-        print("# megablocks imported but its grouped_gemm extension is not built")
-        return None
-    return gg.ops.gmm
+    return backend.gmm
 
 
 def _loop_fns(x_NK, w_EKM, dy_NM, sizes):
@@ -98,6 +103,11 @@ def _autograd_fns(op, x_NK, w_EKM, dy_NM):
     return bwd, fwd_bwd
 
 
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 def bench_case(res, timer, case, routing_name, rt, k_dim, m_dim, dtype, impls, mb_gmm):
     dev = timer.device
     num_rows = rt.src_N.shape[0]
@@ -130,8 +140,23 @@ def bench_case(res, timer, case, routing_name, rt, k_dim, m_dim, dtype, impls, m
         fns["megablocks"] = (
             lambda: mb_gmm(x_NK, w_EKM, sizes_cpu),
             lambda: mb_gmm(dy_NM, w_EKM, sizes_cpu, trans_b=True),
-            None, None, None,
+            lambda: mb_gmm(x_NK, dy_NM, sizes_cpu, trans_a=True),
+            None, None,
         )  # fmt: skip
+
+    # Correctness of each impl's fwd/dgrad/wgrad against torch._grouped_mm (else the loop).
+    ref_impl = "torch_gmm" if "torch_gmm" in fns else "loop"
+    refs = [fn() for fn in fns[ref_impl][:3]]
+    errors: dict[tuple[str, str], float] = {}
+    for impl, impl_fns in fns.items():
+        if impl == ref_impl:
+            continue
+        for op, fn, ref in zip(("fwd", "dgrad", "wgrad"), impl_fns[:3], refs, strict=True):
+            try:
+                errors[(impl, op)] = _rel_err(fn(), ref)
+            except RuntimeError as exc:
+                print(f"# {impl} {op} failed: {str(exc).splitlines()[0]}")
+    del refs
 
     op_flops = {"fwd": flops, "dgrad": flops, "wgrad": flops, "bwd": 2 * flops,
                 "fwd+bwd": 3 * flops}  # fmt: skip
@@ -145,11 +170,16 @@ def bench_case(res, timer, case, routing_name, rt, k_dim, m_dim, dtype, impls, m
                 print(f"# {impl} {op} failed: {str(exc).splitlines()[0]}")
                 continue
             tflops = op_flops[op] / (ms * 1e-3) / 1e12
+            err = errors.get((impl, op))
+            bad = err is not None and not err <= REL_ERR_BOUND[dtype]  # NaN is bad too
             res.add(case=case, routing=routing_name, dtype=dtype, op=op, impl=impl, ms=ms,
-                    tflops=tflops, ceiling=ceiling)  # fmt: skip
+                    tflops=tflops, ceiling=ceiling, value=err,
+                    unit=f"rel_err vs {ref_impl}" if err is not None else "",
+                    status="mismatch" if bad else "ok")  # fmt: skip
     for op in op_flops:
         for peer in ("torch_gmm", "loop", "megablocks"):
-            res.ratio(case, routing_name, op, "triton", peer)
+            res.ratio(case, routing_name, op, "triton", peer, record=peer == "torch_gmm")
+        res.ratio(case, routing_name, op, "megablocks", "torch_gmm", record=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -77,7 +77,7 @@ def bench_case(res, timer, case, routing_name, rt, d_dim, dtype, impls, ceiling)
             res.add(case=case, routing=routing_name, dtype=dtype, op=op, impl=impl, ms=ms,
                     gbs=gbs, ceiling=ceiling)  # fmt: skip
     for op in nbytes:
-        res.ratio(case, routing_name, op, "triton", "torch")
+        res.ratio(case, routing_name, op, "triton", "torch", record=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -76,7 +76,7 @@ def bench_case(res, timer, name, num_tokens, cfg, impls, ceiling):
             res.add(case=case, routing=score_func, dtype=torch.float32, op=op, impl=impl, ms=ms,
                     gbs=gbs, ceiling=ceiling)  # fmt: skip
     for op in nbytes:
-        res.ratio(case, score_func, op, "triton", "torch")
+        res.ratio(case, score_func, op, "triton", "torch", record=True)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -1,14 +1,15 @@
 """Memory and communication of one training step under a layout, beside the analytic figures.
 
     python tools/comm_report.py --nproc 4 --config configs/tiny.yaml parallel.zero_stage=3 \
-        model.tie_embeddings=false train.global_batch_size=8
+        train.micro_batch_size=4 moe.token_group_seqs=4
     torchrun --nproc-per-node 8 tools/comm_report.py --config configs/tiny_3d.yaml
 
-``--nproc N`` spawns N CPU processes itself (gloo); under torchrun it uses the launch. Each
-rank takes one warm-up step, then one measured step (``moetrain.parallel.accounting``);
-rank 0 prints, per rank: model-state bytes and their ratio to the ZeRO formula, bytes sent
-per collective kind, and the analytic volume of each axis (ANCHORS.md) with its ratio. The
-data-parallel formulas assume one micro-batch per rank (FSDP gathers per micro-batch).
+``--nproc N`` spawns N CPU processes itself (gloo); under torchrun it uses the launch. The
+config and its layout are checked for that world size before any process starts. Each rank
+takes one warm-up step, then one measured step (``moetrain.parallel.accounting``); rank 0
+prints, per rank: model-state bytes and their ratio to the ZeRO formula, bytes sent per
+collective kind, and the analytic volume of each axis (``docs/parallel.md``) with its ratio.
+The data-parallel formulas assume one micro-batch per rank (FSDP gathers per micro-batch).
 """
 
 from __future__ import annotations
@@ -21,6 +22,16 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+# What every measured run sets: two steps (a warm-up, then the measured one), no output.
+FIXED_OVERRIDES = [
+    "train.steps=2",
+    "log.tensorboard=false",
+    "log.progress_bar=false",
+    "train.eval_every=0",
+    "train.checkpoint_every=0",
+]
 
 
 def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
@@ -36,18 +47,7 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
     from moetrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(
-            cfg_path,
-            [
-                *overrides,
-                f"train.output_dir={out}",
-                "train.steps=2",
-                "log.tensorboard=false",
-                "log.progress_bar=false",
-                "train.eval_every=0",
-                "train.checkpoint_every=0",
-            ],
-        )
+        cfg = load_config(cfg_path, [*overrides, f"train.output_dir={out}", *FIXED_OVERRIDES])
         trainer = Trainer(cfg)
         trainer.train_step()
         report = measure_step(trainer)
@@ -138,7 +138,21 @@ def _spawned(
         dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def check_args(args: argparse.Namespace, world_size: int | None = None) -> None:
+    """Load the config and check its layout for the job's world size (``--nproc``, else
+    ``world_size``, else torchrun's ``WORLD_SIZE``) without starting anything; raises
+    ConfigError naming the key."""
+    from moetrain.config import load_config
+    from moetrain.parallel.dims import ParallelDims
+
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world = args.nproc if args.nproc > 1 else world_size
+    cfg = load_config(args.config, [*args.overrides, *FIXED_OVERRIDES])
+    ParallelDims.from_config(cfg.parallel, world).validate(cfg)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="YAML experiment file")
     parser.add_argument(
@@ -148,7 +162,18 @@ def main(argv: list[str] | None = None) -> int:
         help="spawn this many CPU processes (default: torchrun's, or 1)",
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from moetrain.config import ConfigError
+
+    try:
+        check_args(args)
+    except ConfigError as exc:
+        print(f"comm_report: config error: {exc}", file=sys.stderr)
+        return 2
     if args.nproc > 1:
         import torch.multiprocessing as mp
 

@@ -36,6 +36,17 @@ moetrain --config configs/tiny.yaml moe.top_k=1 train.steps=50 moe.capacity_fact
 Values are parsed as YAML (`null`, `true`, numbers, strings). Unknown keys, wrong types and
 impossible values are rejected before anything runs, with a message naming the key and what
 is allowed (for example `moe.top_k: must be in [1, moe.num_experts=8], got 9`).
+
+To see what a file and its overrides resolve to, without running anything:
+
+```
+moetrain --config configs/tiny.yaml moe.top_k=1 --print-config
+```
+
+`--print-config` loads and validates the config and prints every key of every section as
+YAML (the format of the `<train.output_dir>/config.yaml` a run writes), then exits: status
+0, or 2 with the error naming the key. Checks that need the world size (the parallel layout)
+or the data run when training starts.
 """
 
 

@@ -1,4 +1,5 @@
-"""Data: Hugging Face datasets -> tokens -> packed, per-DP-rank, resumable batches.
+"""Data: Hugging Face datasets -> tokens (once, into memory-mapped shards) -> packed,
+per-DP-rank, resumable batches.
 
 Public API::
 
@@ -7,21 +8,39 @@ Public API::
     PackedBatches(cfg, tokenizer, split, global_batch_size, micro_batch_size,
                   dp_rank=0, dp_size=1)  # .next_step(), .reset(), .state_dict() ...
     unigram_entropy(tokenizer, cfg)      # nats/token of the training tokens
+    prepare_dataset(cfg, out, workers)   # what `moetrain prepare-data` runs
 
-docs/data.md describes the default corpus, local/hub data, packing order and resume.
+docs/data.md describes the default corpus, local/hub data, prepared datasets, mixtures,
+packing order and resume.
+
+Names are imported on first use (PEP 562): the tokenizing worker processes of
+``prepare-data`` import ``moetrain.data.tokenize_worker`` without paying for torch and
+``datasets``.
 """
 
-from moetrain.data.check import check_data
-from moetrain.data.corpus import corpus_files
-from moetrain.data.dataset import Source, load_local_files, load_split, resolve_source
-from moetrain.data.errors import DataError
-from moetrain.data.packing import (
-    PackedBatches,
-    build_doc_source,
-    token_entropy,
-    unigram_entropy,
-)
-from moetrain.data.tokenizer import Tokenizer, load_tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "DataError": "moetrain.data.errors",
+    "PackedBatches": "moetrain.data.packing",
+    "Source": "moetrain.data.dataset",
+    "Tokenizer": "moetrain.data.tokenizer",
+    "build_doc_source": "moetrain.data.sources",
+    "check_data": "moetrain.data.check",
+    "corpus_files": "moetrain.data.corpus",
+    "is_prepared": "moetrain.data.prepared",
+    "load_local_files": "moetrain.data.dataset",
+    "load_split": "moetrain.data.dataset",
+    "load_tokenizer": "moetrain.data.tokenizer",
+    "prepare_dataset": "moetrain.data.prepare",
+    "resolve_source": "moetrain.data.dataset",
+    "token_entropy": "moetrain.data.packing",
+    "unigram_entropy": "moetrain.data.packing",
+    "verify_dataset": "moetrain.data.prepare",
+}
 
 __all__ = [
     "DataError",
@@ -31,10 +50,37 @@ __all__ = [
     "build_doc_source",
     "check_data",
     "corpus_files",
+    "is_prepared",
     "load_local_files",
     "load_split",
     "load_tokenizer",
+    "prepare_dataset",
     "resolve_source",
     "token_entropy",
     "unigram_entropy",
+    "verify_dataset",
 ]
+
+if TYPE_CHECKING:
+    from moetrain.data.check import check_data
+    from moetrain.data.corpus import corpus_files
+    from moetrain.data.dataset import Source, load_local_files, load_split, resolve_source
+    from moetrain.data.errors import DataError
+    from moetrain.data.packing import PackedBatches, token_entropy, unigram_entropy
+    from moetrain.data.prepare import prepare_dataset, verify_dataset
+    from moetrain.data.prepared import is_prepared
+    from moetrain.data.sources import build_doc_source
+    from moetrain.data.tokenizer import Tokenizer, load_tokenizer
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moetrain.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

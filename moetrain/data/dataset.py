@@ -71,6 +71,11 @@ def resolve_source(cfg: DataConfig) -> Source:
     if cfg.dataset == "default":
         files = corpus_files(cfg.cache_dir)
         return Source("default", "default", {s: [str(p)] for s, p in files.items()}, "json")
+    if (Path(cfg.dataset).expanduser() / "manifest.json").is_file():
+        raise DataError(
+            f"data.dataset: {cfg.dataset!r} is a prepared dataset: it holds token ids, not "
+            "text (PackedBatches reads it; prepare-data takes the original text)"
+        )
     files = _local_files(cfg.dataset, cfg.format)
     if files is None:
         return Source("hub", cfg.dataset)

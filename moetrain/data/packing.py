@@ -8,245 +8,119 @@ block ``[r * G / dp, (r + 1) * G / dp)`` of it, cut into micro-batches. Nothing 
 the layout, so dp=1 with 4 micro-batches sees the same sequences as dp=2 with 2 each.
 
 The position in the stream is three integers (epoch, document, token offset in it); that is
-the whole resumable state, identical on every rank.
+the whole resumable state, identical on every rank. On an indexed source (a prepared dataset
+or the token cache) a rank moves past the other ranks' blocks by document lengths alone and
+reads the tokens of its own block only. A mixture (``data.mix``) draws each global sequence
+from one of several such streams, each with its own position.
 """
 
 from __future__ import annotations
 
-import itertools
-import random
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 import torch
-from datasets import Dataset, IterableDataset
 
 from moetrain.config import DataConfig
-from moetrain.data._cache import cache_root, publish, short_hash
-from moetrain.data.corpus import corpus_dir
-from moetrain.data.dataset import check_text, load_split, plan_split
 from moetrain.data.errors import DataError
+from moetrain.data.sampling import permutation_slice, weighted_choice
+from moetrain.data.sources import IndexedDocs, StreamingDocs, build_doc_source, open_prepared
 from moetrain.data.tokenizer import Tokenizer
 
 Batch = dict[str, torch.Tensor]
 
-STREAM_SHUFFLE_BUFFER = 10_000
-"""Documents held in the seeded shuffle buffer of a streaming dataset."""
+_STATE_VERSION = 2
+"""2: documents ordered by ``sampling.permutation_slice`` (1: a numpy permutation array)."""
 
 
-_TOKENIZE_BATCH = 1024  # documents per encode_batch call (tokenizers parallelizes inside)
-_STATE_VERSION = 1
+# ----------------------------------------------------------------------------- streams
 
 
-# ----------------------------------------------------------------------------- documents
+class IndexedStream:
+    """The infinite token stream of an indexed source; its position is (epoch, doc, offset).
 
-
-class DocSource(Protocol):
-    """Tokenized documents (each ending in EOS) of one split, in a per-epoch order."""
-
-    def docs(self, epoch: int, start: int) -> Iterator[np.ndarray]:
-        """The documents of ``epoch`` in order, from position ``start`` on."""
-        ...
-
-    def sample_tokens(self, max_tokens: int) -> np.ndarray:
-        """Tokens of the split (the first ``max_tokens`` of epoch 0 when it is bigger)."""
-        ...
-
-
-class InMemoryDocs:
-    """A map-style split tokenized into one flat array.
-
-    Epoch order: a permutation seeded by (seed, epoch), or storage order when seed is None.
+    ``advance(n)`` moves ``n`` tokens on, reading the lengths of the documents it passes and,
+    only when asked for them, their tokens. seed None: every epoch in stored order.
     """
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, seed: int | None) -> None:
-        if len(offsets) < 2:
+    def __init__(self, source: IndexedDocs, seed: int | None) -> None:
+        if source.n_docs == 0:
             raise DataError("data.dataset: the split has no non-empty documents")
-        self.tokens = tokens
-        self.offsets = offsets
+        self.source = source
         self.seed = seed
-        self._order: tuple[int, np.ndarray] | None = None
-
-    @property
-    def n_docs(self) -> int:
-        """Number of (non-empty) documents in the split."""
-        return len(self.offsets) - 1
+        self.epoch = self.doc = self.offset = 0
+        self._avg = max(1.0, source.n_tokens / source.n_docs)
 
     def order(self, epoch: int) -> np.ndarray:
-        """Document indices of ``epoch``: a permutation drawn from (seed, epoch) alone."""
-        if self.seed is None:
-            return np.arange(self.n_docs)
-        if self._order is None or self._order[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_docs)
-            self._order = (epoch, perm)
-        return self._order[1]
+        """All document indices of ``epoch`` in order (tests and tools; training reads
+        windows of it)."""
+        return permutation_slice(self.seed, epoch, self.source.n_docs, 0, self.source.n_docs)
 
-    def docs(self, epoch: int, start: int) -> Iterator[np.ndarray]:
-        """The documents of ``epoch`` from position ``start`` (views into the flat array)."""
-        offsets = self.offsets
-        for d in self.order(epoch)[start:]:
-            yield self.tokens[offsets[d] : offsets[d + 1]]
+    def seek(self, epoch: int, doc: int, offset: int) -> None:
+        self.epoch, self.doc, self.offset = epoch, doc, offset
+        if self.doc >= self.source.n_docs and self.offset == 0:
+            self.epoch, self.doc = self.epoch + 1, 0
 
-    def sample_tokens(self, max_tokens: int) -> np.ndarray:
-        """All tokens of the split (or the first ``max_tokens`` in storage order)."""
-        return self.tokens[:max_tokens]
+    def advance(self, n: int, out: list[np.ndarray] | None = None) -> None:
+        """Move ``n`` tokens on; append the tokens passed to ``out`` when it is given."""
+        src = self.source
+        while n > 0:
+            if self.doc >= src.n_docs:
+                raise ValueError(
+                    f"data state: document {self.doc} is past the end of epoch {self.epoch} "
+                    f"({src.n_docs} documents); the state was saved for other data"
+                )
+            window = min(src.n_docs - self.doc, int((n + self.offset) / self._avg * 1.25) + 8)
+            ids = permutation_slice(self.seed, self.epoch, src.n_docs, self.doc, window)
+            lens = src.lengths(ids)
+            if self.offset >= lens[0]:
+                raise ValueError(
+                    f"data state: offset {self.offset} is past the end of document {self.doc} "
+                    f"({lens[0]} tokens); the state was saved for other data"
+                )
+            avail = np.cumsum(lens) - self.offset  # tokens up to the end of each document
+            if avail[-1] <= n:
+                last, end = len(ids) - 1, int(lens[-1])
+            else:
+                last = int(np.searchsorted(avail, n, side="left"))
+                end = int(lens[last] - (avail[last] - n))
+            if out is not None:
+                for j in range(last + 1):
+                    start = self.offset if j == 0 else 0
+                    stop = end if j == last else int(lens[j])
+                    out.append(src.read(int(ids[j]), start, stop))
+            n -= int(avail[last]) - (int(lens[last]) - end)
+            if end == lens[last]:
+                self.doc, self.offset = self.doc + last + 1, 0
+            else:
+                self.doc, self.offset = self.doc + last, end
+            if self.doc == src.n_docs:  # the epoch is over: the next one, in a new order
+                self.epoch, self.doc = self.epoch + 1, 0
 
 
-class StreamingDocs:
-    """An ``IterableDataset`` read through a seeded shuffle buffer and tokenized on the fly.
+class SequentialStream:
+    """The token stream of a streamed split, read document by document from its start.
 
-    Each epoch re-reads the stream from its start; resuming at document k skips the first k
-    texts out of the shuffle buffer (read, not tokenized). seed None: stream order, no buffer.
+    Moving past tokens means reading (and tokenizing) them: there are no lengths to skip by.
     """
 
-    def __init__(
-        self,
-        ds: IterableDataset,
-        tokenizer: Tokenizer,
-        column: str,
-        seed: int | None,
-        buffer_size: int = STREAM_SHUFFLE_BUFFER,
-    ) -> None:
-        self.ds = ds
-        self.tokenizer = tokenizer
-        self.column = column
-        self.seed = seed
-        self.buffer_size = buffer_size
-
-    def _texts(self) -> Iterator[str]:
-        for batch in self.ds.iter(batch_size=256):
-            for value in batch[self.column]:
-                text = check_text(value, self.column)
-                if text:  # an empty row would add a bare EOS to the stream
-                    yield text
-
-    def _shuffled(self, epoch: int) -> Iterator[str]:
-        if self.seed is None or self.buffer_size <= 1:
-            yield from self._texts()
-            return
-        # random.Random seeded by a string is stable across Python versions and platforms.
-        rng = random.Random(f"moetrain-stream:{self.seed}:{epoch}")
-        buffer: list[str] = []
-        for text in self._texts():
-            if len(buffer) < self.buffer_size:
-                buffer.append(text)
-                continue
-            j = rng.randrange(self.buffer_size)
-            yield buffer[j]
-            buffer[j] = text
-        rng.shuffle(buffer)
-        yield from buffer
-
-    def docs(self, epoch: int, start: int) -> Iterator[np.ndarray]:
-        """The documents of ``epoch`` from position ``start``, tokenized in batches."""
-        texts = itertools.islice(self._shuffled(epoch), start, None)
-        dtype = token_dtype(self.tokenizer.vocab_size)
-        while batch := list(itertools.islice(texts, 64)):
-            for ids in self.tokenizer.encode_batch(batch):
-                ids.append(self.tokenizer.eos_id)
-                yield np.asarray(ids, dtype=dtype)
-
-    def sample_tokens(self, max_tokens: int) -> np.ndarray:
-        """The first ``max_tokens`` tokens of epoch 0 (a sample of the stream)."""
-        parts, total = [], 0
-        for doc in self.docs(0, 0):
-            parts.append(doc)
-            total += len(doc)
-            if total >= max_tokens:
-                break
-        if not parts:
-            raise DataError("data.dataset: the streamed split has no non-empty documents")
-        return np.concatenate(parts)[:max_tokens]
-
-
-def token_dtype(vocab_size: int) -> type[np.unsignedinteger[Any]]:
-    """Smallest unsigned dtype holding every id (uint16 for vocabularies up to 65536)."""
-    return np.uint16 if vocab_size <= 1 << 16 else np.uint32
-
-
-def tokenize_dataset(
-    ds: Dataset, tokenizer: Tokenizer, column: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """Flat token array (EOS after each non-empty document) and document offsets (n + 1)."""
-    dtype = token_dtype(tokenizer.vocab_size)
-    chunks: list[np.ndarray] = []
-    lengths: list[int] = []
-    for batch in ds.iter(batch_size=_TOKENIZE_BATCH):
-        texts = [t for t in batch[column] if t]
-        for ids in tokenizer.encode_batch(texts):
-            ids.append(tokenizer.eos_id)
-            chunks.append(np.asarray(ids, dtype=dtype))
-            lengths.append(len(ids))
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype)
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return tokens, offsets
-
-
-def build_doc_source(
-    cfg: DataConfig,
-    tokenizer: Tokenizer,
-    role: Literal["train", "eval"],
-) -> DocSource:
-    """The tokenized documents training ("train") or evaluation ("eval") reads.
-
-    Map-style splits are tokenized once and cached as ``<cache_dir>/tokens/<key>.npz``; for
-    the default corpus the key is known without loading the corpus, so a second run starts
-    in about a second.
-    """
-    # Eval reads its documents in stored order: the same sequences whatever data.seed is,
-    # and a streamed eval needs no shuffle buffer to fill before the first batch.
-    seed = cfg.seed if role == "train" else None
-    if cfg.streaming:
-        ds = load_split(cfg, role)
-        assert isinstance(ds, IterableDataset)
-        return StreamingDocs(ds, tokenizer, cfg.text_column, seed)
-    path = None
-    if cfg.dataset == "default":
-        split, _, _ = plan_split(cfg, role, "default")
-        path = _token_cache(cfg, corpus_dir(cfg.cache_dir).name, split, tokenizer)
-    if path is None or not path.is_file():
-        ds = load_split(cfg, role)
-        assert isinstance(ds, Dataset)
-        fingerprint = getattr(ds, "_fingerprint", None)  # datasets' content-derived cache key
-        if path is None and fingerprint:
-            path = _token_cache(cfg, fingerprint, "", tokenizer)
-        if path is None or not path.is_file():
-            tokens, offsets = tokenize_dataset(ds, tokenizer, cfg.text_column)
-            if path is not None:
-                publish(path, lambda f: np.savez(f, tokens=tokens, offsets=offsets))
-            return InMemoryDocs(tokens, offsets, seed)
-    with np.load(path) as cached:
-        return InMemoryDocs(cached["tokens"], cached["offsets"], seed)
-
-
-def _token_cache(cfg: DataConfig, data_key: str, split: str, tokenizer: Tokenizer) -> Path:
-    key = short_hash(data_key, split, cfg.text_column, tokenizer.fingerprint)
-    return cache_root(cfg.cache_dir) / "tokens" / f"{key}.npz"
-
-
-# ----------------------------------------------------------------------------- packing
-
-
-class _Packer:
-    """Reads the infinite token stream; its position is (epoch, doc, offset)."""
-
-    def __init__(self, source: DocSource) -> None:
+    def __init__(self, source: StreamingDocs) -> None:
         self.source = source
+        self.seed = source.seed
         self.epoch = self.doc = self.offset = 0
         self._docs: Iterator[np.ndarray] | None = None
         self._current: np.ndarray | None = None
 
     def seek(self, epoch: int, doc: int, offset: int) -> None:
         self.epoch, self.doc, self.offset = epoch, doc, offset
+        close = getattr(self._docs, "close", None)
+        if close is not None:
+            close()
         self._docs = self._current = None
 
-    def take(self, n: int) -> np.ndarray:
-        parts: list[np.ndarray] = []
-        need = n
-        while need:
+    def advance(self, n: int, out: list[np.ndarray] | None = None) -> None:
+        while n:
             if self._current is None:
                 if self._docs is None:
                     self._docs = self.source.docs(self.epoch, self.doc)
@@ -262,15 +136,131 @@ class _Packer:
                     f"data state: offset {self.offset} is past the end of document {self.doc} "
                     f"({len(cur)} tokens); the state was saved for other data"
                 )
-            k = min(len(cur) - self.offset, need)
-            parts.append(cur[self.offset : self.offset + k])
+            k = min(len(cur) - self.offset, n)
+            if out is not None:
+                out.append(cur[self.offset : self.offset + k])
             self.offset += k
-            need -= k
+            n -= k
             if self.offset == len(cur):
                 self.doc += 1
                 self.offset = 0
                 self._current = None
+
+
+Stream = IndexedStream | SequentialStream
+
+
+def _take(stream: Stream, n: int) -> np.ndarray:
+    parts: list[np.ndarray] = []
+    stream.advance(n, parts)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+class _SingleRows:
+    """Rows of one stream: sequence i of the run is tokens [i * L, (i + 1) * L)."""
+
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def next_rows(self, total: int, lo: int, hi: int, row_len: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of the next ``total`` sequences; moves past all ``total``."""
+        self.stream.advance(lo * row_len)
+        rows = _take(self.stream, (hi - lo) * row_len).reshape(hi - lo, row_len)
+        self.stream.advance((total - hi) * row_len)
+        return rows
+
+    def state(self) -> dict[str, int]:
+        s = self.stream
+        return {"epoch": s.epoch, "doc": s.doc, "offset": s.offset}
+
+    def load(self, state: dict[str, Any]) -> None:
+        if "mix" in state:
+            raise DataError(
+                f"data.mix: the checkpoint's data state is for a mixture of "
+                f"{len(state['mix'])} datasets; this run reads one (data.mix is null)"
+            )
+        missing = {"epoch", "doc", "offset"} - set(state)
+        if missing:
+            raise ValueError(f"data state is missing {sorted(missing)}")
+        self.stream.seek(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
+
+    def sample_tokens(self, max_tokens: int) -> np.ndarray:
+        return self.stream.source.sample_tokens(max_tokens)
+
+
+class _MixedRows:
+    """Each global sequence from one of several streams, drawn from (key, sequence index)."""
+
+    def __init__(self, streams: list[IndexedStream], weights: list[float], key: int | str):
+        self.streams = streams
+        self.weights = weights
+        self.key = key
+        self.sequences = 0
+
+    def next_rows(self, total: int, lo: int, hi: int, row_len: int) -> np.ndarray:
+        picks = weighted_choice(self.key, self.weights, self.sequences, total)
+        rows = np.empty((hi - lo, row_len), dtype=np.int64)
+        for k, stream in enumerate(self.streams):
+            mine = picks[lo:hi] == k
+            stream.advance(int((picks[:lo] == k).sum()) * row_len)
+            n = int(mine.sum())
+            if n:
+                rows[mine] = _take(stream, n * row_len).reshape(n, row_len)
+            stream.advance(int((picks[hi:] == k).sum()) * row_len)
+        self.sequences += total
+        return rows
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "sequences": self.sequences,
+            "weights": list(self.weights),
+            "mix": [[s.epoch, s.doc, s.offset] for s in self.streams],
+        }
+
+    def load(self, state: dict[str, Any]) -> None:
+        positions = state.get("mix")
+        if positions is None:
+            raise DataError(
+                f"data.mix: the checkpoint's data state is for one dataset; this run mixes "
+                f"{len(self.streams)} (set data.mix as the checkpointed run did)"
+            )
+        weights = [float(w) for w in state.get("weights", [])]
+        if len(positions) != len(self.streams) or weights != self.weights:
+            raise DataError(
+                f"data.mix: the checkpoint's mixture has weights {weights}, this run "
+                f"{self.weights}; resuming would draw other sequences"
+            )
+        for stream, (epoch, doc, offset) in zip(self.streams, positions, strict=True):
+            stream.seek(int(epoch), int(doc), int(offset))
+        self.sequences = int(state["sequences"])
+
+    def sample_tokens(self, max_tokens: int) -> np.ndarray:
+        total = sum(self.weights)
+        parts = [
+            s.source.sample_tokens(max(1, int(max_tokens * w / total)))
+            for s, w in zip(self.streams, self.weights, strict=True)
+        ]
         return np.concatenate(parts)
+
+
+def _build_rows(cfg: DataConfig, tokenizer: Tokenizer, split: str) -> _SingleRows | _MixedRows:
+    seed = cfg.seed if split == "train" else None
+    entries = cfg.mix_entries()
+    if entries:
+        sources = [open_prepared(path, tokenizer, split, "data.mix") for path, _ in entries]
+        streams = [IndexedStream(s, seed) for s in sources]
+        key: int | str = cfg.seed if split == "train" else "eval"
+        return _MixedRows(streams, [w for _, w in entries], key)
+    source = build_doc_source(cfg, tokenizer, split)  # type: ignore[arg-type]
+    if isinstance(source, StreamingDocs):
+        return _SingleRows(SequentialStream(source))
+    return _SingleRows(IndexedStream(source, seed))
+
+
+# ----------------------------------------------------------------------------- batches
 
 
 class PackedBatches:
@@ -310,28 +300,39 @@ class PackedBatches:
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.source = build_doc_source(cfg, tokenizer, split)
-        self._packer = _Packer(self.source)
+        self._rows = _build_rows(cfg, tokenizer, split)
         self.steps = 0
+
+    @property
+    def source(self) -> Any:
+        """The tokenized documents (one dataset; None for a mixture)."""
+        rows = self._rows
+        return rows.stream.source if isinstance(rows, _SingleRows) else None
+
+    @property
+    def stream(self) -> Stream | None:
+        """The token stream and its position (one dataset; None for a mixture)."""
+        return self._rows.stream if isinstance(self._rows, _SingleRows) else None
 
     @property
     def micro_batches_per_step(self) -> int:
         """Micro-batches this rank runs per optimizer step (gradient accumulation steps)."""
         return self.global_batch_size // (self.dp_size * self.micro_batch_size)
 
+    def _next_rows(self, lo: int, hi: int) -> np.ndarray:
+        rows = self._rows.next_rows(self.global_batch_size, lo, hi, self.seq_len + 1)
+        self.steps += 1
+        return rows
+
     def next_global_batch(self) -> np.ndarray:
         """The step's global batch: [global_batch_size, seq_len + 1] tokens (all ranks')."""
-        rows = self._packer.take(self.global_batch_size * (self.seq_len + 1))
-        self.steps += 1
-        return rows.reshape(self.global_batch_size, self.seq_len + 1)
+        return self._next_rows(0, self.global_batch_size)
 
     def next_step(self) -> list[Batch]:
-        """This rank's micro-batches of the next optimizer step."""
-        rows = self.next_global_batch()
+        """This rank's micro-batches of the next optimizer step (reading only its rows)."""
         per_rank = self.global_batch_size // self.dp_size
-        mine = torch.from_numpy(
-            rows[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank].astype(np.int64)
-        )
+        lo = self.dp_rank * per_rank
+        mine = torch.from_numpy(self._next_rows(lo, lo + per_rank).astype(np.int64))
         mb = self.micro_batch_size
         return [
             {
@@ -349,38 +350,57 @@ class PackedBatches:
 
     def reset(self) -> None:
         """Rewind to the start of the stream (what evaluation does before each pass)."""
-        self._packer.seek(0, 0, 0)
-        self.steps = 0
+        self.load_state_dict(self._initial_state())
 
-    def state_dict(self) -> dict[str, int]:
-        """The stream position: plain ints, the same on every rank and for every layout."""
-        p = self._packer
+    def _initial_state(self) -> dict[str, Any]:
+        rows = self._rows
+        base: dict[str, Any] = {"version": _STATE_VERSION, "seed": self.cfg.seed, "steps": 0}
+        if isinstance(rows, _MixedRows):
+            return {
+                **base,
+                "sequences": 0,
+                "weights": list(rows.weights),
+                "mix": [[0, 0, 0]] * len(rows.streams),
+            }
+        return {**base, "epoch": 0, "doc": 0, "offset": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream position: plain ints (and, for a mixture, lists of them and the
+        weights), the same on every rank and for every layout."""
         return {
             "version": _STATE_VERSION,
             "seed": self.cfg.seed,
-            "epoch": p.epoch,
-            "doc": p.doc,
-            "offset": p.offset,
+            **self._rows.state(),
             "steps": self.steps,
         }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly where the iterator that saved ``state`` stopped."""
-        missing = {"epoch", "doc", "offset", "seed"} - set(state)
-        if missing:
-            raise ValueError(f"data state is missing {sorted(missing)}")
+        if "seed" not in state:
+            raise ValueError("data state is missing ['seed']")
         if int(state["seed"]) != self.cfg.seed:
             raise DataError(
                 f"data.seed: the checkpoint's data order used seed {state['seed']}, "
                 f"this run has {self.cfg.seed}; resuming would replay or skip "
                 "documents"
             )
-        self._packer.seek(int(state["epoch"]), int(state["doc"]), int(state["offset"]))
+        version = int(state.get("version", 1))
+        sequential = isinstance(self.stream, SequentialStream)
+        # Version 1 ordered map-style documents by a permutation array; a stream's order
+        # (the shuffle buffer) is unchanged.
+        if version > _STATE_VERSION or (version < _STATE_VERSION and not sequential):
+            raise DataError(
+                f"data.dataset: the checkpoint's data state is version {version}, this "
+                f"moetrain's is {_STATE_VERSION} (another document order); resuming would "
+                "replay or skip documents. Start a new train.output_dir"
+            )
+        self._rows.load(state)
         self.steps = int(state.get("steps", 0))
 
     def sample_tokens(self, max_tokens: int = 2_000_000) -> np.ndarray:
-        """Tokens of this split (a prefix of the stream when streaming)."""
-        return self.source.sample_tokens(max_tokens)
+        """Tokens of this split (a prefix of each dataset's stored order; a mixture gives
+        each dataset its weight's share)."""
+        return self._rows.sample_tokens(max_tokens)
 
 
 # ----------------------------------------------------------------------------- entropy
@@ -399,7 +419,8 @@ def token_entropy(tokens: np.ndarray | torch.Tensor | list[int]) -> float:
 def unigram_entropy(tokenizer: Tokenizer, cfg: DataConfig, max_tokens: int = 2_000_000) -> float:
     """Unigram entropy (nats/token) of the training split's tokens, EOS included.
 
-    An eval loss below it means the model uses context. Streaming splits are sampled from
-    the first ``max_tokens`` tokens.
+    An eval loss below it means the model uses context. At most ``max_tokens`` tokens are
+    read: a prefix of the stored order (of the stream, when streaming; of each dataset, in
+    proportion to its weight, for a mixture).
     """
-    return token_entropy(build_doc_source(cfg, tokenizer, "train").sample_tokens(max_tokens))
+    return token_entropy(_build_rows(cfg, tokenizer, "train").sample_tokens(max_tokens))

@@ -51,7 +51,8 @@ class Tokenizer:
         )
         """Number of token ids (largest id + 1)."""
         self.source = source
-        self.fingerprint = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+        self.fingerprint: str = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
+        """Digest of the serialized tokenizer: token caches and prepared datasets carry it."""
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without BOS/EOS (the packer adds the separators)."""
@@ -60,6 +61,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of one text, without BOS/EOS."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def to_str(self) -> str:
+        """The serialized tokenizer (tokenizer.json); ``fingerprint`` is a digest of it."""
+        return self._tok.to_str()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens kept by default so document boundaries show."""

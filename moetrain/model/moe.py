@@ -100,13 +100,20 @@ class Router(nn.Module):
         # to small logit differences.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
             logits_TE = nn.functional.linear(x_TD.float(), self.gate.weight.float())
-        bias = self.expert_bias if self.cfg.expert_bias_rate > 0 else None
-        r = route(logits_TE, self.cfg.top_k, score_func=self.cfg.score_func,
-                  expert_bias_E=bias, renormalize=self.cfg.renormalize, backend=backend)
+        cfg = self.cfg
+        use_bias = cfg.expert_bias_rate > 0 or cfg.route_with_bias
+        bias = self.expert_bias if use_bias else None
+        # Group-limited routing has no Triton kernel: that one step runs the torch router.
+        route_backend = "torch" if cfg.n_groups > 1 else backend
+        r = route(logits_TE, cfg.top_k, score_func=cfg.score_func, expert_bias_E=bias,
+                  renormalize=cfg.renormalize, backend=route_backend, n_groups=cfg.n_groups,
+                  topk_groups=cfg.topk_groups)
         if self.routing_override is not None:
             if self.training:
                 raise RuntimeError("Router.routing_override is eval-only: call model.eval()")
-            r = self.routing_override.apply(r, self.cfg.renormalize, self.cfg.score_func)
+            r = self.routing_override.apply(r, cfg.renormalize, cfg.score_func)
+        if cfg.routed_scaling_factor != 1.0:
+            r = r._replace(weights_TK=r.weights_TK * cfg.routed_scaling_factor)
         return r
 
 
@@ -121,6 +128,10 @@ class MoELayer(nn.Module):
         if cfg.num_shared_experts > 0:
             hidden = cfg.shared_expert_ffn_dim or cfg.num_shared_experts * cfg.expert_ffn_dim
             self.shared_experts = FeedForward(dim, hidden)
+        # Qwen2-MoE: a per-token sigmoid gate on the shared experts' output.
+        self.shared_expert_gate: nn.Linear | None = (
+            nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
+        )
         # The seam for expert parallelism: moetrain.parallel swaps in an all-to-all dispatcher.
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss_scale = 1.0
@@ -153,7 +164,10 @@ class MoELayer(nn.Module):
         y_ND = self.experts(x_ND, offs_E, backend)
         y_TD = self.dispatcher.combine(y_ND, plan, r.weights_TK, backend)
         if self.shared_experts is not None:
-            y_TD = y_TD + self.shared_experts(x_TD)
+            shared_TD = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+            y_TD = y_TD + shared_TD
 
         y_TD = self._balance(y_TD, r, plan, B)
         return y_TD.view(B, S, D)

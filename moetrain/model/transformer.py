@@ -13,67 +13,28 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
+from moetrain.model.attention import Attention, KVCache, LatentAttention, build_attention
 from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.moe import MoELayer
+from moetrain.model.norm import RMSNorm
+from moetrain.model.rope import apply_rope, rope_tables
 
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: bf16 sums of squares lose too much precision.
-        x32 = x.float()
-        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (max_seq_len, head_dim // 2)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x_BSHDh: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x0, x1) of each head by position-dependent angles."""
-    x = x_BSHDh.float().unflatten(-1, (-1, 2))
-    x0, x1 = x[..., 0], x[..., 1]
-    cos, sin = cos_SR[:, None, :], sin_SR[:, None, :]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x_BSHDh)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.head_dim = cfg.dim // cfg.n_heads
-        self.n_rep = cfg.n_heads // cfg.kv_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
-
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        # view(B, S, -1, Dh): under tensor parallelism each rank holds only its own heads.
-        q = self.wq(x_BSD).view(B, S, -1, self.head_dim)
-        k = self.wk(x_BSD).view(B, S, -1, self.head_dim)
-        v = self.wv(x_BSD).view(B, S, -1, self.head_dim)
-        q, k = apply_rope(q, cos[:S], sin[:S]), apply_rope(k, cos[:S], sin[:S])
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        return self.wo(out.transpose(1, 2).reshape(B, S, -1))
+__all__ = [
+    "Attention",
+    "FeedForward",
+    "KVCache",
+    "LatentAttention",
+    "RMSNorm",
+    "Transformer",
+    "TransformerBlock",
+    "apply_rope",
+    "build_model",
+    "is_moe_layer",
+    "rope_tables",
+]
 
 
 class TransformerBlock(nn.Module):
@@ -81,21 +42,35 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg)
+        self.attention = build_attention(cfg, layer_id)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe_enabled = is_moe_layer(layer_id, moe_cfg)
         self.ffn: nn.Module = (
             MoELayer(cfg.dim, moe_cfg) if self.moe_enabled else FeedForward(cfg.dim, cfg.ffn_dim)
         )
 
-    def forward(self, x_BSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x_BSD + self.attention(self.attention_norm(x_BSD), cos, sin)
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        x = self.attention_norm(x_BSD)
+        # The cache only travels when generating: training calls keep the 3-argument form
+        # that the tensor-parallel input hooks expect.
+        attn = self.attention(x, cos, sin) if cache is None else self.attention(x, cos, sin, cache)
+        h = x_BSD + attn
         return h + self.ffn(self.ffn_norm(h))
 
 
 def is_moe_layer(layer_id: int, moe_cfg: MoEConfig) -> bool:
+    """Layer i is MoE when there are experts, i % every_n_layers == every_n_layers - 1
+    (Qwen-MoE's decoder_sparse_step) and i is not one of ``moe.dense_layers``."""
     n = moe_cfg.every_n_layers
-    return moe_cfg.num_experts > 0 and layer_id % n == n - 1
+    return (
+        moe_cfg.num_experts > 0 and layer_id % n == n - 1 and layer_id not in moe_cfg.dense_layers
+    )
 
 
 class Transformer(nn.Module):
@@ -114,7 +89,7 @@ class Transformer(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
@@ -128,15 +103,29 @@ class Transformer(nn.Module):
                 continue  # norm weights stay at one
             residual_out = name.endswith(("attention.wo.weight", "w2.weight", "experts.w2"))
             nn.init.normal_(p, mean=0.0, std=out_std if residual_out else std)
+        for name, p in self.named_parameters():
+            if name.endswith(".bias"):  # attention biases (qkv_bias, out_bias) start at zero
+                nn.init.zeros_(p)
         if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V). A pipeline stage without the embedding
-        takes hidden states (B, S, D) instead, and one without the output returns them."""
+        takes hidden states (B, S, D) instead, and one without the output returns them.
+
+        ``cache`` (generation): the keys and values of the ``cache.length`` positions before
+        ``tokens``; this call appends the new ones and advances ``cache.length`` by S."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if cache is not None and cache.length + tokens.shape[1] > self.cfg.max_seq_len:
+            raise ValueError(f"{cache.length + tokens.shape[1]} positions exceed "
+                             f"model.max_seq_len={self.cfg.max_seq_len}")
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            if cache is None:
+                h = layer(h, self.rope_cos, self.rope_sin)
+            else:
+                h = layer(h, self.rope_cos, self.rope_sin, cache)
+        if cache is not None:
+            cache.length += tokens.shape[1]
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
@@ -172,7 +161,13 @@ class Transformer(nn.Module):
         n_active = self.num_params(active=True)
         if self.tok_embeddings is not None:
             n_active -= self.tok_embeddings.weight.numel() if not self.cfg.tie_embeddings else 0
-        attn = 6 * self.cfg.n_layers * self.cfg.dim * seq_len  # 12*L*D*S / 2 for causal
+        c = self.cfg
+        if c.attention == "mla":
+            assert c.qk_nope_head_dim and c.qk_rope_head_dim and c.v_head_dim
+            width = c.n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
+        else:
+            width = c.n_heads * c.attn_head_dim
+        attn = 6 * c.n_layers * width * seq_len  # 12*L*width*S / 2 for causal
         return 6 * n_active + attn
 
 

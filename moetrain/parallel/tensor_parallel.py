@@ -1,6 +1,10 @@
 """Tensor + sequence parallelism with DTensor parallel styles (Megatron-style layout).
 
-Attention: wq/wk/wv column-wise (each rank holds whole heads), wo row-wise. Dense SwiGLU:
+Attention: wq/wk/wv column-wise (each rank holds whole heads, biases split with them), wo
+row-wise; per-head q/k norms replicated with their gradient summed over tp, whole-projection
+q/k norms (OLMoE) sharded by channel with the mean of squares reduced over tp; multi-head
+latent attention splits its per-head up-projections and keeps the latent down-projections
+replicated (``_mla_plan``). Dense SwiGLU:
 w1/w3 column-wise, w2 row-wise. Embedding row-wise over the vocabulary, output column-wise
 with its logits left vocabulary-sharded for ``loss_parallel``. With sequence parallelism the
 norms and the residual stream hold 1/tp of the sequence and every projection input is
@@ -17,9 +21,10 @@ pp only). Splitting experts over tp is left to the expert-parallel work.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -30,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from moetrain.config import ParallelConfig
+from moetrain.model.attention import Attention, LatentAttention
 from moetrain.model.moe import MoELayer
 
 
@@ -63,15 +69,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
         model.output.weight = model.tok_embeddings.weight
 
     for block in model.layers.values():
-        plan: dict[str, object] = {
-            "attention": PrepareModuleInput(
-                input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=act),
-        }
+        if isinstance(block.attention, LatentAttention):
+            plan = _mla_plan(block.attention, act)
+            _sum_grad_over_tp(block.attention.wk_rope, tp_mesh)
+        else:
+            plan = _gqa_plan(block.attention, act)
+            if block.attention.qk_norm == "full":
+                _shard_full_qk_norms(block.attention, tp_mesh)
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
@@ -106,3 +110,79 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
             }
         )
         parallelize_module(block, tp_mesh, plan)
+
+
+def _gqa_plan(attn: Attention, act: object) -> dict[str, object]:
+    """Grouped-query attention: q/k/v column-wise (whole heads per rank, their biases split
+    with them), the output row-wise (its bias added once, after the reduction). Per-head
+    q/k norms see this rank's heads: ``SequenceParallel`` over the head dim keeps their
+    weight replicated and sums its gradient over tp. Whole-projection q/k norms (OLMoE)
+    need every head's values and are refused under tp by ``ParallelDims.validate``."""
+    plan: dict[str, object] = {
+        "attention": PrepareModuleInput(
+            input_layouts=(act, None, None), desired_input_layouts=(Replicate(), None, None)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=act),
+    }
+    if attn.qk_norm == "head":
+        # q/k arrive as this rank's heads (B, S, H/tp, Dh): the head dim is "sharded".
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _shard_full_qk_norms(attn: Attention, tp_mesh: DeviceMesh) -> None:
+    """OLMoE's q/k norms over whole projections, split like the projections: the weight
+    column-sharded, the input this rank's channels as a Shard(-1) DTensor, so that the mean
+    of squares is reduced over tp (one all-reduce of (B, S, 1) per norm) and the output
+    comes back as this rank's channels."""
+    from torch.distributed.tensor import distribute_module, distribute_tensor
+
+    def shard_weight(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]))
+            module.register_parameter(pname, sharded)
+
+    def input_fn(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(DTensor.from_local(x, mesh, [Shard(-1)], run_check=False) for x in inputs)
+
+    def output_fn(module: nn.Module, out: DTensor, mesh: DeviceMesh) -> torch.Tensor:
+        return out.to_local()
+
+    for norm in (attn.q_norm, attn.k_norm):
+        distribute_module(norm, tp_mesh, shard_weight, input_fn, output_fn)
+
+
+def _mla_plan(attn: LatentAttention, act: object) -> dict[str, object]:
+    """Multi-head latent attention: the per-head up-projections (``wq`` or ``wq_b``,
+    ``wkv_b``) column-wise, ``wo`` row-wise. The down-projections and latent norms stay
+    replicated (plain tensors): their outputs feed column-wise layers, whose input gradient
+    is all-reduced, so their gradients come out whole and identical on every rank. The
+    shared RoPE key ``wk_rope`` is consumed by this rank's heads only; ``_sum_grad_over_tp``
+    completes its gradient."""
+    plan: dict[str, object] = {
+        # Local tensors inside: the replicated down-projections cannot take a DTensor.
+        "attention": PrepareModuleInput(
+            input_layouts=(act, None, None),
+            desired_input_layouts=(Replicate(), None, None),
+            use_local_output=True,
+        ),
+        "attention.wkv_b": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=act),
+    }
+    plan["attention.wq" if attn.wq is not None else "attention.wq_b"] = ColwiseParallel()
+    return plan
+
+
+def _sum_grad_over_tp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron's "f" on ``module``'s output: identity forward; in backward the gradient,
+    which each rank computed for its own heads only, is all-reduced over tp."""
+
+    def hook(_module: nn.Module, _inputs: object, out: torch.Tensor) -> torch.Tensor:
+        replicated = DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False)
+        return replicated.to_local(grad_placements=[Partial()])
+
+    module.register_forward_hook(hook)

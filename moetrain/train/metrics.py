@@ -25,7 +25,7 @@ from moetrain.config import LogConfig
 
 log = logging.getLogger("moetrain")
 
-# bf16 dense tensor-core peaks (FLOP/s) by device-name fragment; ANCHORS.md.
+# bf16 dense tensor-core peaks (FLOP/s) by device-name fragment (vendor datasheets).
 _PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40": 181e12}
 
 
@@ -43,7 +43,8 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "seq_aux_loss": float(stats["seq_aux_loss"]) / calls,
         "z_loss": float(stats["z_loss"]) / calls,
         "dead_experts": float((load_E == 0).sum()),
-        # Expert-parallel dispatch: token bytes this layer sent to other ranks, all ranks.
+        # Expert-parallel dispatch: token bytes this layer sent to other ranks, summed over
+        # the dp ranks and pipeline stages of one tp index (tp ranks each send as much).
         "a2a_bytes": float(stats["a2a_bytes"]) if "a2a_bytes" in stats else 0.0,
     }
     return out

@@ -9,8 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from moetrain.data import PackedBatches, build_doc_source, token_entropy, unigram_entropy
-from moetrain.data.packing import InMemoryDocs
+from moetrain.data import (
+    PackedBatches,
+    build_doc_source,
+    load_split,
+    token_entropy,
+    unigram_entropy,
+)
+from moetrain.data.sampling import permutation_slice
 
 SEQ = 64  # short sequences keep every test in milliseconds
 
@@ -24,14 +30,19 @@ def _steps(batches: PackedBatches, n: int) -> list[torch.Tensor]:
     return out
 
 
-def _reference_stream(source: InMemoryDocs, seed: int, n_tokens: int) -> np.ndarray:
-    """The token stream written out directly: epochs of seeded permutations, EOS-terminated."""
+def _documents(cfg, tokenizer, role="train") -> list[np.ndarray]:
+    """The split's documents tokenized here, independently of the cache and its reader."""
+    texts = [t for t in load_split(cfg, role)[cfg.text_column] if t]
+    return [np.array([*ids, tokenizer.eos_id]) for ids in tokenizer.encode_batch(texts)]
+
+
+def _reference_stream(docs: list[np.ndarray], seed: int | None, n_tokens: int) -> np.ndarray:
+    """The token stream written out directly: epochs of seeded orders, EOS-terminated."""
     parts, total, epoch = [], 0, 0
     while total < n_tokens:
-        for d in np.random.default_rng([seed, epoch]).permutation(source.n_docs):
-            doc = source.tokens[source.offsets[d] : source.offsets[d + 1]]
-            parts.append(doc)
-            total += len(doc)
+        for d in permutation_slice(seed, epoch, len(docs), 0, len(docs)):
+            parts.append(docs[d])
+            total += len(docs[d])
         epoch += 1
     return np.concatenate(parts)[:n_tokens]
 
@@ -48,18 +59,24 @@ def test_batches_are_shifted_packed_sequences_of_the_stream(data_cfg, tokenizer)
         assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])  # labels shifted by one
     batches.reset()
     got = torch.cat(_steps(batches, 4)).flatten().numpy()
-    want = _reference_stream(batches.source, seed=3, n_tokens=4 * 8 * (SEQ + 1))
+    docs = _documents(cfg, tokenizer)
+    want = _reference_stream(docs, seed=3, n_tokens=4 * 8 * (SEQ + 1))
     np.testing.assert_array_equal(got, want)
     assert (want == tokenizer.eos_id).sum() > 0  # documents are joined by EOS
 
 
 def test_documents_are_joined_with_eos(data_cfg, tokenizer):
-    source = build_doc_source(data_cfg(), tokenizer, "train")
-    ends = source.offsets[1:] - 1
-    assert (source.tokens[ends] == tokenizer.eos_id).all()
-    assert (source.tokens == tokenizer.eos_id).sum() == source.n_docs
-    first = source.tokens[source.offsets[0] : source.offsets[1] - 1]
-    assert "\n" in tokenizer.decode(first.tolist())
+    cfg = data_cfg()
+    source = build_doc_source(cfg, tokenizer, "train")
+    docs = _documents(cfg, tokenizer)
+    assert source.n_docs == len(docs)
+    assert source.n_tokens == sum(len(d) for d in docs)
+    ids = np.arange(source.n_docs)
+    np.testing.assert_array_equal(source.lengths(ids), [len(d) for d in docs])
+    for d in (0, 1, source.n_docs // 2, source.n_docs - 1):
+        np.testing.assert_array_equal(source.read(d, 0, len(docs[d])), docs[d])
+        assert source.read(d, len(docs[d]) - 1, len(docs[d]))[0] == tokenizer.eos_id
+    assert "\n" in tokenizer.decode(docs[0][:-1].tolist())
 
 
 def test_same_seed_same_batches_other_seed_other_batches(data_cfg, tokenizer):
@@ -107,7 +124,7 @@ def test_epochs_wrap_and_resume_across_the_boundary(data_cfg, tokenizer):
     cfg = data_cfg(seq_len=255, seed=11)
     # The eval split is small (~17k tokens): a few steps of 16 x 256 tokens wrap it.
     batches = PackedBatches(cfg, tokenizer, "eval", 16, 16)
-    n_tokens = int(batches.source.tokens.size)
+    n_tokens = batches.source.n_tokens
     steps_per_epoch = n_tokens // (16 * 256)
     _steps(batches, steps_per_epoch)
     state = batches.state_dict()
@@ -122,9 +139,10 @@ def test_epochs_wrap_and_resume_across_the_boundary(data_cfg, tokenizer):
     stream = torch.cat(_steps(batches, steps_per_epoch + 3)).flatten()
     assert torch.equal(stream[n_tokens : n_tokens + 500], stream[:500])
     # Training reads every epoch in a new order.
-    train = build_doc_source(cfg, tokenizer, "train")
+    train = PackedBatches(cfg, tokenizer, "train", 16, 16).stream
     orders = [train.order(e) for e in (0, 1)]
-    assert sorted(orders[0]) == sorted(orders[1]) and not np.array_equal(*orders)
+    assert sorted(orders[0]) == sorted(orders[1]) == list(range(train.source.n_docs))
+    assert not np.array_equal(*orders)
 
 
 def test_eval_batches_are_identical_every_time_and_independent_of_the_seed(data_cfg, tokenizer):
@@ -134,7 +152,7 @@ def test_eval_batches_are_identical_every_time_and_independent_of_the_seed(data_
     assert all(torch.equal(x, y) for x, y in zip(_steps(evals, 2), first, strict=True))
     other_seed = PackedBatches(data_cfg(seq_len=SEQ, seed=99), tokenizer, "eval", 8, 4)
     assert torch.equal(_steps(other_seed, 1)[0], first[0])
-    assert evals.source.seed is None  # stored order
+    assert evals.stream.seed is None  # stored order
     train = PackedBatches(data_cfg(seq_len=SEQ, seed=1), tokenizer, "train", 8, 4)
     assert not torch.equal(_steps(train, 1)[0], first[0])
 
@@ -160,8 +178,8 @@ def test_token_entropy_against_the_formula():
 def test_unigram_entropy_of_the_training_tokens(data_cfg, tokenizer):
     cfg = data_cfg()
     h = unigram_entropy(tokenizer, cfg)
-    source = build_doc_source(cfg, tokenizer, "train")
-    counts = np.bincount(source.tokens, minlength=tokenizer.vocab_size)
+    tokens = np.concatenate(_documents(cfg, tokenizer))
+    counts = np.bincount(tokens, minlength=tokenizer.vocab_size)
     p = counts[counts > 0] / counts.sum()
     assert math.isclose(h, float(-(p * np.log(p)).sum()), rel_tol=1e-9)
     assert 4.0 < h < math.log(tokenizer.vocab_size)  # far from uniform, far from constant

@@ -12,7 +12,7 @@ import torch
 
 from moetrain.data import PackedBatches, check_data, load_split, resolve_source
 from moetrain.data.dataset import is_held_out
-from moetrain.data.packing import StreamingDocs
+from moetrain.data.sources import StreamingDocs
 
 
 def _texts(ds) -> list[str]:

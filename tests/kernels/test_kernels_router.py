@@ -71,3 +71,36 @@ def test_bias_steers_selection_only(backend):
     got = route(logits_TE, 2, expert_bias_E=bias_E, renormalize=False, backend=backend)
     assert torch.all(got.ids_TK[:, 0] == 0)
     assert_close(got.weights_TK[:, 0], torch.softmax(logits_TE, -1)[:, 0], "weight of expert 0")
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_group_limited_routing_matches_reference(renormalize):
+    """DeepSeek-V3's group-limited routing (torch path) against the per-token reference, and
+    the choice really is confined to each token's best groups."""
+    gen = torch.Generator().manual_seed(11)
+    logits_TE = torch.randn(40, 16, generator=gen).to(DEVICE).requires_grad_()
+    bias_E = (0.2 * torch.randn(16, generator=gen)).to(DEVICE)
+    kwargs = dict(score_func="sigmoid", expert_bias_E=bias_E, renormalize=renormalize,
+                  n_groups=4, topk_groups=2)  # fmt: skip
+    got = route(logits_TE, 4, backend="torch", **kwargs)
+    ref = route_reference(logits_TE, 4, **kwargs)
+    assert torch.equal(got.ids_TK, ref.ids_TK)
+    assert torch.equal(got.counts_E, ref.counts_E)
+    assert_close(got.weights_TK, ref.weights_TK, "weights_TK")
+    groups_TK = got.ids_TK // 4
+    assert all(len(set(row.tolist())) <= 2 for row in groups_TK), "a token left its 2 groups"
+    plain = route(logits_TE, 4, backend="torch", score_func="sigmoid", expert_bias_E=bias_E)
+    assert not torch.equal(plain.ids_TK.sort(-1).values, got.ids_TK.sort(-1).values), (
+        "group limit changed nothing: the test cannot fail"
+    )
+    gen = torch.Generator().manual_seed(7)
+    dw = torch.randn(got.weights_TK.shape, generator=gen).to(DEVICE)
+    (dlogits,) = grads([got.weights_TK], [logits_TE], [dw])
+    (dlogits_ref,) = grads([ref.weights_TK], [logits_TE], [dw])
+    assert_close(dlogits, dlogits_ref, "dlogits")
+
+
+def test_group_limited_routing_is_refused_by_the_triton_router():
+    logits_TE = torch.randn(8, 16).to(DEVICE)
+    with pytest.raises(ValueError, match="group-limited routing .* no Triton kernel"):
+        route(logits_TE, 2, backend="triton", n_groups=4, topk_groups=2)

@@ -69,4 +69,47 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
         ("selective AC", ["parallel.activation_checkpointing=selective"]),
         ("full AC", ["parallel.activation_checkpointing=full"]),
     ],
-}
+    # The architecture options of the Hugging Face families (docs/interop.md).
+    "attention": [
+        ("gqa", ["model.attention=gqa"]),
+        ("gqa head_dim, per-head q/k norm, biases (Qwen3, Qwen2)",
+         ["model.head_dim=32", "model.qk_norm=head", "model.qkv_bias=true",
+          "model.out_bias=true"]),
+        ("whole-projection q/k norm, clip_qkv (OLMoE)",
+         ["model.qk_norm=full", "model.clip_qkv=2.0"]),
+        ("mla (DeepSeek-V3)",
+         ["model.attention=mla", "model.q_lora_rank=24", "model.kv_lora_rank=16",
+          "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16"]),
+    ],
+    "rope": [
+        ("interleaved", ["model.rope_style=interleaved", "model.rope_scaling=none"]),
+        ("half", ["model.rope_style=half"]),
+        ("yarn", ["model.rope_scaling=yarn", "model.rope_scaling_factor=4.0",
+                  "model.rope_original_max_seq_len=16", "model.rope_yarn_mscale=1.0",
+                  "model.rope_yarn_mscale_all_dim=1.0"]),
+        ("llama3", ["model.rope_scaling=llama3", "model.rope_scaling_factor=8.0",
+                    "model.rope_original_max_seq_len=16"]),
+    ],
+    "routing": [
+        ("plain top-k", ["moe.n_groups=1"]),
+        ("DeepSeek-V3: sigmoid, score-correction bias, groups, scaling",
+         ["moe.score_func=sigmoid", "moe.route_with_bias=true", "moe.n_groups=2",
+          "moe.topk_groups=1", "moe.routed_scaling_factor=2.5"]),
+    ],
+    "dense_layers": [
+        ("none", ["moe.dense_layers=[]"]),
+        ("first layer dense", ["moe.dense_layers=[0]"]),
+    ],
+    "shared_expert_gate": [
+        ("ungated", ["moe.shared_expert_gate=false"]),
+        ("sigmoid-gated (Qwen2-MoE)", ["moe.shared_expert_gate=true"]),
+    ],
+}  # fmt: skip
+
+FORBIDDEN: list[tuple[dict[str, str], str]] = [
+    (
+        {"shared_expert_gate": "sigmoid-gated (Qwen2-MoE)", "shared_experts": "none"},
+        "moe.shared_expert_gate needs moe.num_shared_experts > 0",
+    ),
+]
+"""(factor -> value label, reason): value combinations validation refuses."""

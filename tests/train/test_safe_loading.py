@@ -22,8 +22,8 @@ class _Boom:
         self.target = str(target)
 
 
-def _save(tmp_path: Path) -> Path:
-    model = nn.Linear(4, 3)
+def _save(tmp_path: Path, model: nn.Module | None = None) -> Path:
+    model = nn.Linear(4, 3) if model is None else model
     mgr = CheckpointManager(tmp_path / "ckpt", keep_last=2)
     return mgr.save(1, {"model": model.state_dict()}, {"step": 1})
 
@@ -42,13 +42,21 @@ def test_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
 
 
 def test_genuine_metadata_still_loads(tmp_path: Path) -> None:
-    path = _save(tmp_path)
+    torch.manual_seed(0)
+    saved = nn.Linear(4, 3)
+    path = _save(tmp_path, saved)
     metadata = SafeFileSystemReader(path).read_metadata()
     assert "model.weight" in metadata.state_dict_metadata
+    torch.manual_seed(1)
     target = nn.Linear(4, 3)
+    assert not torch.equal(target.weight, saved.weight), "the target must start different"
     sd = target.state_dict()
     extra = CheckpointManager(tmp_path / "ckpt", keep_last=2).load(path, {"model": sd})
     assert extra["step"] == 1
+    # The weights came back through the safe readers, bit for bit, into the target's tensors.
+    for name, want in saved.state_dict().items():
+        assert torch.equal(sd[name], want), f"{name} was not loaded"
+        assert torch.equal(target.state_dict()[name], want), f"{name} not in the model"
 
 
 def test_non_tensor_items_load_with_weights_only(tmp_path: Path) -> None:

@@ -1,0 +1,474 @@
+"""The prepared-dataset format: sharded token files, their document indexes and a manifest.
+
+A prepared dataset is a directory::
+
+    manifest.json          format, version, tokenizer fingerprint, counts, shards + checksums
+    tokenizer.json         a copy of the tokenizer it was tokenized with
+    train-00000.bin        token ids (uint16 up to 65536 ids, else uint32), documents back
+    train-00000.idx        to back, each ending in EOS; .idx: int64 offsets of its documents
+    ...                    (n_docs + 1 of them, from 0 to n_tokens)
+    eval-00000.bin / .idx  the held-out split, likewise
+
+Document k of a split is document k - first_doc(s) of the shard s holding it, in the order
+``load_split`` reads the source, so a prepared split and the same data tokenized on the fly
+are the same documents in the same order. Readers map the files with ``np.memmap`` and touch
+only the pages of the documents they read; nothing is loaded whole.
+
+This module imports numpy and the standard library only: tokenizing worker processes import
+it, and must start in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from moetrain.data._cache import cache_root, short_hash
+from moetrain.data.errors import DataError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "moetrain-prepared"
+FORMAT_VERSION = 1
+"""Version of the format this code writes, and the newest it reads."""
+MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
+SPLITS = ("train", "eval")
+OPEN_SHARDS = 64
+"""Shards a reader keeps mapped at once (each map holds a file descriptor)."""
+
+_CHUNK = 1 << 24  # bytes per read while hashing a file
+
+
+def is_prepared(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a prepared dataset (a directory with a manifest)."""
+    return (Path(path).expanduser() / MANIFEST).is_file()
+
+
+def shard_files(split: str, index: int) -> tuple[str, str]:
+    """File names of shard ``index`` of ``split``: (tokens, document index)."""
+    return f"{split}-{index:05d}.bin", f"{split}-{index:05d}.idx"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 16 MB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """``path`` holds ``obj`` as JSON, replaced atomically (a reader sees old or new)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class _HashingFile:
+    """A binary file that hashes what is written to it."""
+
+    def __init__(self, path: Path) -> None:
+        self.f: IO[bytes] = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self.sha = hashlib.sha256()
+        self.nbytes = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.nbytes += len(data)
+
+    def close(self) -> None:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+
+
+class ShardWriter:
+    """Writes one shard: documents appended as token arrays (each ending in EOS).
+
+    The files are written under temporary names, hashed as they are written, and renamed to
+    their final names by ``close()``, which returns the shard's manifest entry.
+    """
+
+    def __init__(self, directory: Path, split: str, index: int, dtype: str) -> None:
+        self.dir = directory
+        self.bin_name, self.idx_name = shard_files(split, index)
+        self.dtype = np.dtype(dtype)
+        self._bin = _HashingFile(directory / f".{self.bin_name}.tmp")
+        self._idx = _HashingFile(directory / f".{self.idx_name}.tmp")
+        self._idx.write(np.zeros(1, dtype="<i8").tobytes())
+        self.n_docs = self.n_tokens = 0
+        self._pending: list[np.ndarray] = []
+        self._pending_tokens = 0
+
+    def add(self, doc: np.ndarray) -> None:
+        """Append one document (token ids, EOS included)."""
+        self._pending.append(doc)
+        self._pending_tokens += len(doc)
+        if self._pending_tokens >= 1 << 20:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending:
+            return
+        lengths = np.fromiter((len(d) for d in self._pending), np.int64, len(self._pending))
+        ends = self.n_tokens + np.cumsum(lengths)
+        self._bin.write(np.concatenate(self._pending).astype(self.dtype).data)
+        self._idx.write(ends.astype("<i8").data)
+        self.n_docs += len(self._pending)
+        self.n_tokens = int(ends[-1])
+        self._pending, self._pending_tokens = [], 0
+
+    def close(self) -> dict[str, Any]:
+        """Finish both files, move them to their final names, return the manifest entry."""
+        self._flush()
+        self._bin.close()
+        self._idx.close()
+        os.replace(self.dir / f".{self.bin_name}.tmp", self.dir / self.bin_name)
+        os.replace(self.dir / f".{self.idx_name}.tmp", self.dir / self.idx_name)
+        return {
+            "tokens": self.bin_name,
+            "index": self.idx_name,
+            "n_docs": self.n_docs,
+            "n_tokens": self.n_tokens,
+            "tokens_bytes": self._bin.nbytes,
+            "index_bytes": self._idx.nbytes,
+            "tokens_sha256": self._bin.sha.hexdigest(),
+            "index_sha256": self._idx.sha.hexdigest(),
+        }
+
+    def abort(self) -> None:
+        """Close and delete the temporary files (an interrupted shard leaves nothing)."""
+        for part in (self._bin, self._idx):
+            if not part.f.closed:
+                part.f.close()
+        for name in (self.bin_name, self.idx_name):
+            (self.dir / f".{name}.tmp").unlink(missing_ok=True)
+
+
+def build_manifest(
+    tokenizer_info: dict[str, Any],
+    dtype: str,
+    splits: dict[str, list[dict[str, Any]]],
+    source: dict[str, Any],
+) -> dict[str, Any]:
+    """The manifest of a dataset whose shards (per split, in order) are ``splits``."""
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer_info,
+        "dtype": dtype,
+        "source": source,
+        "splits": {
+            name: {
+                "n_docs": sum(s["n_docs"] for s in shards),
+                "n_tokens": sum(s["n_tokens"] for s in shards),
+                "shards": shards,
+            }
+            for name, shards in splits.items()
+        },
+    }
+
+
+def publish_dir(staging: Path, final: Path) -> bool:
+    """Rename the finished ``staging`` directory to ``final`` (atomic). False, and
+    ``staging`` deleted, when ``final`` already exists (another process published first)."""
+    try:
+        os.rename(staging, final)
+        return True
+    except OSError:
+        if not is_prepared(final):
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
+        return False
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, checked ``manifest.json``."""
+
+    path: Path
+    """The manifest file."""
+    data: dict[str, Any]
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        return self.data["tokenizer"]
+
+    def split(self, name: str) -> dict[str, Any]:
+        return self.data["splits"][name]
+
+
+def read_manifest(
+    path: str | os.PathLike[str], key: str = "data.dataset", splits: tuple[str, ...] = SPLITS
+) -> Manifest:
+    """The manifest of the prepared dataset ``path``; ``DataError`` naming the file if it is
+    missing, unreadable, of another format, of a newer version than this code reads, or
+    without one of ``splits``."""
+    file = Path(path).expanduser() / MANIFEST
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise DataError(
+            f"{key}: {str(file)!r} does not exist; {str(path)!r} is not a "
+            "prepared dataset (make one with `moetrain prepare-data`)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{key}: cannot read {str(file)!r}: {exc}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise DataError(f"{key}: {str(file)!r} is not a moetrain prepared-dataset manifest")
+    version = data.get("format_version")
+    if not isinstance(version, int):
+        raise DataError(f"{key}: {str(file)!r} has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise DataError(
+            f"{key}: {str(file)!r} is format version {version}; this moetrain reads versions "
+            f"up to {FORMAT_VERSION}. Upgrade moetrain, or prepare the data again with this one"
+        )
+    if not isinstance(data.get("splits"), dict):
+        raise DataError(f"{key}: {str(file)!r} is incomplete: no splits")
+    missing = [name for name in splits if name not in data["splits"]]
+    if missing:
+        raise DataError(f"{key}: {str(file)!r} has no {missing[0]!r} split")
+    try:
+        for split in data["splits"].values():
+            for shard in split["shards"]:
+                for field in ("tokens", "index", "n_docs", "n_tokens", "tokens_sha256"):
+                    shard[field]  # noqa: B018 - presence check
+        data["tokenizer"]["fingerprint"]  # noqa: B018
+        np.dtype(data["dtype"])
+    except (KeyError, TypeError) as exc:
+        raise DataError(f"{key}: {str(file)!r} is incomplete: no {exc}") from None
+    return Manifest(file.resolve(), data)
+
+
+def check_tokenizer(manifest: Manifest, fingerprint: str, eos_id: int, spec: str) -> None:
+    """``DataError`` unless the dataset was tokenized by the tokenizer ``spec`` loads."""
+    want = manifest.tokenizer
+    if want["fingerprint"] != fingerprint or want.get("eos_id", eos_id) != eos_id:
+        copy = manifest.root / TOKENIZER_FILE
+        raise DataError(
+            f"data.tokenizer: {str(manifest.path)!r} was prepared with tokenizer "
+            f"{want.get('source')!r} (fingerprint {want['fingerprint']}, eos id "
+            f"{want.get('eos_id')}), but data.tokenizer={spec!r} is another one (fingerprint "
+            f"{fingerprint}, eos id {eos_id}); set data.tokenizer={str(copy)!r} "
+            "or prepare the data again with this tokenizer"
+        )
+
+
+def check_files(manifest: Manifest, key: str = "data.dataset") -> None:
+    """Every shard file is there with the size the manifest gives (a stat per file)."""
+    itemsize = np.dtype(manifest.data["dtype"]).itemsize
+    for split in manifest.data["splits"].values():
+        for shard in split["shards"]:
+            sizes = {
+                shard["tokens"]: shard["n_tokens"] * itemsize,
+                shard["index"]: (shard["n_docs"] + 1) * 8,
+            }
+            for file_name, want in sizes.items():
+                file = manifest.root / file_name
+                try:
+                    got = file.stat().st_size
+                except FileNotFoundError:
+                    raise DataError(
+                        f"{key}: shard {str(file)!r} listed in {str(manifest.path)!r} is "
+                        "missing; copy it again or prepare the data again"
+                    ) from None
+                if got != want:
+                    raise DataError(
+                        f"{key}: shard {str(file)!r} holds {got} bytes, {str(manifest.path)!r} "
+                        f"says {want}: it is truncated or was not fully copied"
+                    )
+
+
+def _stamp_of(file: Path) -> list[int]:
+    st = file.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino]
+
+
+def verify_checksums(
+    manifest: Manifest,
+    stamps_path: Path | None = None,
+    key: str = "data.dataset",
+    force: bool = False,
+) -> int:
+    """Compare shard files with their SHA-256 in the manifest; return the bytes hashed.
+
+    ``stamps_path`` records (size, mtime, inode, checksum) of the files verified: a file whose
+    stat still matches its record is not read again unless ``force``. Verification thus costs
+    one pass per shard per machine, and a file written since (corrupted, replaced, copied
+    over) is read again.
+    """
+    stamps: dict[str, Any] = {}
+    if stamps_path is not None and stamps_path.is_file() and not force:
+        try:
+            stamps = json.loads(stamps_path.read_text())
+        except ValueError:
+            stamps = {}
+    todo = []
+    for split in manifest.data["splits"].values():
+        for shard in split["shards"]:
+            for name, digest in (
+                (shard["tokens"], shard["tokens_sha256"]),
+                (shard["index"], shard.get("index_sha256")),
+            ):
+                stamp = _stamp_of(manifest.root / name) + [digest]
+                if stamps.get(name) != stamp and digest is not None:
+                    todo.append((name, stamp))
+    total = sum(stamp[0] for _, stamp in todo)
+    if total > 1 << 28:
+        log.info(
+            "verifying the checksums of %d files (%.1f GB) of %s, once",
+            len(todo),
+            total / 1e9,
+            manifest.root,
+        )
+    for i, (name, stamp) in enumerate(todo):
+        file = manifest.root / name
+        if sha256_file(file) != stamp[-1]:
+            raise DataError(
+                f"{key}: shard {str(file)!r} does not match its checksum in "
+                f"{str(manifest.path)!r}: the file is corrupt; copy it again or prepare "
+                "the data again"
+            )
+        stamps[name] = stamp
+        # Record as we go (every 64 files): an interrupted pass keeps most of its work.
+        if stamps_path is not None and (i % 64 == 63 or i == len(todo) - 1):
+            stamps_path.parent.mkdir(parents=True, exist_ok=True)
+            write_json_atomic(stamps_path, stamps)
+    return total
+
+
+def stamp_file(cache_dir: str | None, manifest: Manifest) -> Path:
+    """Where this machine records which shards of ``manifest`` passed their checksums."""
+    return cache_root(cache_dir) / "verified" / f"{short_hash(str(manifest.path))}.json"
+
+
+def record_verified(manifest: Manifest, stamps: Path) -> None:
+    """Record every shard of ``manifest`` as verified without reading it: for files whose
+    checksums were computed as they were written (``prepare-data``)."""
+    record = {}
+    for split in manifest.data["splits"].values():
+        for shard in split["shards"]:
+            for name, digest in (
+                (shard["tokens"], shard["tokens_sha256"]),
+                (shard["index"], shard.get("index_sha256")),
+            ):
+                record[name] = _stamp_of(manifest.root / name) + [digest]
+    stamps.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(stamps, record)
+
+
+def check_prepared(
+    path: str | os.PathLike[str],
+    fingerprint: str,
+    eos_id: int,
+    tokenizer_spec: str,
+    cache_dir: str | None,
+    key: str = "data.dataset",
+) -> Manifest:
+    """Everything ``check_data`` checks of a prepared dataset, cheapest first: the manifest
+    and its version, the tokenizer, every shard's presence and size, then the checksums of
+    the shards this machine has not verified since they were last written."""
+    manifest = read_manifest(path, key)
+    check_tokenizer(manifest, fingerprint, eos_id, tokenizer_spec)
+    check_files(manifest, key)
+    verify_checksums(manifest, stamp_file(cache_dir, manifest), key)
+    return manifest
+
+
+class PreparedSplit:
+    """One split of a prepared dataset, read through memory maps.
+
+    Document ``k``'s tokens are ``read(k, a, b)``; ``lengths(ids)`` reads the index only. At
+    most ``OPEN_SHARDS`` shards are mapped at once; pages are read when first touched.
+    """
+
+    def __init__(self, manifest: Manifest, split: str) -> None:
+        info = manifest.split(split)
+        self.manifest = manifest
+        self.split = split
+        self.dtype = np.dtype(manifest.data["dtype"])
+        self.shards = [s for s in info["shards"] if s["n_docs"]]
+        self.n_docs = int(info["n_docs"])
+        self.n_tokens = int(info["n_tokens"])
+        counts = np.array([s["n_docs"] for s in self.shards], dtype=np.int64)
+        self._first_doc = np.concatenate([[0], np.cumsum(counts)])
+        self._maps: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        maps = self._maps.get(s)
+        if maps is not None:
+            self._maps.move_to_end(s)
+            return maps
+        shard = self.shards[s]
+        root = self.manifest.root
+        idx = np.memmap(root / shard["index"], dtype="<i8", mode="r")
+        tokens = np.memmap(root / shard["tokens"], dtype=self.dtype, mode="r")
+        if len(idx) != shard["n_docs"] + 1 or idx[0] != 0 or idx[-1] != len(tokens):
+            raise DataError(
+                f"data.dataset: shard {str(root / shard['index'])!r} does not index "
+                f"{str(root / shard['tokens'])!r}: the files are corrupt; run "
+                f"`moetrain prepare-data --verify {str(root)}`"
+            )
+        self._maps[s] = (idx, tokens)
+        if len(self._maps) > OPEN_SHARDS:
+            self._maps.popitem(last=False)
+        return idx, tokens
+
+    def _locate(self, ids: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self._first_doc, ids, side="right") - 1
+
+    def lengths(self, ids: np.ndarray) -> np.ndarray:
+        """Token counts (EOS included) of documents ``ids``: int64."""
+        ids = np.asarray(ids, dtype=np.int64)
+        out = np.empty(len(ids), dtype=np.int64)
+        shard_of = self._locate(ids)
+        for s in np.unique(shard_of):
+            sel = shard_of == s
+            local = ids[sel] - self._first_doc[s]
+            idx, _ = self._shard(int(s))
+            out[sel] = idx[local + 1] - idx[local]
+        return out
+
+    def read(self, doc: int, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of document ``doc`` (a copy, not a view of the map)."""
+        s = int(self._locate(np.array([doc]))[0])
+        idx, tokens = self._shard(s)
+        base = int(idx[doc - self._first_doc[s]])
+        return np.array(tokens[base + start : base + stop])
+
+    def sample_tokens(self, max_tokens: int) -> np.ndarray:
+        """The first ``max_tokens`` tokens in stored order."""
+        parts, total = [], 0
+        for s in range(len(self.shards)):
+            _, tokens = self._shard(s)
+            parts.append(np.array(tokens[: max_tokens - total]))
+            total += len(parts[-1])
+            if total >= max_tokens:
+                break
+        return np.concatenate(parts) if parts else np.zeros(0, self.dtype)

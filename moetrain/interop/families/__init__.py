@@ -1,0 +1,71 @@
+"""One small adapter per Hugging Face family (docs/interop.md).
+
+MoE families: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3. Dense families (the sources
+of sparse upcycling, and plain dense imports): Llama, Mistral, Qwen2, Qwen3. Tensor names
+are those ``save_pretrained`` writes (the per-expert layout of the Hub checkpoints).
+"""
+
+from __future__ import annotations
+
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.interop.errors import HFCheckpointError
+from moetrain.interop.families.base import ARCH_MODEL_KEYS, ARCH_MOE_KEYS, Family
+from moetrain.interop.families.deepseek_v3 import DeepseekV3
+from moetrain.interop.families.dense import Llama, Mistral, Qwen2, Qwen3
+from moetrain.interop.families.mixtral import Mixtral
+from moetrain.interop.families.olmoe import Olmoe
+from moetrain.interop.families.qwen2_moe import Qwen2Moe
+from moetrain.interop.families.qwen3_moe import Qwen3Moe
+
+__all__ = [
+    "ARCH_MODEL_KEYS",
+    "ARCH_MOE_KEYS",
+    "DENSE_FAMILIES",
+    "FAMILIES",
+    "MOE_FAMILIES",
+    "Family",
+    "export_family",
+    "family_of",
+]
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Mixtral(),
+        Qwen3Moe(),
+        Olmoe(),
+        Qwen2Moe(),
+        DeepseekV3(),
+        Llama(),
+        Mistral(),
+        Qwen2(),
+        Qwen3(),
+    )
+}
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3")
+DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def family_of(hf: dict, key: str = "HF_DIR") -> Family:
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        raise HFCheckpointError(
+            f"{key}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(MOE_FAMILIES)} (MoE) and {', '.join(DENSE_FAMILIES)} (dense)"
+        )
+    return FAMILIES[model_type]
+
+
+def export_family(m: ModelConfig, e: MoEConfig, prefer: str | None = None) -> Family:
+    """The family that expresses these sections (``prefer`` first), or an error that says
+    what keeps each family out."""
+    order = ([prefer] if prefer in FAMILIES else []) + [t for t in FAMILIES if t != prefer]
+    reasons = []
+    for t in order:
+        problems = FAMILIES[t].problems(m, e)
+        if not problems:
+            return FAMILIES[t]
+        reasons.append(f"{t}: {', '.join(problems)}")
+    raise HFCheckpointError(
+        "no transformers family expresses this architecture: " + "; ".join(reasons)
+    )

@@ -1,0 +1,35 @@
+"""``from_hf``: the moetrain model of a transformers directory, on CPU and eval-ready."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.interop.hf_files import HFDirectory
+from moetrain.interop.load import checked_sources, load_model, sections
+from moetrain.model import Transformer, build_model
+
+
+def from_hf(
+    hf_dir: str | Path,
+    *,
+    moe_overrides: dict[str, Any] | None = None,
+    return_configs: bool = False,
+) -> Transformer | tuple[Transformer, ModelConfig, MoEConfig]:
+    """Build the moetrain model of ``hf_dir`` (a directory saved by transformers) on CPU in
+    fp32, load its weights and return it in eval mode.
+
+    Routing is dropless (no capacity) with the torch kernels unless ``moe_overrides`` (moe
+    section keys) says otherwise; architecture keys come from config.json."""
+    hf = HFDirectory(hf_dir)
+    base = MoEConfig(kernels="torch", capacity_factor=None)
+    if moe_overrides:
+        base = dataclasses.replace(base, **moe_overrides)
+    m, e, family = sections(hf, ModelConfig(), base)
+    sources = checked_sources(hf, family, m, e)
+    model = build_model(m, e, seed=0)
+    load_model(model, hf, sources)
+    model.eval()
+    return (model, m, e) if return_configs else model

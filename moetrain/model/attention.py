@@ -1,0 +1,190 @@
+"""Attention: grouped-query attention with the options of the Hugging Face MoE families, and
+DeepSeek's multi-head latent attention. Both keep an optional KV cache for generation.
+
+Grouped-query attention (``model.attention: gqa``): q/k/v projections (optional biases,
+Qwen2), per-head or whole-projection q/k RMSNorm (Qwen3, OLMoE), q/k/v clamping (OLMoE),
+RoPE in either pairing, SDPA. Under tensor parallelism each rank holds whole heads; every
+reshape is ``view(B, S, -1, Dh)`` so that a rank sees only its local heads.
+
+Multi-head latent attention (``model.attention: mla``): queries through an optional low-rank
+bottleneck ``wq_a -> q_norm -> wq_b``; keys and values from one latent ``wkv_a -> kv_norm ->
+wkv_b``; a RoPE part of the key, ``wk_rope``, shared by every head (transformers' fused
+``kv_a_proj_with_mqa`` is ``wkv_a`` and ``wk_rope`` stacked). Names follow DeepSeek's
+reference code.
+
+Shape legend: B batch, S new positions, L cached + new positions, D model dim, H heads,
+Hkv kv heads, Dh head dim, R rotated width, C latent width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetrain.config import ModelConfig
+from moetrain.model.norm import RMSNorm
+from moetrain.model.rope import apply_rope, softmax_scale_factor
+
+MLA_LATENT_NORM_EPS = 1e-6
+"""Epsilon of MLA's latent norms: fixed in DeepSeek's reference code and in transformers,
+whatever ``rms_norm_eps`` says."""
+
+
+class KVCache:
+    """Keys and values of every position seen so far, per layer (for generation). ``length``
+    is the number of positions cached; ``Transformer.forward`` advances it."""
+
+    def __init__(self) -> None:
+        self.length = 0
+        self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def extend(
+        self, layer_id: int, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's keys/values of ``layer_id``; return all of them (B, L, H, Dh)."""
+        if layer_id in self.layers:
+            k_old, v_old = self.layers[layer_id]
+            k_BSHD, v_BSHD = torch.cat((k_old, k_BSHD), 1), torch.cat((v_old, v_BSHD), 1)
+        self.layers[layer_id] = (k_BSHD, v_BSHD)
+        return k_BSHD, v_BSHD
+
+
+def _attend(
+    q_BSHD: torch.Tensor,
+    k_BLHD: torch.Tensor,
+    v_BLHD: torch.Tensor,
+    scale: float | None,
+    start: int,
+) -> torch.Tensor:
+    """Causal SDPA of S new queries at positions start.. over L = start + S keys -> (B, S, H*Dv)."""
+    B, S = q_BSHD.shape[:2]
+    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BLHD, v_BLHD))
+    if start == 0:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        # Query i sits at position start + i and sees keys 0 .. start + i.
+        L = k.shape[2]
+        pos_S1 = torch.arange(start, start + S, device=q.device)[:, None]
+        mask_SL = torch.arange(L, device=q.device)[None, :] <= pos_S1
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SL, scale=scale)
+    return out.transpose(1, 2).reshape(B, S, -1)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.attn_head_dim
+        self.n_rep = cfg.n_heads // cfg.kv_heads
+        self.rope_style = cfg.rope_style
+        self.clip = cfg.clip_qkv
+        q_out, kv_out = cfg.n_heads * self.head_dim, cfg.kv_heads * self.head_dim
+        self.wq = nn.Linear(cfg.dim, q_out, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, kv_out, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, kv_out, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(q_out, cfg.dim, bias=cfg.out_bias)
+        self.qk_norm = cfg.qk_norm
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if cfg.qk_norm != "none":
+            per_head = cfg.qk_norm == "head"
+            self.q_norm = RMSNorm(self.head_dim if per_head else q_out, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim if per_head else kv_out, cfg.norm_eps)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        start = cache.length if cache is not None else 0
+        q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
+        if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        # view(B, S, -1, Dh): under tensor parallelism each rank holds only its own heads.
+        q = q.view(B, S, -1, self.head_dim)
+        k = k.view(B, S, -1, self.head_dim)
+        v = v.view(B, S, -1, self.head_dim)
+        if self.qk_norm == "head":  # Qwen3: each head's Dh values, one shared weight
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[start : start + S], sin[start : start + S]
+        q = apply_rope(q, cos, sin, self.rope_style)
+        k = apply_rope(k, cos, sin, self.rope_style)
+        if cache is not None:
+            k, v = cache.extend(self.layer_id, k, v)
+        if self.n_rep > 1:
+            k = k.repeat_interleave(self.n_rep, dim=2)
+            v = v.repeat_interleave(self.n_rep, dim=2)
+        return self.wo(_attend(q, k, v, None, start))
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention (MLA)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
+        super().__init__()
+        assert cfg.kv_lora_rank and cfg.qk_nope_head_dim and cfg.qk_rope_head_dim
+        assert cfg.v_head_dim
+        self.layer_id = layer_id
+        self.rope_style = cfg.rope_style
+        self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        qk_dim = self.nope_dim + self.rope_dim
+        self.scale = qk_dim**-0.5 * softmax_scale_factor(cfg)
+        H, D, C = cfg.n_heads, cfg.dim, cfg.kv_lora_rank
+        self.wq: nn.Linear | None = None
+        self.wq_a: nn.Linear | None = None
+        self.q_norm: RMSNorm | None = None
+        self.wq_b: nn.Linear | None = None
+        if cfg.q_lora_rank is None:
+            self.wq = nn.Linear(D, H * qk_dim, bias=False)
+        else:
+            self.wq_a = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, MLA_LATENT_NORM_EPS)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, H * qk_dim, bias=False)
+        self.wkv_a = nn.Linear(D, C, bias=False)
+        self.kv_norm = RMSNorm(C, MLA_LATENT_NORM_EPS)
+        self.wkv_b = nn.Linear(C, H * (self.nope_dim + self.v_dim), bias=False)
+        self.wk_rope = nn.Linear(D, self.rope_dim, bias=False)
+        self.wo = nn.Linear(H * self.v_dim, D, bias=False)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, S, _ = x_BSD.shape
+        start = cache.length if cache is not None else 0
+        if self.wq is not None:
+            q = self.wq(x_BSD)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x_BSD)))
+        # Local heads only under tensor parallelism (wq / wq_b and wkv_b are split by head).
+        q_BSHQ = q.view(B, S, -1, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q_BSHQ.split((self.nope_dim, self.rope_dim), dim=-1)
+        kv_BSHE = self.wkv_b(self.kv_norm(self.wkv_a(x_BSD))).view(
+            B, S, -1, self.nope_dim + self.v_dim
+        )
+        k_nope, v = kv_BSHE.split((self.nope_dim, self.v_dim), dim=-1)
+        k_rope_BS1R = self.wk_rope(x_BSD).view(B, S, 1, self.rope_dim)
+        cos, sin = cos[start : start + S], sin[start : start + S]
+        q_rope = apply_rope(q_rope, cos, sin, self.rope_style)
+        k_rope_BS1R = apply_rope(k_rope_BS1R, cos, sin, self.rope_style)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope_BS1R.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
+        if cache is not None:
+            k, v = cache.extend(self.layer_id, k, v)
+        return self.wo(_attend(q, k, v, self.scale, start))
+
+
+def build_attention(cfg: ModelConfig, layer_id: int) -> nn.Module:
+    return LatentAttention(cfg, layer_id) if cfg.attention == "mla" else Attention(cfg, layer_id)

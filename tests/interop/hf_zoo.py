@@ -1,0 +1,90 @@
+"""Tiny random transformers models of every supported family, saved with save_pretrained.
+
+Nothing is downloaded: each model is built from a config here, with weights drawn from a
+fixed seed. Routers get larger weights than transformers' init (and DeepSeek-V3 a random
+score-correction bias) so that routing is decisive and differs from token to token: a
+model that picked the wrong experts could not agree on the logits by accident.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 4096
+"""The default moetrain tokenizer's vocabulary: the same dirs serve the training tests."""
+
+_ATTN = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=64, initializer_range=0.05, vocab_size=VOCAB,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)  # fmt: skip
+
+CONFIGS: dict[str, tuple[str, dict]] = {
+    "mixtral": ("MixtralConfig", dict(_ATTN, intermediate_size=48, num_local_experts=4,
+                                      num_experts_per_tok=2, rope_theta=1e6)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_ATTN, num_hidden_layers=3, head_dim=32,
+                                         intermediate_size=96, moe_intermediate_size=32,
+                                         num_experts=8, num_experts_per_tok=2,
+                                         norm_topk_prob=True, mlp_only_layers=[1])),
+    "olmoe": ("OlmoeConfig", dict(_ATTN, intermediate_size=32, num_experts=8,
+                                  num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=8.0)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_ATTN, intermediate_size=96, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=48, num_experts=8,
+                                         num_experts_per_tok=2, norm_topk_prob=False)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        _ATTN, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+}  # fmt: skip
+"""model_type -> (transformers config class, its arguments). Each exercises its family's
+options: Qwen3 a head_dim unrelated to the width and a dense mlp_only layer; OLMoE no
+renormalisation and clip_qkv; Qwen2 biases and a gated shared expert; DeepSeek-V3 MLA with
+q LoRA, group-limited sigmoid routing, scaling, a first dense layer and YaRN."""
+
+DENSE: dict[str, tuple[str, dict]] = {
+    "llama": ("LlamaConfig", dict(_ATTN, intermediate_size=96, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16})),
+    "mistral": ("MistralConfig", dict(_ATTN, intermediate_size=96, sliding_window=None)),
+    "qwen3": ("Qwen3Config", dict(_ATTN, head_dim=32, intermediate_size=96,
+                                  tie_word_embeddings=True)),
+}  # fmt: skip
+"""Dense families (sparse-upcycling sources)."""
+
+MODELS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+          "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+          "deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
+          "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+
+
+def build_hf(model_type: str, seed: int = 0):
+    """A tiny random transformers model of ``model_type`` (fp32, eval mode)."""
+    import transformers
+
+    cls_name, kwargs = {**CONFIGS, **DENSE}[model_type]
+    cfg = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, MODELS[model_type])(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for module in routers(model):
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.3)
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
+    return model
+
+
+def save_hf(model_type: str, path: Path, seed: int = 0):
+    model = build_hf(model_type, seed)
+    model.save_pretrained(path)
+    return model
+
+
+def routers(model) -> list:
+    """The transformers router modules of ``model``, in layer order."""
+    return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]

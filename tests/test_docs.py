@@ -1,0 +1,403 @@
+"""The docs say only what a machine can confirm: paths that exist, commands that parse.
+
+For README.md and every docs/*.md page:
+
+- every link and every repository path (``moetrain/...``, ``tests/...``, ``configs/...``)
+  resolves inside the repository, and nothing points outside it (``../shared``, absolute
+  paths of a build machine, files that live beside the repository);
+- every command shown in a shell code block parses its arguments without running:
+  ``moetrain ...`` and ``python -m moetrain ...`` through the command's own parser (any
+  command of ``moetrain.cli.COMMANDS``, so commands added later are covered), training
+  commands (``moetrain [train]``, ``python -m moetrain.train``, ``torchrun ... -m
+  moetrain.train``) further through config loading and validation (``--print-config``
+  semantics) and the layout check for the launch's world size, and ``python tools/X.py``
+  / ``torchrun ... tools/X.py`` through the tool's parser (and its ``check_args`` when it
+  has one, e.g. ``tools/comm_report.py`` validates its layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import re
+import shlex
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - {
+    n for n in (p.name for p in REPO.iterdir()) if n.endswith(".egg-info")
+}
+SHELL = {"", "bash", "sh", "shell", "console"}
+# Names of files that live beside the repository, not in it: a clone would not have them.
+FOREIGN = re.compile(r"\.\./shared|\bANCHORS\b|\b(?:DESIGN|PLATFORM|STYLE)\.md\b")
+# Absolute paths into a machine's own directories (an illustrative '/no/such/file' is fine).
+MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|home|root|tmp|Users|mnt|opt|srv|scratch)/")
+_FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
+
+
+def _rel(page: Path) -> str:
+    return page.relative_to(REPO).as_posix()
+
+
+def _blocks(page: Path) -> Iterator[tuple[int, str, str]]:
+    """(line number, fence language or None outside a fence, line) for every line."""
+    lang: str | None = None
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        fence = _FENCE.match(line)
+        if fence:
+            lang = (fence.group(2) or "") if lang is None else None
+            continue
+        yield number, lang, line
+
+
+# ----------------------------------------------------------------------------- paths
+
+
+def _path_tokens(page: Path) -> Iterator[tuple[int, str]]:
+    """Tokens of code spans and of non-YAML code blocks that could name a file."""
+    for number, lang, line in _blocks(page):
+        if lang is None:
+            texts = re.findall(r"`([^`]+)`", line)
+        elif lang in ("yaml", "yml", "python", "py"):
+            continue  # paths there are relative to another file (a sweep's base:) or code
+        else:
+            texts = [line.split(" #")[0]]
+        for text in texts:
+            for token in text.split():
+                token = token.strip("()[]{},;:'\"").rstrip(".")
+                if "/" in token:
+                    yield number, token
+
+
+def _problems(page: Path) -> list[str]:
+    problems = []
+    text = page.read_text()
+    for number, line in enumerate(text.splitlines(), 1):
+        for pattern in (FOREIGN, MACHINE_PATH):
+            for m in pattern.finditer(line):
+                problems.append(f"{_rel(page)}:{number}: {m.group(0)!r} points outside the repo")
+    for number, line in enumerate(text.splitlines(), 1):
+        for target in re.findall(r"\]\(([^)\s]+)\)", line):
+            if target.startswith(("http://", "https://", "mailto:", "#")):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if REPO not in path.parents and path != REPO:
+                problems.append(f"{_rel(page)}:{number}: link {target} leaves the repository")
+            elif not path.exists():
+                problems.append(f"{_rel(page)}:{number}: link {target} does not exist")
+    for number, token in _path_tokens(page):
+        if token.startswith("../"):
+            path = (page.parent / token).resolve()
+            if REPO not in path.parents:
+                problems.append(f"{_rel(page)}:{number}: {token} leaves the repository")
+            continue
+        path = token.split("::")[0]
+        if path.split("/")[0] not in TOP or any(c in path for c in "<>{}$"):
+            continue  # not a repository path (outputs/tiny, moe/layer{L}/...)
+        if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
+            problems.append(f"{_rel(page)}:{number}: {token} does not exist in the repository")
+    return problems
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_paths_resolve_inside_the_repository(page: Path) -> None:
+    problems = _problems(page)
+    assert not problems, "\n".join(problems)
+
+
+def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself catches each kind of bad reference."""
+    page = REPO / "docs" / "_test_docs_probe.md"
+    bad = [
+        "See `../shared/DESIGN.md`.",
+        "Targets in `/work/shared/targets.md` terms.",
+        "[missing](no_such_page.md)",
+        "[outside](../../etc/passwd)",
+        "The code is `moetrain/train/no_such_module.py`.",
+        "```bash\npython tools/no_such_tool.py\n```",
+    ]
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "\n".join(bad) + "\n")
+    problems = _problems(page)
+    for needle in (
+        "../shared",
+        "/work/",
+        "no_such_page.md",
+        "../../etc/passwd",
+        "no_such_module.py",
+        "no_such_tool.py",
+    ):
+        assert any(needle in p for p in problems), (needle, problems)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _commands(page: Path) -> Iterator[tuple[int, list[str]]]:
+    """(line, argv) of every command in a shell code block; continuation lines joined, comments
+    dropped, ``&&`` / ``;`` chains split, leading ``VAR=value`` assignments removed."""
+    pending, start = "", 0
+    for number, lang, line in _blocks(page):
+        if lang not in SHELL:
+            continue
+        if not pending:
+            start = number
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        full, pending = pending + line, ""
+        try:
+            words = shlex.split(full, comments=True)
+        except ValueError:
+            continue  # not shell (a diagram, log output)
+        command: list[str] = []
+        for word in [*words, "&&"]:
+            if word in ("&&", ";", "||"):
+                while command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", command[0]):
+                    command.pop(0)
+                if command:
+                    yield start, command
+                command = []
+            else:
+                command.append(word)
+
+
+class _Parsed(BaseException):  # noqa: N818 (not an error: escapes `except Exception`)
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        super().__init__("parsed")
+        self.namespace = namespace
+
+
+@contextlib.contextmanager
+def _stop_after_parsing() -> Iterator[None]:
+    """Make the first ``ArgumentParser.parse_args`` / ``parse_known_args`` call raise with its
+    result, so that a ``main(argv)`` parses its arguments and does nothing else."""
+    original_args = argparse.ArgumentParser.parse_args
+    original_known = argparse.ArgumentParser.parse_known_args
+    depth = {"in_parse_args": 0}
+
+    def parse_args(self, args=None, namespace=None):
+        depth["in_parse_args"] += 1
+        try:
+            result = original_args(self, args, namespace)
+        finally:
+            depth["in_parse_args"] -= 1
+        raise _Parsed(result)
+
+    def parse_known_args(self, args=None, namespace=None):
+        result = original_known(self, args, namespace)
+        if depth["in_parse_args"]:  # inside parse_args (or a subparser): let it finish
+            return result
+        raise _Parsed(result[0])
+
+    argparse.ArgumentParser.parse_args = parse_args
+    argparse.ArgumentParser.parse_known_args = parse_known_args
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.parse_args = original_args
+        argparse.ArgumentParser.parse_known_args = original_known
+
+
+def parse_only(main: Callable[[list[str]], Any], argv: list[str]) -> argparse.Namespace:
+    """The namespace ``main(argv)`` parses; fails (SystemExit from argparse) on bad arguments,
+    or when ``main`` returns without parsing anything."""
+    with _stop_after_parsing():
+        try:
+            main(argv)
+        except _Parsed as parsed:
+            return parsed.namespace
+    raise AssertionError(f"{main.__module__}.{main.__name__} returned without parsing {argv}")
+
+
+def _load_tool(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(f"_docs_tool_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_training(argv: list[str], world_size: int = 1) -> None:
+    """A training command's arguments parse, its config loads and validates, and its layout
+    fits ``world_size`` ranks."""
+    from moetrain.cli import train_main
+    from moetrain.config import load_config
+    from moetrain.parallel.dims import ParallelDims
+
+    args = parse_only(train_main, argv)
+    cfg = load_config(args.config, args.overrides)
+    ParallelDims.from_config(cfg.parallel, world_size).validate(cfg)
+
+
+def _check_ablate(args: argparse.Namespace) -> None:
+    from moetrain.ablate import load_sweep
+
+    load_sweep(args.sweep, args.overrides, args.out)  # builds and validates every run's config
+
+
+# Checks beyond parsing for commands that take a config; other commands are parsed only.
+DEEPER = {"ablate": _check_ablate}
+
+
+def check_moetrain(argv: list[str], world_size: int = 1) -> None:
+    """``moetrain ARGV`` as ``moetrain.cli.main`` dispatches it."""
+    from moetrain.cli import COMMANDS
+
+    if argv and argv[0] in COMMANDS and argv[0] != "train":
+        args = parse_only(COMMANDS[argv[0]], argv[1:])
+        if argv[0] in DEEPER:
+            DEEPER[argv[0]](args)
+        return
+    if argv and argv[0] == "train":
+        argv = argv[1:]
+    assert not argv or argv[0].startswith("-") or "=" in argv[0], f"unknown command {argv[0]}"
+    check_training(argv, world_size)
+
+
+def check_tool(script: str, argv: list[str], world_size: int = 1) -> None:
+    path = REPO / script
+    assert path.is_file(), f"{script} does not exist"
+    module = _load_tool(path)
+    args = parse_only(module.main, argv)
+    if hasattr(module, "check_args"):
+        module.check_args(args, world_size)
+
+
+def _torchrun(argv: list[str]) -> tuple[int, list[str]]:
+    """(world size, the rest of the command line after torchrun's own options)."""
+    nproc, nnodes, i = 1, 1, 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-m":
+        name, _, value = argv[i].partition("=")
+        if not value and i + 1 < len(argv) and not argv[i + 1].startswith("-"):
+            value, i = argv[i + 1], i + 1
+        if name in ("--nproc-per-node", "--nproc_per_node"):
+            nproc = int(value)
+        elif name == "--nnodes":
+            nnodes = int(value.split(":")[-1])
+        i += 1
+    return nproc * nnodes, argv[i:]
+
+
+def check_command(argv: list[str]) -> bool:
+    """Check one command line; False when it is not one this test knows (pip, tensorboard)."""
+    program, rest = argv[0], argv[1:]
+    world = 1
+    if program == "torchrun":
+        world, rest = _torchrun(rest)
+        program = "python"
+    elif program not in ("python", "python3"):
+        if program != "moetrain":
+            return False
+        check_moetrain(rest)
+        return True
+    if rest[:2] == ["-m", "moetrain"]:
+        check_moetrain(rest[2:], world)
+    elif rest[:2] == ["-m", "moetrain.train"]:
+        check_training(rest[2:], world)
+    elif rest and rest[0].startswith("tools/") and rest[0].endswith(".py"):
+        check_tool(rest[0], rest[1:], world)
+    elif rest[:2] == ["-m", "pytest"]:
+        for target in rest[2:]:
+            if target.startswith("tests"):
+                assert (REPO / target.split("::")[0]).exists(), f"{target} does not exist"
+    else:
+        return False
+    return True
+
+
+COMMANDS = [(page, number, argv) for page in PAGES for number, argv in _commands(page)]
+
+
+@pytest.mark.parametrize(
+    "page, number, argv", COMMANDS, ids=[f"{_rel(p)}:{n}" for p, n, _ in COMMANDS]
+)
+def test_shown_commands_parse(
+    page: Path, number: int, argv: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(REPO)  # commands are shown run from the repository root
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    check_command(argv)
+
+
+def test_commands_are_found() -> None:
+    """The extractor sees the README's quick start and everyday commands."""
+    readme = {" ".join(argv) for page, _, argv in COMMANDS if page.name == "README.md"}
+    assert "moetrain --config configs/tiny.yaml" in readme
+    assert "moetrain ablate configs/sweeps/router.yaml --parallel 2" in readme
+    checked = sum(check_command(argv) for _, _, argv in COMMANDS if argv[0] != "pip")
+    assert checked >= 20, checked
+
+
+@pytest.mark.parametrize(
+    "argv, error",
+    [
+        (["moetrain", "--config", "configs/tiny.yaml", "moe.topk=2"], "moe.topk: unknown key"),
+        (["moetrain", "no-such-command"], "unknown command"),
+        (["moetrain", "ablate"], "SystemExit"),  # the sweep file is required
+        (
+            [
+                "torchrun",
+                "--nproc-per-node",
+                "4",
+                "-m",
+                "moetrain.train",
+                "--config",
+                "configs/tiny.yaml",
+            ],
+            "train.global_batch_size: 16 is not divisible",
+        ),
+        (["python", "tools/expert_report.py", "--no-such-option"], "SystemExit"),
+        (
+            ["python", "tools/comm_report.py", "--nproc", "4", "--config", "configs/tiny.yaml"],
+            "train.global_batch_size: 16 is not divisible",
+        ),
+    ],
+)
+def test_command_check_can_fail(argv: list[str], error: str, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    with pytest.raises(BaseException) as info:
+        check_command(argv)
+    assert error in f"{type(info.value).__name__}: {info.value}", info.value
+
+
+# ----------------------------------------------------------------------------- TensorBoard tags
+
+
+def _documented(tag: str, page: str) -> bool:
+    """Whether ``tag`` (as a run writes it) appears in the dashboards page: top-level tags
+    literally, per-layer tags by their name after ``moe/layer{L}/``, numbered experts and
+    collective kinds as ``{e}`` / ``{kind}``."""
+    tag = re.sub(r"/expert\d+$", "/expert{e}", tag)
+    tag = re.sub(r"^comm/bytes_sent/\w+$", "comm/bytes_sent/{kind}", tag)
+    layer = re.fullmatch(r"moe/layer\d+/(.+)", tag)
+    return f"`{layer.group(1) if layer else tag}`" in page
+
+
+def test_every_tensorboard_scalar_is_documented(tmp_path: Path) -> None:
+    """A micro run's scalars (past the accounting step) each have a row in dashboards.md."""
+    from moetrain.config import load_config
+    from moetrain.train.metrics import read_scalars
+    from moetrain.train.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_dim=64",
+            "model.max_seq_len=32", "moe.num_experts=4", "moe.expert_ffn_dim=32",
+            "moe.token_group_seqs=null", "data.seq_len=16", "train.global_batch_size=2",
+            "train.micro_batch_size=2", "train.eval_batches=1", "train.steps=2",
+            "log.progress_bar=false", f"train.output_dir={tmp_path}",
+        ],
+    )  # fmt: skip
+    Trainer(cfg).fit()
+    tags = sorted(read_scalars(tmp_path))
+    assert "perf/mfu" in tags and "moe/layer1/a2a_bytes" in tags and "memory/grad_bytes" in tags
+    page = (REPO / "docs" / "dashboards.md").read_text()
+    missing = [t for t in tags if not _documented(t, page)]
+    assert not missing, f"written to TensorBoard but not in docs/dashboards.md: {missing}"
+    assert not _documented("train/no_such_tag", page)

@@ -1,0 +1,424 @@
+"""The GPU suite's driver: each part a subprocess under its own time budget, rows into one CSV.
+
+    python tools/gpu_suite.py --out DIR [--parts tests,gemm] [--budget 540] [--dry]
+
+Run it through tools/gpu_suite.sh, which first makes moetrain importable offline. Parts,
+in order (default budget in seconds; --dry: CPU, tiny shapes, Triton interpreter):
+
+    tests    pytest tests/kernels compiled on the GPU (fp32 + bf16, the tolerance table),
+             then `pytest -m gpu` over the other test folders                      (200)
+    tiny     configs/tiny.yaml 50 steps, moe.kernels=triton vs torch, losses compared (80)
+    gemm     grouped GEMM fwd/dgrad/wgrad, anchor shapes, uniform + Zipf           (270)
+    router   fused router vs the unfused torch router, vs measured HBM copy         (45)
+    permute  permute / unpermute vs the torch path, vs measured HBM copy            (45)
+    layer    MoE layer time / its grouped GEMMs' time, with the breakdown         (100)
+    e2e      configs/gpu_1b.yaml, triton/torch x compile off/on, MFU, memory      (330)
+    peer     MegaBlocks' grouped_gemm built from a carried sdist, in the background
+             while tests/tiny run (only when .whl/grouped_gemm-*.tar.gz is there)  (420)
+
+A part gets min(its budget, what is left of --budget); one that cannot get 20 s is skipped.
+Each part writes CSV rows (tools/bench_common.CSV_FIELDS) and a log; the suite adds a row
+per part (benchmark "suite": status ok / fail / timeout / skipped, seconds). Under --out,
+rewritten after every part so that an outer kill loses only the part in flight:
+
+    results.csv    every row (merge with tools/merge_gpu_results.py)
+    summary.txt    one line per part, and the headline figures
+    logs.tar.gz    per-part logs, pytest output, profiler tables, loss curves
+    suite.log      (written by gpu_suite.sh and appended here) everything printed
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
+
+REPO = bc.REPO
+PY = sys.executable
+PEER_DIR = "/tmp/moetrain_peer"
+MIN_PART_S = 20
+RESERVE_S = 10  # kept back for packing the outputs
+MAX_TAR_BYTES = 15 * 1024 * 1024
+TIMED_PARTS = ("gemm", "router", "permute", "layer", "e2e")
+
+
+@dataclass
+class Part:
+    name: str
+    budget: int
+    commands: Callable[[argparse.Namespace, str, str, float], list[list[str]]]
+    """(args, part csv, log dir, seconds granted) -> the commands to run, in order."""
+
+
+def _tool(name: str) -> list[str]:
+    return [PY, os.path.join(REPO, "tools", name)]
+
+
+def _tests(args, csv_path, log_dir, budget):
+    pytest = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout=300"]
+    if args.dry:
+        return [pytest + ["tests/kernels/test_kernels_api.py"]]
+    return [pytest + ["tests/kernels"], pytest + ["-m", "gpu", "tests", "--ignore=tests/kernels"]]
+
+
+def _tiny(args, csv_path, log_dir, budget):
+    dev = ["--device", "cpu", "--quick"] if args.dry else ["--device", "cuda"]
+    return [_tool("compare_kernel_paths.py") + dev + ["--csv", csv_path, "--log-dir", log_dir]]
+
+
+def _bench(script, gpu_args):
+    def commands(args, csv_path, log_dir, budget):
+        dev = gpu_args
+        if args.dry:
+            dev = ["--device", "cpu", "--quick"]
+            dev += [] if script == "bench_e2e.py" else ["--reps", "1"]
+        extra = ["--log-dir", log_dir] if script in ("bench_moe_layer.py", "bench_e2e.py") else []
+        if script == "bench_e2e.py":  # it skips the variants that would not fit
+            extra += ["--budget-s", f"{max(budget - 30, 10):.0f}"]
+        return [_tool(script) + dev + ["--csv", csv_path] + extra]
+
+    return commands
+
+
+PARTS = {
+    p.name: p
+    for p in [
+        Part("tests", 200, _tests),
+        Part("tiny", 80, _tiny),
+        Part("gemm", 270, _bench("bench_grouped_gemm.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("router", 45, _bench("bench_router.py", ["--reps", "10"])),
+        Part("permute", 45, _bench("bench_permute.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("layer", 100, _bench("bench_moe_layer.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("e2e", 330, _bench("bench_e2e.py", [])),
+    ]
+}
+PEER_BUDGET = 420
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.out = args.out
+        self.work = args.work
+        self.log_dir = os.path.join(self.work, "logs")
+        os.makedirs(self.log_dir, exist_ok=True)
+        os.makedirs(self.out, exist_ok=True)
+        self.log = open(os.path.join(self.out, "suite.log"), "a", buffering=1)
+        self.start = time.monotonic()
+        self.rows: list[dict] = []
+        self.summary: list[str] = []
+        import torch
+
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
+        self.meta = bc.run_meta("suite", device)
+        self.peer: subprocess.Popen | None = None
+        self.peer_deadline = 0.0
+        self.peer_started = 0.0
+
+    # ---------------------------------------------------------------- output
+
+    def say(self, text: str) -> None:
+        print(text, flush=True)
+        self.log.write(text + "\n")
+
+    def env(self, part: str) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Autotune results cached on disk: later processes (and calls on a warm machine)
+        # reuse them; the chosen configs are printed for the tuning notes.
+        env.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+        env.setdefault("TRITON_PRINT_AUTOTUNING", "1")
+        if self.args.dry:
+            env["TRITON_INTERPRET"] = "1"
+        else:
+            env.pop("TRITON_INTERPRET", None)  # compiled kernels, never the interpreter
+        if part == "tests":
+            # Correctness runs tune nothing (first config only; the benchmarks check the
+            # tuned configs against torch._grouped_mm on the anchor shapes).
+            env.setdefault("MOETRAIN_TEST_AUTOTUNE", os.environ.get("AUTOTUNE_TESTS", "first"))
+        if os.path.isdir(os.path.join(PEER_DIR, "grouped_gemm")):
+            env["PYTHONPATH"] = env.get("PYTHONPATH", "") + os.pathsep + PEER_DIR
+        return env
+
+    def suite_row(self, part: str, status: str, seconds: float, note: str = "") -> None:
+        row = {k: "" for k in bc.CSV_FIELDS}
+        row.update(self.meta)
+        row.update(case=part, routing="-", dtype="-", op="status", impl="gpu_suite",
+                   ms=f"{seconds * 1e3:.0f}", value=f"{seconds:.1f}", unit=note or "s",
+                   status=status)  # fmt: skip
+        self.rows.append(row)
+        self.summary.append(f"{part:8s} {status:8s} {seconds:6.0f} s  {note}")
+
+    def flush_outputs(self) -> None:
+        """results.csv, summary.txt, logs.tar.gz: rewritten whole after every part."""
+        path = os.path.join(self.out, "results.csv")
+        tmp = path + ".tmp"
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        bc.append_rows(tmp, self.rows)
+        os.replace(tmp, path)
+        with open(os.path.join(self.out, "summary.txt"), "w") as f:
+            f.write(f"{self.meta['device']}, torch {self.meta['torch']}, triton "
+                    f"{self.meta['triton']}, commit {self.meta['commit']}\n")  # fmt: skip
+            f.write("\n".join(self.summary) + "\n\n" + "\n".join(headlines(self.rows)) + "\n")
+        self._tar()
+
+    def _tar(self) -> None:
+        files = sorted(glob.glob(os.path.join(self.log_dir, "**", "*"), recursive=True))
+        files = [f for f in files if os.path.isfile(f)]
+        total, kept = 0, []
+        for f in sorted(files, key=os.path.getsize):  # smallest first: drop the largest
+            total += os.path.getsize(f)
+            if total > MAX_TAR_BYTES * 4:  # text compresses ~4x or better
+                self.say(f"# logs.tar.gz: left out {os.path.relpath(f, self.log_dir)}")
+                continue
+            kept.append(f)
+        path = os.path.join(self.out, "logs.tar.gz")
+        with tarfile.open(path + ".tmp", "w:gz") as tar:
+            for f in kept:
+                tar.add(f, arcname=os.path.join("logs", os.path.relpath(f, self.log_dir)))
+        os.replace(path + ".tmp", path)
+
+    # ---------------------------------------------------------------- running
+
+    def remaining(self) -> float:
+        return self.args.budget - (time.monotonic() - self.start)
+
+    def run_command(self, cmd: list[str], env: dict, log_path: str, deadline: float) -> str:
+        """Run cmd, its output to the log, the console and suite.log; 'ok', 'fail' or
+        'timeout' (the whole process group is killed at the deadline)."""
+        self.say(f"$ {' '.join(cmd)}")
+        with open(log_path, "a", buffering=1) as log:
+            log.write(f"$ {' '.join(cmd)}\n")
+            proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                    start_new_session=True)  # fmt: skip
+
+            def pump():
+                for line in proc.stdout:
+                    log.write(line)
+                    self.log.write(line)
+                    sys.stdout.write(line)
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                reader.join(timeout=5)
+                self.say(f"# TIMEOUT after the part's budget: {' '.join(cmd[:3])}")
+                return "timeout"
+            reader.join(timeout=5)
+        return "ok" if proc.returncode == 0 else f"fail (rc {proc.returncode})"
+
+    def run_part(self, part: Part) -> None:
+        budget = min(part.budget * self.args.budget_scale, self.remaining() - RESERVE_S)
+        if budget < MIN_PART_S:
+            self.say(f"== part {part.name}: skipped ({self.remaining():.0f} s left)")
+            self.suite_row(part.name, "skipped", 0.0, "not enough of the suite budget left")
+            return
+        if part.name in TIMED_PARTS:
+            self.wait_peer()  # no background build while timing
+        self.say(f"== part {part.name}: budget {budget:.0f} s")
+        start = time.monotonic()
+        deadline = start + budget
+        csv_path = os.path.join(self.work, f"{part.name}.csv")
+        log_path = os.path.join(self.log_dir, f"{part.name}.log")
+        status = "ok"
+        for cmd in part.commands(self.args, csv_path, self.log_dir, budget):
+            result = self.run_command(cmd, self.env(part.name), log_path, deadline)
+            if result != "ok" and not (part.name == "tests" and result == "fail (rc 5)"):
+                status = result  # rc 5: pytest collected no test (no gpu mark outside kernels)
+            if result == "timeout":
+                break
+        try:
+            rows = bc.read_rows(csv_path)
+        except ValueError as exc:
+            rows = []
+            self.say(f"# {exc}")
+        if part.name == "tests":
+            rows = pytest_rows(log_path, self.meta)
+        self.rows.extend(rows)
+        seconds = time.monotonic() - start
+        bad = [r for r in rows if r["status"] in ("mismatch", "fail")]
+        note = f"{len(rows)} rows" + (f", {len(bad)} failing" if bad else "")
+        if bad and status == "ok":
+            status = "fail"
+        self.suite_row(part.name, status.split(" ")[0], seconds, note)
+        self.say(f"== part {part.name}: {status} in {seconds:.0f} s, {note}")
+        self.flush_outputs()
+
+    # ---------------------------------------------------------------- the MegaBlocks peer
+
+    def start_peer(self) -> None:
+        sdists = sorted(glob.glob(os.path.join(REPO, ".whl", "grouped_gemm-*.tar.gz")))
+        if os.path.isdir(os.path.join(PEER_DIR, "grouped_gemm")):
+            self.say("== peer: grouped_gemm already built in " + PEER_DIR)
+            return
+        if not sdists or self.args.dry:
+            self.say("== peer: no .whl/grouped_gemm-*.tar.gz (or dry run): MegaBlocks peer absent")
+            self.suite_row("peer", "skipped", 0.0, "no grouped_gemm sdist carried")
+            return
+        env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0", GROUPED_GEMM_CUTLASS="1",
+                   MAX_JOBS=str(os.cpu_count() or 8))  # fmt: skip
+        cmd = [PY, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+               "--no-cache-dir", "--target", PEER_DIR, sdists[-1]]  # fmt: skip
+        self.say(f"== peer: building {os.path.basename(sdists[-1])} in the background "
+                 f"(budget {PEER_BUDGET} s): {' '.join(cmd)}")  # fmt: skip
+        log = open(os.path.join(self.log_dir, "peer.log"), "w")
+        self.peer = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)  # fmt: skip
+        self.peer_started = time.monotonic()
+        self.peer_deadline = self.peer_started + min(PEER_BUDGET, self.remaining() - RESERVE_S)
+
+    def wait_peer(self) -> None:
+        if self.peer is None:
+            return
+        try:
+            self.peer.wait(timeout=max(self.peer_deadline - time.monotonic(), 1))
+            status = "ok" if self.peer.returncode == 0 else f"fail (rc {self.peer.returncode})"
+        except subprocess.TimeoutExpired:
+            _kill_group(self.peer)
+            status = "timeout"
+        built = os.path.isdir(os.path.join(PEER_DIR, "grouped_gemm"))
+        if status == "ok" and not built:
+            status = "fail (nothing installed)"
+        seconds = time.monotonic() - self.peer_started
+        self.say(f"== peer: {status} in {seconds:.0f} s (log: logs/peer.log)")
+        self.suite_row("peer", status.split(" ")[0], seconds, "grouped_gemm build")
+        self.peer = None
+
+    def run(self, names: list[str]) -> int:
+        self.say(f"== gpu_suite: parts {','.join(names)}, budget {self.args.budget:.0f} s, "
+                 f"{'DRY RUN on CPU' if self.args.dry else 'GPU'}")  # fmt: skip
+        if "peer" in names:
+            self.start_peer()
+        for name in names:
+            if name != "peer":
+                self.run_part(PARTS[name])
+        self.wait_peer()
+        self.flush_outputs()
+        self.say("\n== summary (" + os.path.join(self.out, "summary.txt") + ")")
+        with open(os.path.join(self.out, "summary.txt")) as f:
+            self.say(f.read())
+        parts = [r for r in self.rows if r["benchmark"] == "suite" and r["op"] == "status"]
+        return 0 if all(r["status"] in ("ok", "skipped") for r in parts) else 1
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+_PYTEST_LINE = re.compile(r"^(\S+::\S+(?:\[.*?\])?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+
+
+def pytest_rows(log_path: str, meta: dict) -> list[dict]:
+    """Rows from `pytest -v` output (what ran before a timeout counts too): per invocation
+    the passed / failed / skipped / error counts, and one row per failing test."""
+    rows: list[dict] = []
+    if not os.path.exists(log_path):
+        return rows
+    blocks: list[tuple[str, list[tuple[str, str]]]] = []
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            if line.startswith("$ ") and " pytest " in line:
+                words = line.split()
+                words = words[words.index("pytest") + 1 :]
+                kept = [w for w in words if w not in ("-v", "-p", "no:cacheprovider")
+                        and not w.startswith("--timeout")]  # fmt: skip
+                blocks.append(("pytest " + " ".join(kept), []))
+                continue
+            m = _PYTEST_LINE.match(line)
+            if m and blocks:
+                blocks[-1][1].append((m.group(1), m.group(2)))
+    for target, results in blocks:
+        counts = {k: 0 for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+        for _, outcome in results:
+            key = {"XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(outcome, outcome)
+            counts[key] += 1
+        failed = counts["FAILED"] + counts["ERROR"]
+        case = target
+        for op, n in counts.items():
+            rows.append(_row(meta, "correctness", case, op.lower(), n, "tests",
+                             "fail" if failed else "ok"))  # fmt: skip
+        for nodeid, outcome in results:
+            if outcome in ("FAILED", "ERROR"):
+                rows.append(_row(meta, "correctness", nodeid, outcome.lower(), 1, "test", "fail"))
+    return rows
+
+
+def _row(meta: dict, bench: str, case: str, op: str, value: float, unit: str,
+         status: str) -> dict:  # fmt: skip
+    row = {k: "" for k in bc.CSV_FIELDS}
+    row.update(meta)
+    row.update(benchmark=bench, case=case, routing="-", dtype="-", op=op, impl="pytest",
+               value=str(value), unit=unit, status=status)  # fmt: skip
+    return row
+
+
+def headlines(rows: list[dict]) -> list[str]:
+    """The figures a reader wants first: correctness, and each benchmark's key ratios."""
+    out = []
+    for r in rows:
+        b, op, impl = r["benchmark"], r["op"], r["impl"]
+        if b == "correctness" and impl == "pytest" and op in ("passed", "failed", "error"):
+            out.append(f"{b:12s} {r['case']}: {op} {r['value']}")
+        elif b == "kernel_paths" and op == "max_abs_loss_diff":
+            out.append(f"{b:12s} {r['case']}: max |dloss| {r['value']} {r['unit']} "
+                       f"[{r['status']}]")  # fmt: skip
+        elif b in ("grouped_gemm", "router", "permute") and impl == "triton" and r["ratio_peer"]:
+            if op in ("fwd", "wgrad", "dgrad", "fwd+bwd", "permute_fwd", "unpermute_fwd"):
+                out.append(f"{b:12s} {r['case']} {r['routing']} {op}: {r['tflops'] or r['gbs']}"
+                           f" ({r['ratio_ceiling']} of ceiling, {r['ratio_peer']}x "
+                           f"{r['peer']}) [{r['status']}]")  # fmt: skip
+        elif b == "moe_layer" and op in ("layer/gemms", "host_syncs"):
+            out.append(f"{b:12s} {r['case']} {impl} {op}: {r['value']}")
+        elif b == "e2e" and op in ("mfu", "tokens_per_s", "mem_ratio"):
+            out.append(f"{b:12s} {r['case']} {impl} {op}: {r['value']} [{r['status']}]")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="folder for results.csv, logs.tar.gz, ...")
+    parser.add_argument("--work", default=None, help="scratch folder (logs before packing)")
+    parser.add_argument("--parts", default=",".join(PARTS) + ",peer",
+                        help=f"comma-separated, of {', '.join(PARTS)}, peer")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for all parts")
+    parser.add_argument("--budget-scale", type=float, default=1.0,
+                        help="multiply every part's own budget")  # fmt: skip
+    parser.add_argument("--dry", action="store_true", help="CPU dry run (tiny shapes)")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.parts.split(",") if n.strip()]
+    unknown = [n for n in names if n not in PARTS and n != "peer"]
+    if unknown:
+        parser.error(f"unknown parts {unknown}; allowed: {', '.join(PARTS)}, peer")
+    if args.work is None:
+        import tempfile
+
+        args.work = tempfile.mkdtemp(prefix="moetrain_suite.")
+    return Suite(args).run(names)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
