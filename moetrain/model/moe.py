@@ -23,6 +23,7 @@ from moetrain.config import MoEConfig
 from moetrain.kernels import RouteResult, resolve_backend, route
 from moetrain.model.dispatch import Dispatcher, DispatchPlan, LocalDispatcher, plan_dispatch
 from moetrain.model.experts import FeedForward, GroupedExperts
+from moetrain.model.jitter import jitter_factors
 from moetrain.model.losses import (
     AuxLossInjector,
     balance_probs,
@@ -92,10 +93,22 @@ class Router(nn.Module):
         # Eval-only routing change for offline ablation; always None in training.
         self.routing_override: RoutingOverride | None = None
 
-    def forward(self, x_TD: torch.Tensor, backend: str) -> RouteResult:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        backend: str,
+        jitter_at: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None,
+    ) -> RouteResult:
+        """``jitter_at``: (key, seq_T, pos_T) of ``jitter_factors`` -- where these tokens are
+        in the run, so that the jitter does not depend on the layout. None: key (0, 0, 0) and
+        the local row as the sequence index (a router used on its own)."""
         if self.training and self.cfg.jitter_eps > 0:
-            eps = self.cfg.jitter_eps
-            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - eps, 1.0 + eps)
+            if jitter_at is None:
+                rows_T = torch.arange(x_TD.shape[0], device=x_TD.device)
+                jitter_at = ((0, 0, 0), rows_T, torch.zeros_like(rows_T))
+            key, seq_T, pos_T = jitter_at
+            factors_TD = jitter_factors(self.cfg.jitter_eps, key, seq_T, pos_T, x_TD.shape[1])
+            x_TD = x_TD * factors_TD.to(x_TD.dtype)
         # The gate runs in fp32 even under bf16 autocast: routing decisions are sensitive
         # to small logit differences.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
@@ -118,9 +131,10 @@ class Router(nn.Module):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, dim: int, cfg: MoEConfig):
+    def __init__(self, dim: int, cfg: MoEConfig, layer_id: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.layer_id = layer_id
         self.num_experts = cfg.num_experts
         self.router = Router(dim, cfg)
         self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_dim, cfg.top_k)
@@ -135,6 +149,14 @@ class MoELayer(nn.Module):
         # The seam for expert parallelism: moetrain.parallel swaps in an all-to-all dispatcher.
         self.dispatcher: Dispatcher = LocalDispatcher()
         self.aux_loss_scale = 1.0
+        # Where this step's tokens are in the run, for layout-independent router jitter
+        # (``set_jitter_key``): (seed, optimizer step) and the global index of this rank's
+        # first sequence of the step.
+        self.jitter_seed, self.jitter_step, self.jitter_seq_offset = 0, 0, 0
+        # Sequences this layer saw in training forwards of the current step: the next
+        # micro-batch's offset (a stat_ buffer, so activation checkpointing's recompute
+        # restores it and draws the same jitter).
+        self.register_buffer("stat_rows", torch.zeros((), dtype=torch.int64), persistent=False)
         # Statistics since the last pop_stats(), training forwards only.
         E = cfg.num_experts
         self.register_buffer("stat_tokens_per_expert", torch.zeros(E), persistent=False)
@@ -142,6 +164,20 @@ class MoELayer(nn.Module):
         # calls, assignments, dropped
         self.register_buffer("stat_counts", torch.zeros(3), persistent=False)
         self.register_buffer("stat_score_hist", torch.zeros(SCORE_HIST_BINS), persistent=False)
+
+    def set_jitter_key(self, seed: int, step: int, seq_offset: int) -> None:
+        """Before a step's forwards: the run's seed, the optimizer step, and the global index
+        (in the step's global batch) of this rank's first sequence."""
+        self.jitter_seed, self.jitter_step, self.jitter_seq_offset = seed, step, seq_offset
+        self.stat_rows.zero_()
+
+    def _jitter_at(self, B: int, S: int, device: torch.device):
+        if not (self.training and self.cfg.jitter_eps > 0):
+            return None
+        first = self.jitter_seq_offset + self.stat_rows.to(device)
+        seq_T = (first + torch.arange(B, device=device)).repeat_interleave(S)
+        pos_T = torch.arange(S, device=device).repeat(B)
+        return (self.jitter_seed, self.jitter_step, self.layer_id), seq_T, pos_T
 
     def token_groups(self, batch: int) -> int:
         n = self.cfg.token_group_seqs
@@ -156,7 +192,7 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         backend = resolve_backend(self.cfg.kernels, x_TD.device)
 
-        r = self.router(x_TD, backend)
+        r = self.router(x_TD, backend, self._jitter_at(B, S, x_TD.device))
         plan = plan_dispatch(r.ids_TK, r.scores_TE.gather(1, r.ids_TK), self.num_experts,
                              self.token_groups(B), self.cfg.capacity_factor,
                              self.cfg.drop_policy, self.cfg.pad_to_capacity)
@@ -199,6 +235,7 @@ class MoELayer(nn.Module):
             y_TD = AuxLossInjector.apply(y_TD, total, self.aux_loss_scale)
         if self.training:
             with torch.no_grad():
+                self.stat_rows += batch
                 self.stat_sums += torch.stack(stats)
                 self.stat_tokens_per_expert += plan.tokens_per_expert_E.float()
                 self.stat_counts += torch.stack([
@@ -227,6 +264,7 @@ class MoELayer(nn.Module):
                                         device=self.stat_sums.device)
         out["score_hist"] = self.stat_score_hist.clone()
         self.stat_score_hist.zero_()
+        self.stat_rows.zero_()
         self.stat_sums.zero_()
         self.stat_tokens_per_expert.zero_()
         self.stat_counts.zero_()

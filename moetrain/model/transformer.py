@@ -46,7 +46,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe_enabled = is_moe_layer(layer_id, moe_cfg)
         self.ffn: nn.Module = (
-            MoELayer(cfg.dim, moe_cfg) if self.moe_enabled else FeedForward(cfg.dim, cfg.ffn_dim)
+            MoELayer(cfg.dim, moe_cfg, layer_id)
+            if self.moe_enabled
+            else FeedForward(cfg.dim, cfg.ffn_dim)
         )
 
     def forward(

@@ -12,20 +12,35 @@ afterwards (the injected aux-loss gradient is recomputed like any other activati
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Literal
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from moetrain.model.moe import MoELayer
 
 
+def _moe_layers(module: nn.Module) -> list[MoELayer]:
+    return [m for m in module.modules() if isinstance(m, MoELayer)]
+
+
 @contextmanager
-def _keep_moe_stats(module: nn.Module):
+def _note_rows(module: nn.Module, rows: list[torch.Tensor]):
+    """Around the original forward: remember each MoE layer's sequence counter as it was
+    (router jitter is keyed by it, ``MoELayer.set_jitter_key``)."""
+    rows[:] = [m.stat_rows.clone() for m in _moe_layers(module)]
+    yield
+
+
+@contextmanager
+def _keep_moe_stats(module: nn.Module, rows: list[torch.Tensor]):
     """Recomputing a block in backward must not count its MoE statistics twice: snapshot
-    every ``stat_*`` buffer (and the dispatcher's byte counter) and restore them after."""
-    layers = [m for m in module.modules() if isinstance(m, MoELayer)]
+    every ``stat_*`` buffer (and the dispatcher's byte counter) and restore them after. The
+    recompute itself starts from the sequence counter of the original forward, so that it
+    draws the same router jitter and routes exactly as the forward did."""
+    layers = _moe_layers(module)
     saved = [
         (
             {n: b.clone() for n, b in m.named_buffers(recurse=False) if n.startswith("stat_")},
@@ -33,6 +48,8 @@ def _keep_moe_stats(module: nn.Module):
         )
         for m in layers
     ]
+    for m, before in zip(layers, rows, strict=True):
+        m.stat_rows.copy_(before)
     try:
         yield
     finally:
@@ -44,11 +61,11 @@ def _keep_moe_stats(module: nn.Module):
 
 
 def _wrap(module: nn.Module) -> nn.Module:
-    return checkpoint_wrapper(
-        module,
-        preserve_rng_state=True,
-        context_fn=lambda: (nullcontext(), _keep_moe_stats(module)),
-    )
+    def contexts():
+        rows: list[torch.Tensor] = []
+        return _note_rows(module, rows), _keep_moe_stats(module, rows)
+
+    return checkpoint_wrapper(module, preserve_rng_state=True, context_fn=contexts)
 
 
 def apply_ac(model: nn.Module, mode: Literal["none", "selective", "full"]) -> None:

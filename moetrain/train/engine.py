@@ -242,6 +242,7 @@ class Engine:
         """Forward and backward of this rank's micro-batches; the step's mean loss over the
         global batch (the same value on every rank)."""
         self.train(True)
+        self._set_jitter_keys()
         if self.schedule is not None:
             total = self._pipeline_step(micro_batches, train=True)
         else:
@@ -259,6 +260,17 @@ class Engine:
         if self.probe is not None:
             self.probe("backward")
         return self._mean_over_dp(total)
+
+    def _set_jitter_keys(self) -> None:
+        """Tell every MoE layer where this step's tokens are in the run (router jitter is a
+        hash of it, ``moetrain.model.jitter``): the optimizer step (the scheduler's count,
+        restored on resume) and the global index of this rank's first sequence."""
+        c = self.coords
+        dp_rank = c["dp_replicate"] * self.dims.dp_shard + c["dp_shard"]
+        offset = dp_rank * (self.cfg.train.global_batch_size // self.dims.dp)
+        step = self.schedulers[0].last_epoch
+        for layer in self.moe.values():
+            layer.set_jitter_key(self.cfg.train.seed, step, offset)
 
     def _pipeline_step(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
         inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)

@@ -200,7 +200,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", tcfg.keep_last)
         self.fingerprint = model_fingerprint(cfg, vocab)
         self.step = 0
-        torch.manual_seed(tcfg.seed)  # router jitter draws from the global generator
+        torch.manual_seed(tcfg.seed)  # whatever draws from the global generator starts here
 
         # Dashboard cadence, dead-expert/imbalance warnings. TensorBoard is opened by fit once
         # the start is accepted (``_open_run_dir``): a refused start writes no event file.

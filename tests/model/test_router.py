@@ -189,3 +189,53 @@ def test_gate_runs_in_fp32_for_bf16_input(autocast, assert_close):
         dtype=torch.float32,
         what="logsumexp under bf16 autocast",
     )
+
+
+def test_jitter_is_a_function_of_where_the_token_is_not_of_the_layout():
+    """The jitter a token's router input gets depends on (seed, step, layer, global sequence,
+    position, feature) only: a batch routed whole or as two micro-batches, or a rank holding
+    the second half of the global batch, draws the same factors; another step or layer draws
+    others. Across a large draw the factors are uniform on [1 - eps, 1 + eps)."""
+    from moetrain.model.jitter import jitter_factors
+
+    eps, S, D = 0.1, 8, 16
+    seq_T = torch.arange(6).repeat_interleave(S)
+    pos_T = torch.arange(S).repeat(6)
+    whole = jitter_factors(eps, (3, 5, 1), seq_T, pos_T, D)
+    halves = torch.cat(
+        [
+            jitter_factors(eps, (3, 5, 1), seq_T[i : i + 3 * S], pos_T[i : i + 3 * S], D)
+            for i in (0, 3 * S)
+        ]
+    )
+    assert torch.equal(whole, halves)
+    for key in ((3, 6, 1), (3, 5, 2), (4, 5, 1)):
+        other = jitter_factors(eps, key, seq_T, pos_T, D)
+        assert (other != whole).float().mean() > 0.99, key
+    big = jitter_factors(
+        eps, (0, 0, 0), torch.arange(4096).repeat_interleave(64), torch.arange(64).repeat(4096), 64
+    ).flatten()
+    assert 1 - eps <= big.min() and big.max() < 1 + eps
+    u = ((big - (1 - eps)) / (2 * eps)).sort().values.double()
+    n = u.numel()
+    ks = (u - torch.arange(n, dtype=torch.float64) / n).abs().max().item()
+    assert ks < 1.63 / n**0.5, f"Kolmogorov-Smirnov statistic {ks:.2e} (1% level)"
+
+
+def test_jitter_keys_follow_the_layers_sequence_counter():
+    """MoELayer keys the jitter by its step key and the sequences it saw this step: two
+    micro-batches of 2 get the factors of one micro-batch of 4."""
+    D, S = 8, 4
+    cfg = MoEConfig(num_experts=4, top_k=2, jitter_eps=0.3, expert_ffn_dim=8, kernels="torch")
+    layer = MoELayer(D, cfg, layer_id=3).train()
+    layer.set_jitter_key(seed=7, step=2, seq_offset=10)
+    _, seq_a, pos_a = layer._jitter_at(2, S, torch.device("cpu"))
+    layer.stat_rows += 2  # what a training forward of 2 sequences leaves behind
+    _, seq_b, _ = layer._jitter_at(2, S, torch.device("cpu"))
+    layer.set_jitter_key(seed=7, step=2, seq_offset=10)
+    key, seq_all, pos_all = layer._jitter_at(4, S, torch.device("cpu"))
+    assert key == (7, 2, 3)
+    assert torch.equal(torch.cat([seq_a, seq_b]), seq_all)
+    assert torch.equal(seq_all, torch.arange(10, 14).repeat_interleave(S))
+    assert torch.equal(pos_a, torch.arange(S).repeat(2))
+    assert layer.eval()._jitter_at(4, S, torch.device("cpu")) is None
