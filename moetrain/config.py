@@ -591,10 +591,13 @@ class ParallelConfig:
     another rank; one host sync per layer for the split sizes unless moe.pad_to_capacity) or
     all_gather (every rank gathers the EP group's tokens, static shapes, no host sync; ep x
     the MoE input memory: for ep = 2 or tiny batches)."""
-    expert_tp: bool = False
-    """With tp > 1 and ep > 1: split every local expert's FFN width over the tensor-parallel
-    ranks (expert tensor parallelism, one all-reduce of the expert output per layer) instead
-    of replicating the experts on each tp rank. moe.expert_ffn_dim must divide by tp."""
+    expert_tp: bool = True
+    """With tp > 1 (any ep): split every expert's FFN width, routed and shared, over the
+    tensor-parallel ranks (expert tensor parallelism, Megatron-Core's default), so that each
+    expert row is computed once per tp group; the partial outputs are summed once per layer.
+    false: every tp rank holds whole experts and computes all of them on all of its tokens
+    (tp x the expert FLOPs, no expert communication). No effect with tp = 1.
+    moe.expert_ffn_dim (and the shared experts' width) must divide by tp."""
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages", "ep", "pp_microbatches"):
@@ -611,9 +614,6 @@ class ParallelConfig:
         if self.ep_dispatcher not in ("all_to_all", "all_gather"):
             _fail("parallel.ep_dispatcher", "expected all_to_all or all_gather, got "
                   f"{self.ep_dispatcher!r}")
-        if self.expert_tp and (self.ep == 1 or self.tp == 1):
-            _fail("parallel.expert_tp", f"needs parallel.ep > 1 and parallel.tp > 1, got "
-                  f"ep={self.ep}, tp={self.tp}")
         if self.pp_virtual_stages > 1 and self.pp_schedule in ("gpipe", "1f1b"):
             _fail("parallel.pp_virtual_stages", f"{self.pp_virtual_stages} needs an interleaved "
                   f"schedule; parallel.pp_schedule={self.pp_schedule!r} runs one stage per rank")

@@ -313,11 +313,14 @@ def _watch_fsdp(engine: Any) -> dict[str, bool]:
     return seen
 
 
-def _group_dims(meshes: Any) -> dict[str, str]:
-    """Process-group name -> the parallel axis it belongs to (groups of size > 1). The
-    data-parallel groups (dp, dp_shard, dp_replicate, and ep / edp, which are carved out of
-    dp and may share a group with them) all read "dp"."""
-    out: dict[str, str] = {}
+def _group_dims(meshes: Any) -> dict[frozenset[int], str]:
+    """The ranks of each process group -> the parallel axis it belongs to (groups of size
+    > 1). The data-parallel groups (dp, dp_shard, dp_replicate, and ep / edp, which are
+    carved out of dp) all read "dp". Keyed by ranks, not group names: DTensor's sharding
+    cache may hand a new model a mesh equal to an older one (same ranks, older groups)."""
+    import torch.distributed as dist
+
+    out: dict[frozenset[int], str] = {}
     if meshes is None:
         return out
     for dim, axis in (
@@ -331,8 +334,20 @@ def _group_dims(meshes: Any) -> dict[str, str]:
     ):
         mesh = getattr(meshes, dim, None)
         if mesh is not None and mesh.size() > 1:
-            out.setdefault(mesh.get_group().group_name, axis)
+            ranks = frozenset(dist.get_process_group_ranks(mesh.get_group()))
+            out.setdefault(ranks, axis)
     return out
+
+
+def _group_ranks(name: str) -> frozenset[int]:
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    try:
+        group = _resolve_process_group(name)
+    except Exception:  # noqa: BLE001 - "default" or a group already destroyed
+        return frozenset(range(dist.get_world_size()))
+    return frozenset(dist.get_process_group_ranks(group))
 
 
 def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
@@ -352,7 +367,7 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
     kinds: dict[str, set[str]] = {}
     for r in records:
         if r.sent > 0:
-            kinds.setdefault(by_group.get(r.group, "other"), set()).add(r.kind)
+            kinds.setdefault(by_group.get(_group_ranks(r.group), "other"), set()).add(r.kind)
     # The first attention projection (column-parallel under tp), wrapper prefixes and all.
     wq = next(p for n, p in eng.parts[0].named_parameters() if ".attention." in n and p.ndim == 2)
     tp_placement = None
@@ -372,11 +387,31 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
         "fsdp_units": sum(isinstance(m, FSDPModule) for p in eng.parts for m in p.modules()),
         "zero1_sharded": bool(eng.grad_sync is not None and eng.grad_sync.shards),
         "checkpointed": dict(wrapped),
-        "experts": tuple(moe[0].experts.w1.shape[::2]) if moe else None,
-        "dispatcher": type(moe[0].dispatcher).__name__ if moe else None,
+        "experts": _experts_per_rank(moe[0].experts.w1) if moe else None,
+        "dispatcher": _dispatcher_name(moe[0].dispatcher) if moe else None,
         "traffic_axes": sorted(k for k in kinds if k != "other"),
         "sequence_parallel_traffic": "reduce_scatter" in kinds.get("tp", ()),
     }
+
+
+def _dispatcher_name(d: Any) -> str:
+    inner = getattr(d, "inner", None)
+    return type(d).__name__ + (f"({_dispatcher_name(inner)})" if inner is not None else "")
+
+
+def _experts_per_rank(w1: Any) -> tuple[int, int]:
+    """(experts, FFN width) of one expert weight that this rank computes with: a slice of E
+    under expert parallelism, of F under expert tensor parallelism (a DTensor over tp, or a
+    plain slice under ep > 1). FSDP's sharding of dim 0 over dp is storage, not compute."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    experts, _, ffn = w1.shape
+    if isinstance(w1, DTensor):
+        names = w1.device_mesh.mesh_dim_names or ()
+        for name, placement, size in zip(names, w1.placements, w1.device_mesh.shape, strict=True):
+            if name == "tp" and isinstance(placement, Shard) and placement.dim == 2:
+                ffn //= size
+    return (experts, ffn)
 
 
 def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[str, Any]:
@@ -402,7 +437,7 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     ep_split = dims.ep > 1 and cfg.moe.num_experts > 0
     experts = None
     if moe_layers:
-        f = cfg.moe.expert_ffn_dim // (dims.tp if p.expert_tp else 1)
+        f = cfg.moe.expert_ffn_dim // (dims.tp if p.expert_tp else 1)  # 1 when tp = 1
         experts = (cfg.moe.num_experts // dims.ep, f)
     dispatcher = None
     if moe_layers:
@@ -413,6 +448,8 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
             if ep_split
             else "LocalDispatcher"
         )
+        if p.expert_tp and dims.tp > 1:
+            dispatcher = f"ExpertTPDispatcher({dispatcher})"
     ac = p.activation_checkpointing
     return {
         "stages": stages,

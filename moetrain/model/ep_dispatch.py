@@ -15,6 +15,10 @@ keeps. That is what lets a single-process run reproduce drops, losses and gradie
     every rank runs its local experts on all the group's tokens; a reduce-scatter returns
     each rank's partial sums. More bytes, no count exchange: for small ``ep``.
 
+``ExpertTPDispatcher`` wraps either (or the local dispatcher) when every expert's FFN width
+    is split over the tensor-parallel ranks: its tokens and combine weights enter, and the
+    combined output leaves, the TP region once per layer.
+
 The process group is handed in by ``moetrain.parallel.expert_parallel.apply_ep``; nothing
 here creates one. Every collective is wrapped in a small autograd Function (the list form
 of ``all_to_all`` fails on gloo with uneven sizes).
@@ -158,27 +162,50 @@ def _inverse(index: torch.Tensor) -> torch.Tensor:
 
 class _CommCounter:
     """Bytes this rank sent to *other* ranks in forward dispatch + combine since the last pop.
-    Host numbers (the split sizes are on the host anyway): no device sync to count them.
+    Host numbers (the split sizes are on the host anyway): no device sync to count them."""
 
-    Also the expert tensor-parallel hooks: with ``etp_group`` every TP rank holds a slice of
-    each local expert's FFN width, so the expert input's gradient and the expert output are
-    summed over the TP ranks."""
-
-    def __init__(self, etp_group=None) -> None:
+    def __init__(self) -> None:
         self.bytes_sent = 0
-        self.etp_group = etp_group
-
-    def _to_experts(self, x_RD: torch.Tensor) -> torch.Tensor:
-        return x_RD if self.etp_group is None else CopyToTPFunction.apply(x_RD, self.etp_group)
-
-    def _from_experts(self, y_RD: torch.Tensor) -> torch.Tensor:
-        if self.etp_group is None:
-            return y_RD
-        return ReduceFromTPFunction.apply(y_RD, self.etp_group)
 
     def pop_comm_bytes(self) -> float:
         out, self.bytes_sent = float(self.bytes_sent), 0
         return out
+
+
+# ----------------------------------------------------------------------------- expert TP
+
+
+class ExpertTPDispatcher:
+    """Expert tensor parallelism around any dispatcher: every rank of ``group`` routes the
+    same tokens and holds a slice of every expert's FFN width, so its expert outputs are
+    partial sums. Megatron's f/g pair at the token level, where it is cheapest:
+
+    - the tokens enter through ``CopyToTPFunction`` (identity; backward all-reduces the
+      input gradient, which each rank has for its slice only): T x D, not the T x K rows;
+    - the combine weights too (their gradient <y_tk, dL/dy_t> is partial: T x K scalars);
+    - the weighted sum leaves through ``ReduceFromTPFunction`` (all-reduce): T x D.
+
+    ``inner`` (``LocalDispatcher`` or an expert-parallel dispatcher over this rank's EP
+    group, of its own TP index) moves the rows as it would without tensor parallelism."""
+
+    def __init__(self, inner, group) -> None:
+        self.inner = inner
+        self.group = group
+
+    def dispatch(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.dispatch(CopyToTPFunction.apply(x_TD, self.group), plan, backend)
+
+    def combine(
+        self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
+    ) -> torch.Tensor:
+        weights_TK = CopyToTPFunction.apply(weights_TK, self.group)
+        y_TD = self.inner.combine(y_ND, plan, weights_TK, backend)
+        return ReduceFromTPFunction.apply(y_TD, self.group)
+
+    def pop_comm_bytes(self) -> float:
+        return self.inner.pop_comm_bytes()
 
 
 # ----------------------------------------------------------------------------- all-to-all
@@ -187,9 +214,9 @@ class _CommCounter:
 class AllToAllDispatcher(_CommCounter):
     """Tokens travel to the rank owning their expert and back with ``all_to_all_single``."""
 
-    def __init__(self, group, num_experts: int, padded: bool = False, etp_group=None):
+    def __init__(self, group, num_experts: int, padded: bool = False):
         """``padded``: the layer plans with ``moe.pad_to_capacity`` (static split sizes)."""
-        super().__init__(etp_group)
+        super().__init__()
         self.padded = padded
         self.group = group
         self.ep = dist.get_world_size(group)
@@ -227,7 +254,7 @@ class AllToAllDispatcher(_CommCounter):
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         self.bytes_sent += (n_kept - send[self.rank]) * row_bytes
         self._ctx = (send, recv, index_R, plan.num_rows, n_kept, row_bytes)
-        return self._to_experts(x_RD), offs_L
+        return x_RD, offs_L
 
     def combine(
         self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
@@ -235,7 +262,6 @@ class AllToAllDispatcher(_CommCounter):
         assert self._ctx is not None, "combine() without a matching dispatch()"
         send, recv, index_R, num_rows, n_kept, row_bytes = self._ctx
         self._ctx = None
-        y_RD = self._from_experts(y_RD)
         y_recv = y_RD.index_select(0, _inverse(index_R))
         y_kept = AllToAllFunction.apply(y_recv, send, recv, self.group)
         self.bytes_sent += (sum(recv) - recv[self.rank]) * y_RD.shape[1] * y_RD.element_size()
@@ -254,8 +280,8 @@ class AllGatherDispatcher(_CommCounter):
     no host synchronisation at all. All ranks must hold the same number of tokens.
     """
 
-    def __init__(self, group, num_experts: int, padded: bool = False, etp_group=None):
-        super().__init__(etp_group)
+    def __init__(self, group, num_experts: int, padded: bool = False):
+        super().__init__()
         self.group = group
         self.padded = padded
         self.ep = dist.get_world_size(group)
@@ -292,14 +318,13 @@ class AllGatherDispatcher(_CommCounter):
         offs_L = torch.cumsum(counts_PL.sum(0), 0).to(torch.int32)
         self.bytes_sent += (P - 1) * T * x_TD.shape[1] * x_TD.element_size()
         self._ctx = local_dest
-        return self._to_experts(x_RD), offs_L
+        return x_RD, offs_L
 
     def combine(
         self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
     ) -> torch.Tensor:
         assert self._ctx is not None, "combine() without a matching dispatch()"
         local_dest, self._ctx = self._ctx, None
-        y_RD = self._from_experts(y_RD)
         weights_all = AllGatherFunction.apply(weights_TK, self.group)
         partial = unpermute(y_RD, local_dest, weights_all, backend=backend)  # (P*T, D)
         out = ReduceScatterFunction.apply(partial, self.group)

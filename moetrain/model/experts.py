@@ -10,8 +10,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetrain.kernels import grouped_mm
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 class GroupedExperts(nn.Module):
@@ -28,8 +33,12 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
 
     def forward(self, x_ND: torch.Tensor, offs_E: torch.Tensor, backend: str) -> torch.Tensor:
-        """offs_E: int32 cumulative end row of each expert; rows past offs_E[-1] give zeros."""
-        w1, w3, w2 = (w.to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
+        """offs_E: int32 cumulative end row of each expert; rows past offs_E[-1] give zeros.
+
+        Under expert tensor parallelism the weights are DTensors sharded over the FFN width
+        (``moetrain.parallel.tensor_parallel``): this rank computes with its slice, and the
+        dispatcher sums the partial outputs (``ExpertTPDispatcher``)."""
+        w1, w3, w2 = (_local(w).to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
         h_NF = F.silu(grouped_mm(x_ND, w1, offs_E, backend=backend)) * grouped_mm(
             x_ND, w3, offs_E, backend=backend
         )

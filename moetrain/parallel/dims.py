@@ -203,22 +203,31 @@ class ParallelDims:
                 f"{mbs} sequences (train.global_batch_size={t.global_batch_size} / (dp={self.dp}"
                 f" * micro-batches={n_mb})); token groups must not change with the layout"
             )
+        moe = cfg.moe
+        if p.expert_tp and tp > 1 and moe.num_experts:
+            if moe.expert_ffn_dim % tp:
+                raise ConfigError(
+                    f"moe.expert_ffn_dim: {moe.expert_ffn_dim} is not divisible by "
+                    f"parallel.tp={tp} (parallel.expert_tp splits every expert's FFN width; "
+                    "parallel.expert_tp=false keeps the experts whole on every tp rank)"
+                )
+            shared = moe.shared_expert_ffn_dim or moe.num_shared_experts * moe.expert_ffn_dim
+            if moe.num_shared_experts and shared % tp:
+                raise ConfigError(
+                    f"moe.shared_expert_ffn_dim: the shared experts' width {shared} is not "
+                    f"divisible by parallel.tp={tp} (parallel.expert_tp splits it)"
+                )
         if self.ep > 1:
             from moetrain.parallel.expert_parallel import check_ep_layout
 
             check_ep_layout(cfg.moe.num_experts, self.ep, self.dp)
-            if p.expert_tp and self.pp > 1:
+            if p.expert_tp and tp > 1 and self.pp > 1:
                 # Seen on CPU/gloo: the pipeline's start-up step intermittently deadlocks with
                 # the expert-TP all-reduce (ranks of one TP group in different collectives).
                 # Refused until it is understood; ep x tp x pp without expert_tp is tested.
                 raise ConfigError(
                     f"parallel.expert_tp: not supported with parallel.pp={self.pp} yet; "
                     "set parallel.expert_tp=false (experts replicated over tp)"
-                )
-            if p.expert_tp and tp > 1 and cfg.moe.expert_ffn_dim % tp:
-                raise ConfigError(
-                    f"moe.expert_ffn_dim: {cfg.moe.expert_ffn_dim} is not divisible by "
-                    f"parallel.tp={tp} (parallel.expert_tp splits it)"
                 )
         return self
 

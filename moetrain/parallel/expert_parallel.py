@@ -28,7 +28,11 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.config import ConfigError
-from moetrain.model.ep_dispatch import AllGatherDispatcher, AllToAllDispatcher
+from moetrain.model.ep_dispatch import (
+    AllGatherDispatcher,
+    AllToAllDispatcher,
+    ExpertTPDispatcher,
+)
 from moetrain.model.moe import MoELayer
 
 DISPATCHERS = ("all_to_all", "all_gather")
@@ -158,7 +162,9 @@ def apply_ep(
             setattr(experts, name, local)
         experts.num_experts = L
         cls = AllToAllDispatcher if dispatcher == "all_to_all" else AllGatherDispatcher
-        layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity, etp_group=etp_group)
+        layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
+        if etp_group is not None:
+            layer.dispatcher = ExpertTPDispatcher(layer.dispatcher, etp_group)
         for p in experts.parameters():
             p._moetrain_expert = True  # type: ignore[attr-defined]
             params.append(p)

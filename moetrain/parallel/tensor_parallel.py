@@ -11,12 +11,15 @@ norms and the residual stream hold 1/tp of the sequence and every projection inp
 all-gathered first (``PrepareModuleInput(Shard(1) -> Replicate())``), every row-wise output
 reduce-scattered back (``RowwiseParallel(output_layouts=Shard(1))``).
 
-MoE layers stay whole on every tensor-parallel rank: router, routed and shared experts are
-replicated (plain tensors), the layer input is gathered to the full sequence and every rank
-routes the same tokens identically; the output is cut back to this rank's sequence shard
-(no communication). Their gradients are therefore identical on every tp rank and must not
-be reduced over tp, and their statistics are counted once (the engine reduces over dp and
-pp only). Splitting experts over tp is left to the expert-parallel work.
+MoE layers: the layer input is gathered to the full sequence and every tp rank routes the
+same tokens identically (the router is replicated; its gradient comes out whole and equal on
+every rank, and the statistics are counted once: the engine reduces them over dp and pp
+only); the output is cut back to this rank's sequence shard. With ``parallel.expert_tp``
+(the default) each rank computes 1/tp of every expert: routed experts' FFN width split over
+tp (``_shard_experts``; under expert parallelism ``apply_ep`` slices them), partial outputs
+summed once per layer (``ExpertTPDispatcher``), shared experts column/row-wise like the
+dense FFN. ``parallel.expert_tp=false`` keeps the experts whole on every rank: tp x the
+expert FLOPs, no expert communication.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 
 from moetrain.config import ParallelConfig
 from moetrain.model.attention import Attention, LatentAttention
+from moetrain.model.ep_dispatch import ExpertTPDispatcher
 from moetrain.model.moe import MoELayer
 
 
@@ -86,7 +90,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
                     desired_input_layouts=(Replicate(),),
                     use_local_output=True,
                 )
+            if cfg.expert_tp:
+                plan.update(_shared_experts_plan(block.ffn))
             parallelize_module(block, tp_mesh, plan)
+            if cfg.expert_tp and cfg.ep == 1:
+                _shard_experts(block.ffn, tp_mesh)
             if sp:
                 # The replicated output, cut back to this rank's sequence shard.
                 parallelize_module(
@@ -110,6 +118,40 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
             }
         )
         parallelize_module(block, tp_mesh, plan)
+
+
+def _shared_experts_plan(moe: MoELayer) -> dict[str, object]:
+    """The shared experts (a dense SwiGLU inside the MoE layer, whose input every tp rank
+    holds whole): w1/w3 column-wise, w2 row-wise, like the dense FFN."""
+    if moe.shared_experts is None:
+        return {}
+    return {
+        # One replicated DTensor for w1 and w3: their input gradients add up as one
+        # partial sum, all-reduced once.
+        "ffn.shared_experts": PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+        ),
+        "ffn.shared_experts.w1": ColwiseParallel(),
+        "ffn.shared_experts.w3": ColwiseParallel(),
+        "ffn.shared_experts.w2": RowwiseParallel(output_layouts=Replicate()),
+    }
+
+
+def _shard_experts(moe: MoELayer, tp_mesh: DeviceMesh) -> None:
+    """Expert tensor parallelism without expert parallelism: every routed expert's FFN
+    width split over tp (w1/w3 along F = dim 2, w2 along F = dim 1, as DTensors, so FSDP,
+    ZeRO-1, the gradient norm and checkpoints treat them like any tensor-parallel weight),
+    and the dispatcher wrapped to sum the partial outputs (``ExpertTPDispatcher``). Every
+    rank still routes every token (the router is replicated); each computes 1/tp of the
+    expert FLOPs."""
+    from torch.distributed.tensor import distribute_tensor
+
+    experts = moe.experts
+    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        w = getattr(experts, name)
+        sharded = distribute_tensor(w.detach(), tp_mesh, [Shard(dim)])
+        setattr(experts, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
+    moe.dispatcher = ExpertTPDispatcher(moe.dispatcher, tp_mesh.get_group())
 
 
 def _gqa_plan(attn: Attention, act: object) -> dict[str, object]:

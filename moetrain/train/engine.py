@@ -122,7 +122,9 @@ class Engine:
         self.ep_mesh = meshes.ep if meshes is not None else None
         self.edp_mesh = meshes.edp if meshes is not None else None
         self.etp_mesh = (
-            meshes.tp if (meshes is not None and self.expert_params and pcfg.expert_tp) else None
+            meshes.tp
+            if (meshes is not None and self.expert_params and pcfg.expert_tp and dims.tp > 1)
+            else None
         )
         self.params_at_rest = params_before_dp(self.parts)
         # Accounting hook: called with "forward", "backward" and "step" (memory probes).
