@@ -223,6 +223,7 @@ class Results:
         self.benchmark = benchmark
         self.meta = run_meta(benchmark, device)
         self.rows: list[dict] = []
+        self._written = 0
         print(f"# {benchmark} on {self.meta['device']}, torch {self.meta['torch']}, "
               f"triton {self.meta['triton']}, commit {self.meta['commit']}")  # fmt: skip
 
@@ -276,10 +277,14 @@ class Results:
         return speedup
 
     def write(self, path: str, append: bool) -> None:
-        if not append:
+        """Append the rows not written yet. Benchmarks call it after every case, so that a
+        run killed at its time budget keeps what it measured."""
+        rows = self.rows[self._written :]
+        self._written = len(self.rows)
+        if not append or not rows:
             return
-        append_rows(path, self.rows)
-        print(f"appended {len(self.rows)} rows to {path}")
+        append_rows(path, rows)
+        print(f"appended {len(rows)} rows to {path}")
 
 
 def append_rows(path: str, rows: list[dict]) -> None:

@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     case = f"{name}/T{num_tokens}/{proj}"
                     bench_case(res, timer, case, routing_name, rt, k_dim, m_dim, dtype, impls,
                                mb_gmm)  # fmt: skip
+                    res.write(args.csv, append=not args.no_append)
     _print_skew(res)
     res.write(args.csv, append=not args.no_append)
     return res.rows

@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for num_tokens in args.tokens:
             for backend in backends:
                 bench_case(res, timer, args, name, shape, num_tokens, backend, extra.log_dir)
+                res.write(args.csv, append=not args.no_append)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     res.write(args.csv, append=not args.no_append)

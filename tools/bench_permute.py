@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rt = bc.make_routing(num_tokens, num_experts, top_k, routing_name, device)
                 bench_case(res, timer, f"{name}/T{num_tokens}", routing_name, rt, hidden, dtype,
                            impls, ceiling)  # fmt: skip
+                res.write(args.csv, append=not args.no_append)
     res.write(args.csv, append=not args.no_append)
     return res.rows
 

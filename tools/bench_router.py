@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, cfg in routers.items():
         for num_tokens in args.tokens:
             bench_case(res, timer, name, num_tokens, cfg, impls, ceiling)
+            res.write(args.csv, append=not args.no_append)
     res.write(args.csv, append=not args.no_append)
     return res.rows
 
