@@ -36,7 +36,8 @@ CSV_FIELDS = [
 # A row's identity: a row merged again with the same key replaces the older one.
 ROW_KEY = ("timestamp", "device", "benchmark", "case", "routing", "dtype", "op", "impl")
 
-# Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3 per rank (EP=8): (E, H, F, top_k) from ANCHORS.md.
+# Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3 per rank (EP=8): (E, H, F, top_k), the anchor
+# shapes of the targets in docs/benchmarks.md.
 ANCHOR_SHAPES = {
     "mixtral": (8, 4096, 14336, 2),
     "qwen3-30b-a3b": (128, 2048, 768, 8),

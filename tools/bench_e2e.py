@@ -57,7 +57,7 @@ GIB = 2**30
 
 
 def analytic_memory(cfg, n_params: int) -> tuple[float, float]:
-    """(model-state bytes, activation bytes) of the ANCHORS formulas for this config."""
+    """(model-state bytes, activation bytes) of the analytic formulas for this config."""
     s, b, h, a = cfg.data.seq_len, cfg.train.micro_batch_size, cfg.model.dim, cfg.model.n_heads
     activations = cfg.model.n_layers * s * b * h * (34 + 5 * a * s / h)
     return 16.0 * n_params, float(activations)

@@ -1,6 +1,6 @@
 """Grouped GEMM benchmark: Triton vs torch._grouped_mm vs per-expert loop vs dense ceiling.
 
-    python tools/bench_grouped_gemm.py                     # GPU, ANCHORS.md shapes, bf16
+    python tools/bench_grouped_gemm.py                     # GPU, anchor shapes, bf16
     TRITON_INTERPRET=1 python tools/bench_grouped_gemm.py --device cpu --quick --no-append
 
 For each shape (E experts, H model dim, F expert FFN dim, top-k), token count and routing

@@ -3,7 +3,7 @@
     python tools/bench_permute.py                     # GPU, bf16
     TRITON_INTERPRET=1 python tools/bench_permute.py --device cpu --quick --no-append
 
-Token rows of the ANCHORS.md models (H, top-k) are permuted into expert order (uniform
+Token rows of the anchor models (H, top-k) are permuted into expert order (uniform
 and Zipf routing) and combined back with routing weights. GB/s counts the bytes each pass
 must move at least; the ceiling is the copy bandwidth measured in the same run.
 """
