@@ -122,10 +122,7 @@ class Suite:
         self.start = time.monotonic()
         self.rows: list[dict] = []
         self.summary: list[str] = []
-        import torch
-
-        device = torch.device("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
-        self.meta = bc.run_meta("suite", device)
+        self.meta = _suite_meta(args.dry)
         self.peer: subprocess.Popen | None = None
         self.peer_deadline = 0.0
         self.peer_started = 0.0
@@ -321,6 +318,22 @@ class Suite:
             self.say(f.read())
         parts = [r for r in self.rows if r["benchmark"] == "suite" and r["op"] == "status"]
         return 0 if all(r["status"] in ("ok", "skipped") for r in parts) else 1
+
+
+def _suite_meta(dry: bool) -> dict[str, str]:
+    """bench_common.run_meta, read in a child process: naming the GPU creates a CUDA
+    context, which this long-lived driver should not hold while the parts run."""
+    import json
+
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); import bench_common as bc; "
+        "dev = torch.device('cuda' if torch.cuda.is_available() and sys.argv[2] == '0' "
+        "else 'cpu'); print(json.dumps(bc.run_meta('suite', dev)))"
+    )
+    tools = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([PY, "-c", code, tools, "1" if dry else "0"], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
