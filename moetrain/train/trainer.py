@@ -178,6 +178,13 @@ class Trainer:
         self.device = pick_device(tcfg.device)
         self.dtype = pick_dtype(tcfg.dtype, self.device)
         self.out_dir = Path(tcfg.output_dir)
+        # Starting from a Hugging Face checkpoint: its architecture replaces the YAML's first
+        # (the one upward import, moetrain.interop, only when asked for).
+        hf_start = None
+        if cfg.model.init_from is not None or cfg.model.upcycle_from is not None:
+            from moetrain.interop.init import prepare_hf_start
+
+            hf_start = prepare_hf_start(cfg)
         # The layout is checked against the world size before anything else is built.
         dims = ParallelDims.from_config(cfg.parallel, world_size())
 
@@ -219,6 +226,8 @@ class Trainer:
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
         self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype)
         del model
+        if hf_start is not None:  # every rank reads only the slices it holds
+            hf_start.load(self.engine)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", tcfg.keep_last)
         self.fingerprint = model_fingerprint(cfg, vocab)
         self.step = 0
