@@ -67,5 +67,5 @@ def export_family(m: ModelConfig, e: MoEConfig, prefer: str | None = None) -> Fa
             return FAMILIES[t]
         reasons.append(f"{t}: {', '.join(problems)}")
     raise HFCheckpointError(
-        "no transformers family expresses this architecture: " + "; ".join(reasons)
+        "no family expresses this architecture: " + "; ".join(reasons)
     )
