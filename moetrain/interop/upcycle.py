@@ -21,7 +21,7 @@ from __future__ import annotations
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.interop.errors import HFCheckpointError
 from moetrain.interop.families import Family
-from moetrain.interop.sources import ExpertCopies, Generated, Source
+from moetrain.interop.sources import ExpertCopies, Generated, Rows, Source
 from moetrain.model.transformer import is_moe_layer
 
 
@@ -52,7 +52,8 @@ def upcycle_sources(family: Family, m: ModelConfig, e: MoEConfig, seed: int) -> 
         if not is_moe_layer(i, e):
             continue
         q = f"layers.{i}.ffn"
-        gate, up, down = (sources.pop(f"{q}.{w}.weight").key for w in ("w1", "w3", "w2"))  # type: ignore[union-attr]
+        dense = [sources.pop(f"{q}.{w}.weight") for w in ("w1", "w3", "w2")]
+        gate, up, down = (src.key for src in dense if isinstance(src, Rows))
         base = (seed * 1009 + i) * 3
         sources[f"{q}.router.gate.weight"] = Generated((E, D), m.upcycle_router_std, base)
         sources[f"{q}.experts.w1"] = ExpertCopies(gate, (E, D, Fe), g, 0, 1.0, noise, base)
