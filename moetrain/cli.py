@@ -3,6 +3,7 @@
 moetrain [train] --config configs/tiny.yaml key.sub=value ...
 moetrain ablate configs/sweeps/router.yaml [--parallel N] [key.sub=value ...]
 moetrain prepare-data --config configs/tiny.yaml data.dataset=big.jsonl --out data/big
+moetrain import-hf HF_DIR OUT_DIR | export-hf CHECKPOINT_DIR OUT_DIR | generate PATH --prompt TEXT
 python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
 """
 
@@ -76,7 +77,27 @@ def prepare_data_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
+def import_hf_main(argv: list[str] | None = None) -> int:
+    from moetrain.interop.cli import import_hf_main as main
+
+    return main(argv)
+
+
+def export_hf_main(argv: list[str] | None = None) -> int:
+    from moetrain.interop.cli import export_hf_main as main
+
+    return main(argv)
+
+
+def generate_main(argv: list[str] | None = None) -> int:
+    from moetrain.interop.cli import generate_main as main
+
+    return main(argv)
+
+
 COMMANDS = {"train": train_main, "ablate": ablate_main, "prepare-data": prepare_data_main}
+COMMANDS.update({"import-hf": import_hf_main, "export-hf": export_hf_main,
+                 "generate": generate_main})  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

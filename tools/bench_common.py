@@ -36,7 +36,8 @@ CSV_FIELDS = [
 # A row's identity: a row merged again with the same key replaces the older one.
 ROW_KEY = ("timestamp", "device", "benchmark", "case", "routing", "dtype", "op", "impl")
 
-# Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3 per rank (EP=8): (E, H, F, top_k) from ANCHORS.md.
+# Mixtral 8x7B, Qwen3-30B-A3B, DeepSeek-V3 per rank (EP=8): (E, H, F, top_k), the anchor
+# shapes of the targets in docs/benchmarks.md.
 ANCHOR_SHAPES = {
     "mixtral": (8, 4096, 14336, 2),
     "qwen3-30b-a3b": (128, 2048, 768, 8),
@@ -223,6 +224,7 @@ class Results:
         self.benchmark = benchmark
         self.meta = run_meta(benchmark, device)
         self.rows: list[dict] = []
+        self._written = 0
         print(f"# {benchmark} on {self.meta['device']}, torch {self.meta['torch']}, "
               f"triton {self.meta['triton']}, commit {self.meta['commit']}")  # fmt: skip
 
@@ -276,10 +278,14 @@ class Results:
         return speedup
 
     def write(self, path: str, append: bool) -> None:
-        if not append:
+        """Append the rows not written yet. Benchmarks call it after every case, so that a
+        run killed at its time budget keeps what it measured."""
+        rows = self.rows[self._written :]
+        self._written = len(self.rows)
+        if not append or not rows:
             return
-        append_rows(path, self.rows)
-        print(f"appended {len(self.rows)} rows to {path}")
+        append_rows(path, rows)
+        print(f"appended {len(rows)} rows to {path}")
 
 
 def append_rows(path: str, rows: list[dict]) -> None:

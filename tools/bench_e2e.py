@@ -57,7 +57,7 @@ GIB = 2**30
 
 
 def analytic_memory(cfg, n_params: int) -> tuple[float, float]:
-    """(model-state bytes, activation bytes) of the ANCHORS formulas for this config."""
+    """(model-state bytes, activation bytes) of the analytic formulas for this config."""
     s, b, h, a = cfg.data.seq_len, cfg.train.micro_batch_size, cfg.model.dim, cfg.model.n_heads
     activations = cfg.model.n_layers * s * b * h * (34 + 5 * a * s / h)
     return 16.0 * n_params, float(activations)
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     case = f"{name}/b{probe.train.global_batch_size}xs{probe.data.seq_len}"
     res.add(case=case, routing="-", dtype=dtype, op="dense_ceiling", impl="dense",
             tflops=ceiling, ceiling=ceiling)  # fmt: skip
+    res.write(args.csv, append=not args.no_append)
     last_s = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         for kernels, compile_ in variants:
@@ -212,6 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if compile_:
                     torch._dynamo.reset()
             last_s = max(last_s, time.monotonic() - t0)
+            res.write(args.csv, append=not args.no_append)
     res.write(args.csv, append=not args.no_append)
     return res.rows
 

@@ -1,6 +1,6 @@
 """Grouped GEMM benchmark: Triton vs torch._grouped_mm vs per-expert loop vs dense ceiling.
 
-    python tools/bench_grouped_gemm.py                     # GPU, ANCHORS.md shapes, bf16
+    python tools/bench_grouped_gemm.py                     # GPU, anchor shapes, bf16
     TRITON_INTERPRET=1 python tools/bench_grouped_gemm.py --device cpu --quick --no-append
 
 For each shape (E experts, H model dim, F expert FFN dim, top-k), token count and routing
@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     case = f"{name}/T{num_tokens}/{proj}"
                     bench_case(res, timer, case, routing_name, rt, k_dim, m_dim, dtype, impls,
                                mb_gmm)  # fmt: skip
+                    res.write(args.csv, append=not args.no_append)
     _print_skew(res)
     res.write(args.csv, append=not args.no_append)
     return res.rows

@@ -3,7 +3,7 @@
     python tools/bench_moe_layer.py                      # GPU, bf16 autocast, anchor shapes
     TRITON_INTERPRET=1 python tools/bench_moe_layer.py --device cpu --quick --no-append
 
-For each ANCHORS shape (E experts, H model dim, F expert FFN dim, top-k), token count and
+For each anchor shape (E experts, H model dim, F expert FFN dim, top-k), token count and
 kernel backend (triton, torch), a dropless MoE layer (moetrain.model.MoELayer, fp32
 parameters, bf16 autocast on CUDA as in training) runs forward + backward, and so does
 each of its phases on the same tensors:
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for num_tokens in args.tokens:
             for backend in backends:
                 bench_case(res, timer, args, name, shape, num_tokens, backend, extra.log_dir)
+                res.write(args.csv, append=not args.no_append)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
     res.write(args.csv, append=not args.no_append)

@@ -3,7 +3,7 @@
     python tools/bench_permute.py                     # GPU, bf16
     TRITON_INTERPRET=1 python tools/bench_permute.py --device cpu --quick --no-append
 
-Token rows of the ANCHORS.md models (H, top-k) are permuted into expert order (uniform
+Token rows of the anchor models (H, top-k) are permuted into expert order (uniform
 and Zipf routing) and combined back with routing weights. GB/s counts the bytes each pass
 must move at least; the ceiling is the copy bandwidth measured in the same run.
 """
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rt = bc.make_routing(num_tokens, num_experts, top_k, routing_name, device)
                 bench_case(res, timer, f"{name}/T{num_tokens}", routing_name, rt, hidden, dtype,
                            impls, ceiling)  # fmt: skip
+                res.write(args.csv, append=not args.no_append)
     res.write(args.csv, append=not args.no_append)
     return res.rows
 

@@ -64,7 +64,7 @@ python tools/bench_report.py                  # regenerates this page and docs/b
 
 # Smoke test on CPU (tiny shapes; Triton runs under the interpreter; no CSV rows):
 TRITON_INTERPRET=1 python tools/bench_grouped_gemm.py --device cpu --quick --no-append
-DRY=1 OUT=/tmp/suite bash tools/gpu_suite.sh  # every part of the GPU suite, about 2 minutes
+DRY=1 bash tools/gpu_suite.sh   # every part of the GPU suite on CPU, 2-3 minutes
 ```
 """
 
@@ -84,8 +84,8 @@ SUITE_PARTS = [
     ("e2e", "`tools/bench_e2e.py`: configs/gpu_1b.yaml (1.8B total, 0.55B active), "
      "triton/torch x eager/compile, 50 steps each, profiler tables under 45% MFU", 330),
     ("peer", "builds MegaBlocks' `grouped_gemm` from its carried sdist in the background "
-     "(`TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_CUTLASS=1`) into `/tmp/moetrain_peer`; `gemm` "
-     "then adds it as a peer", 300),
+     "(`TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_CUTLASS=1`) into a folder of the machine that "
+     "later parts and calls find; `gemm` then adds it as a peer", 300),
 ]  # fmt: skip
 SUITE_CALLS = [
     ("PARTS=tests,tiny,peer BUDGET=330", "4-6"),
@@ -123,15 +123,16 @@ each with `carry: [".whl"]` and `timeout_s: 600`:
 
 SUITE_AFTER = """\
 With the first machine start (1-2 minutes) and the transfers that is about 20-25 minutes,
-leaving a few for one re-run of a part that failed. Call 2 finds the MegaBlocks build of
-call 1 only on the same machine (`/tmp/moetrain_peer`); on a fresh one it runs without
-that peer. Each reply's files arrive, read-only, under its `files_at` folder: before the
+leaving a few for one re-run of a part that failed (`BUDGET_<PART>=seconds` and
+`ARGS_<PART>="..."` adjust one part, e.g. `ARGS_GEMM="--shapes deepseek-v3-rank"`). Call 2
+finds the MegaBlocks build of call 1 only on the same machine; on a fresh one it runs
+without that peer. Each reply's files arrive, read-only, under its `files_at` folder: before the
 next call or at the end, merge and regenerate, then commit the figures:
 
 ```bash
 python tools/merge_gpu_results.py <files_at>/results.csv --commit <commit>
-mkdir -p /tmp/gpu_logs && tar xzf <files_at>/logs.tar.gz -C /tmp/gpu_logs  # failures, profiles
-git add docs/benchmarks.csv docs/benchmarks.md docs/benchmarks.png
+mkdir -p gpu_logs && tar xzf <files_at>/logs.tar.gz -C gpu_logs  # read; do not commit
+git add docs/benchmarks.*
 git commit -m "benchmarks: GPU figures (<device>, torch <v>, triton <v>)" -- docs/benchmarks.*
 ```
 

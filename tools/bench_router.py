@@ -3,7 +3,7 @@
     python tools/bench_router.py                     # GPU
     TRITON_INTERPRET=1 python tools/bench_router.py --device cpu --quick --no-append
 
-Cases are the routers of the ANCHORS.md models (the router of DeepSeek-V3 scores all 256
+Cases are the routers of the anchor models (the router of DeepSeek-V3 scores all 256
 experts with sigmoid + selection bias). fwd, bwd (gradients from weights, scores and lse
 all at once, as the MoE layer's losses produce them) and fwd+bwd. GB/s counts the bytes
 each pass must move at least; the ceiling is the copy bandwidth measured in the same run.
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, cfg in routers.items():
         for num_tokens in args.tokens:
             bench_case(res, timer, name, num_tokens, cfg, impls, ceiling)
+            res.write(args.csv, append=not args.no_append)
     res.write(args.csv, append=not args.no_append)
     return res.rows
 

@@ -17,6 +17,8 @@ in order (default budget in seconds; --dry: CPU, tiny shapes, Triton interpreter
              while tests/tiny run (only when .whl/grouped_gemm-*.tar.gz is there)  (420)
 
 A part gets min(its budget, what is left of --budget); one that cannot get 20 s is skipped.
+BUDGET_<PART>=seconds overrides a part's budget and ARGS_<PART>="..." appends arguments to
+its (last) command, e.g. ARGS_GEMM="--shapes deepseek-v3-rank" to re-run one shape.
 Each part writes CSV rows (tools/bench_common.CSV_FIELDS) and a log; the suite adds a row
 per part (benchmark "suite": status ok / fail / timeout / skipped, seconds). Under --out,
 rewritten after every part so that an outer kill loses only the part in flight:
@@ -33,6 +35,7 @@ import argparse
 import glob
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -119,10 +122,7 @@ class Suite:
         self.start = time.monotonic()
         self.rows: list[dict] = []
         self.summary: list[str] = []
-        import torch
-
-        device = torch.device("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
-        self.meta = bc.run_meta("suite", device)
+        self.meta = _suite_meta(args.dry)
         self.peer: subprocess.Popen | None = None
         self.peer_deadline = 0.0
         self.peer_started = 0.0
@@ -224,7 +224,8 @@ class Suite:
         return "ok" if proc.returncode == 0 else f"fail (rc {proc.returncode})"
 
     def run_part(self, part: Part) -> None:
-        budget = min(part.budget * self.args.budget_scale, self.remaining() - RESERVE_S)
+        own = float(os.environ.get(f"BUDGET_{part.name.upper()}", part.budget))
+        budget = min(own * self.args.budget_scale, self.remaining() - RESERVE_S)
         if budget < MIN_PART_S:
             self.say(f"== part {part.name}: skipped ({self.remaining():.0f} s left)")
             self.suite_row(part.name, "skipped", 0.0, "not enough of the suite budget left")
@@ -237,7 +238,9 @@ class Suite:
         csv_path = os.path.join(self.work, f"{part.name}.csv")
         log_path = os.path.join(self.log_dir, f"{part.name}.log")
         status = "ok"
-        for cmd in part.commands(self.args, csv_path, self.log_dir, budget):
+        commands = part.commands(self.args, csv_path, self.log_dir, budget)
+        commands[-1] += shlex.split(os.environ.get(f"ARGS_{part.name.upper()}", ""))
+        for cmd in commands:
             result = self.run_command(cmd, self.env(part.name), log_path, deadline)
             if result != "ok" and not (part.name == "tests" and result == "fail (rc 5)"):
                 status = result  # rc 5: pytest collected no test (no gpu mark outside kernels)
@@ -315,6 +318,22 @@ class Suite:
             self.say(f.read())
         parts = [r for r in self.rows if r["benchmark"] == "suite" and r["op"] == "status"]
         return 0 if all(r["status"] in ("ok", "skipped") for r in parts) else 1
+
+
+def _suite_meta(dry: bool) -> dict[str, str]:
+    """bench_common.run_meta, read in a child process: naming the GPU creates a CUDA
+    context, which this long-lived driver should not hold while the parts run."""
+    import json
+
+    code = (
+        "import json, sys, torch; sys.path.insert(0, sys.argv[1]); import bench_common as bc; "
+        "dev = torch.device('cuda' if torch.cuda.is_available() and sys.argv[2] == '0' "
+        "else 'cpu'); print(json.dumps(bc.run_meta('suite', dev)))"
+    )
+    tools = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([PY, "-c", code, tools, "1" if dry else "0"], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -5,9 +5,9 @@
 #
 #   bash tools/gpu_suite.sh                          # every part, within BUDGET seconds
 #   PARTS=tests,tiny,gemm bash tools/gpu_suite.sh    # some parts (tools/gpu_suite.py --help)
-#   DRY=1 OUT=/tmp/suite bash tools/gpu_suite.sh     # CPU dry run: tiny shapes, interpreter
+#   DRY=1 bash tools/gpu_suite.sh                    # CPU dry run: tiny shapes, interpreter
 #
-# Environment: OUT (results folder; the device tool sets it, else ./gpu_out), PARTS
+# Environment: OUT (results folder; the device tool sets it, else a new temporary one), PARTS
 # (comma-separated, default all), BUDGET (seconds for all parts, default 540), DRY=1 (CPU),
 # MOETRAIN_COMMIT (the commit the tree is at: the device's copy has no .git), PYTHON.
 #
@@ -28,7 +28,8 @@ set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 PY=${PYTHON:-python3}
-OUT=${OUT:-$REPO/gpu_out}
+# Outside the tree by default: a folder in it would travel with the next device call.
+OUT=${OUT:-$(mktemp -d /tmp/moetrain_gpu_out.XXXXXX)}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/moetrain_suite.XXXXXX)
 mkdir -p "$WORK/logs"
@@ -99,4 +100,5 @@ ARGS=(--out "$OUT" --work "$WORK" --budget "${BUDGET:-540}")
 "$PY" tools/gpu_suite.py "${ARGS[@]}"
 rc=$?
 rm -rf "$WORK"
+echo "outputs in $OUT"
 exit $rc

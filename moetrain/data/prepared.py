@@ -11,8 +11,8 @@ A prepared dataset is a directory::
 
 Document k of a split is document k - first_doc(s) of the shard s holding it, in the order
 ``load_split`` reads the source, so a prepared split and the same data tokenized on the fly
-are the same documents in the same order. Readers map the files with ``np.memmap`` and touch
-only the pages of the documents they read; nothing is loaded whole.
+are the same documents in the same order. Readers map the index files with ``np.memmap``
+and read the token ranges they need with ``pread``; nothing is loaded whole.
 
 This module imports numpy and the standard library only: tokenizing worker processes import
 it, and must start in a fraction of a second.
@@ -92,7 +92,7 @@ class _HashingFile:
     def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.sha.update(data)
-        self.nbytes += len(data)
+        self.nbytes += memoryview(data).nbytes  # len() of a uint16 view counts elements
 
     def close(self) -> None:
         self.f.flush()
@@ -401,44 +401,67 @@ def check_prepared(
     return manifest
 
 
-class PreparedSplit:
-    """One split of a prepared dataset, read through memory maps.
+class _Shard:
+    """One open shard: its document index mapped, its token file open for ``pread``."""
 
-    Document ``k``'s tokens are ``read(k, a, b)``; ``lengths(ids)`` reads the index only. At
-    most ``OPEN_SHARDS`` shards are mapped at once; pages are read when first touched.
+    def __init__(self, root: Path, shard: dict[str, Any], dtype: np.dtype, key: str) -> None:
+        self.index = np.memmap(root / shard["index"], dtype="<i8", mode="r")
+        self.tokens = open(root / shard["tokens"], "rb", buffering=0)  # noqa: SIM115
+        self.path = root / shard["tokens"]
+        self.dtype = dtype
+        n_tokens = os.fstat(self.tokens.fileno()).st_size // dtype.itemsize
+        index = self.index
+        if len(index) != shard["n_docs"] + 1 or index[0] != 0 or index[-1] != n_tokens:
+            self.tokens.close()
+            raise DataError(
+                f"{key}: shard {str(root / shard['index'])!r} does not index "
+                f"{str(self.path)!r}: the files are corrupt; run "
+                f"`moetrain prepare-data --verify {str(root)}`"
+            )
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of the shard, read with one ``pread``."""
+        size = self.dtype.itemsize
+        data = os.pread(self.tokens.fileno(), (stop - start) * size, start * size)
+        if len(data) != (stop - start) * size:
+            raise DataError(f"data.dataset: shard {str(self.path)!r} was truncated while read")
+        return np.frombuffer(data, dtype=self.dtype)
+
+
+class PreparedSplit:
+    """One split of a prepared dataset, read in place.
+
+    ``lengths(ids)`` reads the document index, mapped with ``np.memmap`` (8 bytes a document,
+    read at random); ``read(k, a, b)`` reads a token range with one ``pread``, so a reader's
+    memory holds the tokens it asked for and nothing else: mapped token files would count
+    every page the kernel maps around a read (2 MB per touched region with large page-cache
+    folios) in the reader's resident set. At most ``OPEN_SHARDS`` shards are open at once.
     """
 
-    def __init__(self, manifest: Manifest, split: str) -> None:
+    def __init__(self, manifest: Manifest, split: str, key: str = "data.dataset") -> None:
         info = manifest.split(split)
         self.manifest = manifest
         self.split = split
+        self.key = key
         self.dtype = np.dtype(manifest.data["dtype"])
         self.shards = [s for s in info["shards"] if s["n_docs"]]
         self.n_docs = int(info["n_docs"])
         self.n_tokens = int(info["n_tokens"])
         counts = np.array([s["n_docs"] for s in self.shards], dtype=np.int64)
         self._first_doc = np.concatenate([[0], np.cumsum(counts)])
-        self._maps: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._open: OrderedDict[int, _Shard] = OrderedDict()
 
-    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        maps = self._maps.get(s)
-        if maps is not None:
-            self._maps.move_to_end(s)
-            return maps
-        shard = self.shards[s]
-        root = self.manifest.root
-        idx = np.memmap(root / shard["index"], dtype="<i8", mode="r")
-        tokens = np.memmap(root / shard["tokens"], dtype=self.dtype, mode="r")
-        if len(idx) != shard["n_docs"] + 1 or idx[0] != 0 or idx[-1] != len(tokens):
-            raise DataError(
-                f"data.dataset: shard {str(root / shard['index'])!r} does not index "
-                f"{str(root / shard['tokens'])!r}: the files are corrupt; run "
-                f"`moetrain prepare-data --verify {str(root)}`"
-            )
-        self._maps[s] = (idx, tokens)
-        if len(self._maps) > OPEN_SHARDS:
-            self._maps.popitem(last=False)
-        return idx, tokens
+    def _shard(self, s: int) -> _Shard:
+        shard = self._open.get(s)
+        if shard is not None:
+            self._open.move_to_end(s)
+            return shard
+        shard = _Shard(self.manifest.root, self.shards[s], self.dtype, self.key)
+        self._open[s] = shard
+        if len(self._open) > OPEN_SHARDS:
+            _, oldest = self._open.popitem(last=False)
+            oldest.tokens.close()
+        return shard
 
     def _locate(self, ids: np.ndarray) -> np.ndarray:
         return np.searchsorted(self._first_doc, ids, side="right") - 1
@@ -451,24 +474,24 @@ class PreparedSplit:
         for s in np.unique(shard_of):
             sel = shard_of == s
             local = ids[sel] - self._first_doc[s]
-            idx, _ = self._shard(int(s))
-            out[sel] = idx[local + 1] - idx[local]
+            index = self._shard(int(s)).index
+            out[sel] = index[local + 1] - index[local]
         return out
 
     def read(self, doc: int, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)`` of document ``doc`` (a copy, not a view of the map)."""
+        """Tokens ``[start, stop)`` of document ``doc``."""
         s = int(self._locate(np.array([doc]))[0])
-        idx, tokens = self._shard(s)
-        base = int(idx[doc - self._first_doc[s]])
-        return np.array(tokens[base + start : base + stop])
+        shard = self._shard(s)
+        base = int(shard.index[doc - self._first_doc[s]])
+        return shard.read(base + start, base + stop)
 
     def sample_tokens(self, max_tokens: int) -> np.ndarray:
         """The first ``max_tokens`` tokens in stored order."""
         parts, total = [], 0
-        for s in range(len(self.shards)):
-            _, tokens = self._shard(s)
-            parts.append(np.array(tokens[: max_tokens - total]))
-            total += len(parts[-1])
+        for s, info in enumerate(self.shards):
+            n = min(info["n_tokens"], max_tokens - total)
+            parts.append(self._shard(s).read(0, n))
+            total += n
             if total >= max_tokens:
                 break
         return np.concatenate(parts) if parts else np.zeros(0, self.dtype)

@@ -232,7 +232,7 @@ def open_prepared(
     manifest = read_manifest(path, key)
     check_tokenizer(manifest, tokenizer.fingerprint, tokenizer.eos_id, tokenizer.source)
     check_files(manifest, key)
-    return PreparedSplit(manifest, split)
+    return PreparedSplit(manifest, split, key)
 
 
 def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:

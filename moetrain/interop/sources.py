@@ -17,7 +17,6 @@ name and layout mapping in between).
 
 from __future__ import annotations
 
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from moetrain.interop.hf_files import HFDirectory
 

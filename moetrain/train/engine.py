@@ -630,6 +630,27 @@ class Engine:
             self._zero1_restore(shadows)
         self._shadows = None
 
+    def model_state(self) -> dict[str, Any]:
+        """The model half of ``app_state()``: this rank's tensors under full-model names
+        (expert slices as DTensor views), for DCP to fill in place from any source (the
+        interop layer reads Hugging Face weights into it); then ``load_model_state``."""
+        sd: dict[str, Any] = {}
+        for part in self.parts:
+            sd.update(get_model_state_dict(part))
+        for fqn, mesh, placements in self._expert_layouts():
+            if fqn in sd and not isinstance(sd[fqn], DTensor):
+                sd[fqn] = DTensor.from_local(sd[fqn], mesh, placements, run_check=False)
+        return sd
+
+    def load_model_state(self, sd: dict[str, Any]) -> None:
+        """Apply a ``model_state()`` that DCP filled."""
+        experts = {fqn for fqn, _, _ in self._expert_layouts()}
+        sd = {k: v.to_local() if k in experts and isinstance(v, DTensor) else v
+              for k, v in sd.items()}  # fmt: skip
+        for part in self.parts:
+            keys = set(get_model_state_dict(part))
+            set_model_state_dict(part, {k: v for k, v in sd.items() if k in keys})
+
     def scheduler_state(self) -> dict[str, Any]:
         return self.schedulers[0].state_dict()
 

@@ -115,6 +115,28 @@ def model_fingerprint(cfg: JobConfig, vocab_size: int) -> dict[str, Any]:
         "every_n_layers": e.every_n_layers,
         "num_shared_experts": e.num_shared_experts,
         "shared_expert_ffn_dim": e.shared_expert_ffn_dim,
+        # Options of the HF families that change the weights' shapes or meaning; recorded
+        # only when set, so that checkpoints saved before they existed stay loadable.
+        **{k: v for k, v in _family_options(cfg).items() if v not in (None, False, [], "none")},
+    }
+
+
+def _family_options(cfg: JobConfig) -> dict[str, Any]:
+    m, e = cfg.model, cfg.moe
+    return {
+        "head_dim": m.head_dim,
+        "rope_style": m.rope_style if m.rope_style != "interleaved" else None,
+        "qk_norm": m.qk_norm,
+        "qkv_bias": m.qkv_bias,
+        "out_bias": m.out_bias,
+        "attention": m.attention if m.attention != "gqa" else None,
+        "q_lora_rank": m.q_lora_rank,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "dense_layers": list(e.dense_layers),
+        "shared_expert_gate": e.shared_expert_gate,
     }
 
 
@@ -156,6 +178,13 @@ class Trainer:
         self.device = pick_device(tcfg.device)
         self.dtype = pick_dtype(tcfg.dtype, self.device)
         self.out_dir = Path(tcfg.output_dir)
+        # Starting from a Hugging Face checkpoint: its architecture replaces the YAML's first
+        # (the one upward import, moetrain.interop, only when asked for).
+        hf_start = None
+        if cfg.model.init_from is not None or cfg.model.upcycle_from is not None:
+            from moetrain.interop.init import prepare_hf_start
+
+            hf_start = prepare_hf_start(cfg)
         # The layout is checked against the world size before anything else is built.
         dims = ParallelDims.from_config(cfg.parallel, world_size())
 
@@ -197,6 +226,8 @@ class Trainer:
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
         self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype)
         del model
+        if hf_start is not None:  # every rank reads only the slices it holds
+            hf_start.load(self.engine)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", tcfg.keep_last)
         self.fingerprint = model_fingerprint(cfg, vocab)
         self.step = 0

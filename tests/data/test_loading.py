@@ -141,3 +141,35 @@ def test_streaming_and_map_style_read_the_same_tokens(data_cfg, tokenizer, jsonl
         tokens = PackedBatches(cfg, tokenizer, "train", 4, 2).sample_tokens()
         counts[streaming] = np.bincount(tokens, minlength=tokenizer.vocab_size)
     np.testing.assert_array_equal(counts[False], counts[True])
+
+
+def test_streaming_tokenizes_in_a_background_thread_without_changing_the_batches(
+    data_cfg, tokenizer, jsonl_file
+):
+    import threading
+    import time
+
+    from moetrain.data.packing import SequentialStream
+
+    ds = load_split(data_cfg(dataset=str(jsonl_file), streaming=True), "train")
+    inline = StreamingDocs(ds, tokenizer, "text", seed=3, buffer_size=16, prefetch=0)
+    ahead = StreamingDocs(ds, tokenizer, "text", seed=3, buffer_size=16, prefetch=8)
+    docs = ahead.docs(0, 5)
+    first = next(docs)
+    assert any(t.name == "moetrain-tokenize" for t in threading.enumerate())
+    want = list(inline.docs(0, 5))
+    got = [first, *docs]
+    assert len(got) == len(want)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    # Seeking drops the old reader: its thread stops instead of piling up.
+    stream = SequentialStream(ahead)
+    for epoch in range(20):
+        stream.seek(epoch, 3, 0)
+        stream.advance(50)
+    stream.seek(0, 0, 0)
+    deadline = time.monotonic() + 5
+    alive = [1]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [t for t in threading.enumerate() if t.name == "moetrain-tokenize"]
+    assert not alive

@@ -88,3 +88,16 @@ def save_hf(model_type: str, path: Path, seed: int = 0):
 def routers(model) -> list:
     """The transformers router modules of ``model``, in layer order."""
     return [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+
+
+def save_tokenizer(path: Path) -> None:
+    """moetrain's default BPE (vocabulary VOCAB) as the directory's tokenizer files."""
+    import json
+
+    from moetrain.data import load_tokenizer
+
+    tok = load_tokenizer("default")
+    assert tok.vocab_size <= VOCAB
+    (path / "tokenizer.json").write_text(tok._tok.to_str())
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token}
+    (path / "tokenizer_config.json").write_text(json.dumps(cfg))

@@ -86,3 +86,18 @@ def test_routing_options_matter(tmp_path: Path) -> None:
                 setattr(layer.cfg, k, v)
         hf_logits, our_logits, _, _ = run_both(hf_model, ours, tokens())
         assert (hf_logits - our_logits).abs().max().item() > 1e-3, override
+
+
+def test_deepseek_rope_interleave_false(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3 with ``rope_interleave: false`` reads as the rotate-half RoPE pairing."""
+    import hf_zoo
+
+    cls_name, kwargs = hf_zoo.CONFIGS["deepseek_v3"]
+    monkeypatch.setitem(
+        hf_zoo.CONFIGS, "deepseek_v3", (cls_name, {**kwargs, "rope_interleave": False})
+    )
+    hf_model = save_hf("deepseek_v3", tmp_path)
+    ours = from_hf(tmp_path)
+    assert ours.cfg.rope_style == "half"
+    hf_logits, our_logits, _, _ = run_both(hf_model, ours, tokens())
+    assert (hf_logits - our_logits).abs().max().item() <= LOGIT_ATOL

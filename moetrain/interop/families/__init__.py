@@ -66,6 +66,4 @@ def export_family(m: ModelConfig, e: MoEConfig, prefer: str | None = None) -> Fa
         if not problems:
             return FAMILIES[t]
         reasons.append(f"{t}: {', '.join(problems)}")
-    raise HFCheckpointError(
-        "no transformers family expresses this architecture: " + "; ".join(reasons)
-    )
+    raise HFCheckpointError("no family expresses this architecture: " + "; ".join(reasons))

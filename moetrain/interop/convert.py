@@ -1,0 +1,216 @@
+"""``import-hf`` and ``export-hf``: a transformers directory to a moetrain checkpoint and back.
+
+    import_hf(HF_DIR, OUT_DIR)        OUT_DIR/config.yaml (the model and moe sections of the
+                                      architecture) + OUT_DIR/checkpoints/step_00000000 (the
+                                      weights, in their stored dtype)
+    export_hf(CHECKPOINT, OUT_DIR)    config.json + sharded safetensors + tokenizer files that
+                                      AutoModelForCausalLM.from_pretrained loads
+
+Export picks the transformers family that expresses the checkpoint's architecture (the
+first whose adapter has no objection, or the one named), converts moetrain's interleaved
+RoPE pairing to transformers' rotate-half by permuting the q/k rows of each head, and
+writes tensors layer by layer.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.interop.checkpoints import (
+    CheckpointInfo,
+    checkpoint_info,
+    meta_model,
+    read_groups,
+)
+from moetrain.interop.errors import HFCheckpointError
+from moetrain.interop.families import (
+    ARCH_MODEL_KEYS,
+    ARCH_MOE_KEYS,
+    FAMILIES,
+    Family,
+    export_family,
+)
+from moetrain.interop.hf_files import TOKENIZER_FILES, HFDirectory, write_safetensors
+from moetrain.interop.load import checked_sources, sections
+from moetrain.interop.sources import read_full
+from moetrain.model.rope import half_to_interleaved
+
+log = logging.getLogger("moetrain")
+
+
+def architecture_yaml(m: ModelConfig, e: MoEConfig, source: str) -> str:
+    """The model and moe sections (architecture keys) as YAML, with where they came from."""
+    tree = {
+        "model": {k: getattr(m, k) for k in ARCH_MODEL_KEYS},
+        "moe": {k: getattr(e, k) for k in ARCH_MOE_KEYS},
+    }
+    head = f"# Architecture of {source} (moetrain import-hf). Add training sections to train.\n"
+    return head + yaml.safe_dump(tree, sort_keys=False)
+
+
+def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Convert a transformers directory into OUT_DIR/config.yaml and a moetrain checkpoint
+    at step 0 (model weights only; resume needs a training checkpoint, so train from it with
+    ``model.init_from: HF_DIR`` or generate / export from it). Returns the checkpoint."""
+    from moetrain.train.checkpoint import CheckpointManager
+    from moetrain.train.trainer import model_fingerprint
+
+    hf = HFDirectory(hf_dir, key="import-hf HF_DIR")
+    m, e, family = sections(hf)
+    sources = checked_sources(hf, family, m, e)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(architecture_yaml(m, e, str(hf.path)))
+    from moetrain.config import JobConfig
+
+    job = JobConfig(model=m, moe=e)
+    job.train.output_dir = str(out)
+    copied = [n for n in TOKENIZER_FILES if (hf.path / n).is_file()]
+    for name in copied:
+        shutil.copy2(hf.path / name, out / name)
+    if "tokenizer.json" in copied:  # the run's tokenizer: generate and export use it
+        job.data.tokenizer = str(out.resolve())
+    state = {}
+    params = {n for n, _ in meta_model(m, e).named_parameters(remove_duplicate=False)}
+    for name, t in meta_model(m, e).state_dict().items():
+        if name in sources:
+            state[name] = read_full(hf, sources[name])
+        elif name in params:
+            raise HFCheckpointError(f"import-hf: no source for parameter {name} (adapter bug)")
+        else:  # a buffer the family has no tensor for (the expert bias): its initial zeros
+            state[name] = torch.zeros(t.shape, dtype=t.dtype)
+    manager = CheckpointManager(out / "checkpoints", keep_last=1)
+    extra = {"step": 0, "config": job.to_dict(), "source": str(hf.path),
+             "model_type": family.model_type}  # fmt: skip
+    fingerprint = model_fingerprint(job, m.vocab_size or 0)
+    return manager.save(0, {"model": state}, extra, fingerprint=fingerprint)
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _to_half_rows(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of a q/k projection (or bias, or norm weight) from moetrain's interleaved RoPE
+    pairing to transformers' rotate-half: per head, interleaved row i is half row p[i]."""
+    inv = torch.argsort(half_to_interleaved(head_dim))
+    heads = t.reshape(-1, head_dim, *t.shape[1:])
+    return heads[:, inv].reshape(t.shape)
+
+
+_ROPE_ROWS = (
+    "attention.wq.weight",
+    "attention.wq.bias",
+    "attention.wk.weight",
+    "attention.wk.bias",
+    "attention.q_norm.weight",
+    "attention.k_norm.weight",
+)
+"""Tensors whose rows follow the RoPE pairing of each head (norm weights: per-head ones are
+one head, whole-projection ones all heads)."""
+
+
+def _rope_rows_to_half(name: str, t: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+    if m.attention == "gqa" and m.rope_style == "interleaved" and name.endswith(_ROPE_ROWS):
+        return _to_half_rows(t, m.attn_head_dim)
+    return t
+
+
+def hf_tensors(
+    info: CheckpointInfo, family: Family, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of every tensor of the exported checkpoint, layer by layer."""
+    m, e = info.model, info.moe
+    sources = family.sources(m, e)
+    if m.tie_embeddings:
+        del sources["output.weight"]  # the embedding, saved once
+    for group in read_groups(info):
+        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        for name, t in group.items():
+            if name not in sources:
+                if name.endswith("router.expert_bias") and not torch.all(t == 0):
+                    raise HFCheckpointError(
+                        f"{name} is not zero but {family.model_type} has no selection bias"
+                    )
+                continue
+            t = _rope_rows_to_half(name, t, m)
+            for key, row0, piece in sources[name].export(t):
+                pieces.setdefault(key, []).append((row0, piece))
+        for key, parts in pieces.items():
+            parts.sort(key=lambda p: p[0])
+            full = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
+            yield key, full.to(dtype) if dtype is not None else full.contiguous()
+
+
+def _write_tokenizer(info: CheckpointInfo, out: Path, config: dict[str, Any]) -> None:
+    """The run's tokenizer, when it is a tokenizer.json (the default BPE is one)."""
+    from moetrain.data import load_tokenizer
+
+    spec = info.data.tokenizer
+    src = Path(spec).expanduser()
+    if spec != "default" and src.is_dir():
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+    try:
+        tok = load_tokenizer(spec, info.data.cache_dir)
+    except Exception as exc:  # a tokenizer that moved since training: weights still export
+        log.warning("export-hf: tokenizer %r not written (%s)", spec, exc)
+        return
+    if not (out / "tokenizer.json").is_file():
+        (out / "tokenizer.json").write_text(tok._tok.to_str())
+    if not (out / "tokenizer_config.json").is_file():
+        tok_cfg = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": tok.eos_token,
+            "model_max_length": info.model.max_seq_len,
+        }
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
+    config["eos_token_id"] = tok.eos_id
+
+
+def export_hf(
+    checkpoint: str | Path,
+    out_dir: str | Path,
+    *,
+    family: str | None = None,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int = 5 * 2**30,
+    tokenizer: bool = True,
+) -> Path:
+    """Write a moetrain checkpoint (saved under any layout) as a transformers directory."""
+    info = checkpoint_info(checkpoint)
+    fam = _family(info, family)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = fam.to_hf(info.model, info.moe)
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    if tokenizer:
+        _write_tokenizer(info, out, config)
+    write_safetensors(hf_tensors(info, fam, dtype), out, max_shard_bytes)
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    log.info("export-hf: %s (step %d) -> %s as %s", info.path, info.step, out, fam.model_type)
+    return out
+
+
+def _family(info: CheckpointInfo, name: str | None) -> Family:
+    if name is None:
+        return export_family(info.model, info.moe)
+    if name not in FAMILIES:
+        raise HFCheckpointError(f"export-hf --family: {name!r} is not one of {', '.join(FAMILIES)}")
+    problems = FAMILIES[name].problems(info.model, info.moe)
+    if problems:
+        raise HFCheckpointError(
+            f"export-hf --family {name}: the checkpoint has {', '.join(problems)}, which "
+            f"{name} cannot express"
+        )
+    return FAMILIES[name]

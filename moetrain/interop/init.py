@@ -1,0 +1,100 @@
+"""``model.init_from`` / ``model.upcycle_from``: a training run that starts from a Hugging
+Face checkpoint. The trainer calls two functions, and imports this module only when one of
+those keys is set:
+
+    hf_start = prepare_hf_start(cfg)   before anything is built or any process group exists:
+                                       config.json's architecture replaces the YAML's (each
+                                       replaced value logged), the tokenizer is chosen and
+                                       checked against the vocabulary, every tensor's shape
+                                       is checked against config.json
+    hf_start.load(engine)              after the layout is applied: DCP reads, on every rank,
+                                       only the slices of the tensors that rank holds
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from moetrain.config import ConfigError, JobConfig
+from moetrain.interop.errors import HFCheckpointError
+from moetrain.interop.families import family_of
+from moetrain.interop.hf_files import HFDirectory
+from moetrain.interop.load import check_sources, load_sharded
+from moetrain.interop.sources import Source
+from moetrain.interop.upcycle import check_upcycle, upcycle_sources
+
+log = logging.getLogger("moetrain")
+
+
+@dataclasses.dataclass
+class HFStart:
+    hf: HFDirectory
+    sources: dict[str, Source]
+
+    def load(self, engine: Any) -> None:
+        """Fill the engine's model from the checkpoint (collective under a process group)."""
+        state = engine.model_state()
+        load_sharded(state, self.hf, self.sources, distributed=dist.is_initialized())
+        engine.load_model_state(state)
+        log.info("initialised from %s (%d tensors)", self.hf.path, len(self.sources))
+
+
+def _replace(section: Any, name: str, values: dict[str, Any], source: str) -> None:
+    for key, value in values.items():
+        old = getattr(section, key)
+        if old != value:
+            log.info("%s.%s: %r -> %r (from %s)", name, key, old, value, source)
+            setattr(section, key, value)
+
+
+def prepare_hf_start(cfg: JobConfig) -> HFStart:
+    """Replace ``cfg``'s architecture with the Hugging Face checkpoint's and check it; raises
+    HFCheckpointError (a ConfigError) naming the problem."""
+    upcycle = cfg.model.upcycle_from is not None
+    key = "model.upcycle_from" if upcycle else "model.init_from"
+    hf = HFDirectory(cfg.model.upcycle_from if upcycle else cfg.model.init_from, key)
+    family = family_of(hf.config, key)
+    model_keys, moe_keys = family.to_moetrain(hf.config)
+    source = f"{hf.path}/config.json"
+    _replace(cfg.model, "model", model_keys, source)
+    if upcycle:
+        g = cfg.model.upcycle_granularity
+        _replace(cfg.moe, "moe", {"expert_ffn_dim": cfg.model.ffn_dim // g}, source)
+        check_upcycle(family, cfg.model, cfg.moe, key)
+    else:
+        _replace(cfg.moe, "moe", moe_keys, source)
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise HFCheckpointError(f"data.seq_len: {cfg.data.seq_len} exceeds the "
+                                f"{cfg.model.max_seq_len} positions of {key}")  # fmt: skip
+    try:
+        cfg.validate()
+    except HFCheckpointError:
+        raise
+    except ConfigError as exc:
+        raise HFCheckpointError(f"{key}: with the architecture of {hf.path}: {exc}") from None
+    if hf.has_tokenizer():
+        _replace(cfg.data, "data", {"tokenizer": str(hf.path)}, key)
+    _check_vocabulary(cfg, key)
+    if upcycle:
+        sources = upcycle_sources(family, cfg.model, cfg.moe, cfg.train.seed)
+    else:
+        sources = family.sources(cfg.model, cfg.moe)
+    check_sources(hf, sources)
+    return HFStart(hf, sources)
+
+
+def _check_vocabulary(cfg: JobConfig, key: str) -> None:
+    from moetrain.data import load_tokenizer
+
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
+    vocab = cfg.model.vocab_size or 0
+    if tok.vocab_size > vocab:
+        raise HFCheckpointError(
+            f"{key}: data.tokenizer {cfg.data.tokenizer!r} has token ids up to "
+            f"{tok.vocab_size - 1}, but the model's vocabulary has {vocab} entries (give the "
+            "directory its own tokenizer.json, or use a tokenizer that fits)"
+        )
