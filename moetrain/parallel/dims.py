@@ -221,14 +221,6 @@ class ParallelDims:
             from moetrain.parallel.expert_parallel import check_ep_layout
 
             check_ep_layout(cfg.moe.num_experts, self.ep, self.dp)
-            if p.expert_tp and tp > 1 and self.pp > 1:
-                # Seen on CPU/gloo: the pipeline's start-up step intermittently deadlocks with
-                # the expert-TP all-reduce (ranks of one TP group in different collectives).
-                # Refused until it is understood; ep x tp x pp without expert_tp is tested.
-                raise ConfigError(
-                    f"parallel.expert_tp: not supported with parallel.pp={self.pp} yet; "
-                    "set parallel.expert_tp=false (experts replicated over tp)"
-                )
         return self
 
     # ------------------------------------------------------------------ mesh
