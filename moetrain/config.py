@@ -10,6 +10,7 @@ key and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -717,8 +718,15 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A section's resolved field types (``get_type_hints`` evaluates every annotation string
+    again on each call: most of a config load's time without the cache)."""
+    return typing.get_type_hints(cls)
+
+
 def _build_section(cls: type, values: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in values.items():

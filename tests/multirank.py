@@ -361,6 +361,7 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from moetrain.model.moe import MoELayer
+    from moetrain.train.engine import _fqn
 
     eng = trainer.engine
     by_group = _group_dims(eng.meshes)
@@ -368,11 +369,24 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
     for r in records:
         if r.sent > 0:
             kinds.setdefault(by_group.get(_group_ranks(r.group), "other"), set()).add(r.kind)
-    # The first attention projection (column-parallel under tp), wrapper prefixes and all.
-    wq = next(p for n, p in eng.parts[0].named_parameters() if ".attention." in n and p.ndim == 2)
+    # The first column-parallel attention projection (GQA's wq, MLA's per-head up-projection;
+    # MLA's latent down-projections stay replicated), wrapper prefixes and all.
+    wq = next(
+        p
+        for n, p in eng.parts[0].named_parameters()
+        if _fqn(n).endswith(("attention.wq.weight", "attention.wkv_b.weight"))
+    )
     tp_placement = None
-    if isinstance(wq, DTensor) and "tp" in (wq.device_mesh.mesh_dim_names or ()):
-        tp_placement = str(wq.placements[wq.device_mesh.mesh_dim_names.index("tp")])
+    zero_shards = 1  # into how many pieces the dp ranks cut the model state
+    if isinstance(wq, DTensor):
+        names = wq.device_mesh.mesh_dim_names or ()
+        for name, placement, size in zip(names, wq.placements, wq.device_mesh.shape, strict=True):
+            if name == "tp":
+                tp_placement = str(placement)
+            elif name == "dp_shard" and not placement.is_replicate():
+                zero_shards = size  # FSDP (ZeRO-2/3), over dp_shard only under HSDP
+    if eng.grad_sync is not None and eng.grad_sync.shards:
+        zero_shards = eng.grad_sync.shards[0].n  # ZeRO-1
     wrapped: Counter[str] = Counter()
     for part in eng.parts:
         for name, module in part.named_modules():
@@ -386,6 +400,7 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
         "tp_placement": tp_placement,
         "fsdp_units": sum(isinstance(m, FSDPModule) for p in eng.parts for m in p.modules()),
         "zero1_sharded": bool(eng.grad_sync is not None and eng.grad_sync.shards),
+        "zero_shards": zero_shards,
         "checkpointed": dict(wrapped),
         "experts": _experts_per_rank(moe[0].experts.w1) if moe else None,
         "dispatcher": _dispatcher_name(moe[0].dispatcher) if moe else None,
@@ -458,6 +473,7 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         "tp_placement": "S(0)" if dims.tp > 1 else None,
         "fsdp_units": (layers + len(stages)) if zero >= 2 else 0,
         "zero1_sharded": zero == 1,
+        "zero_shards": dims.dp_shard if zero >= 1 else 1,
         "checkpointed": {"attention": layers}
         if ac == "selective"
         else ({"block": layers} if ac == "full" else {}),
@@ -683,8 +699,15 @@ def reference_run(options: tuple[str, ...], steps: int) -> dict[str, Any]:
     """The single-process ``micro_run`` of ``options`` (computed once per test process)."""
     key = (tuple(options), steps)
     if key not in _REFERENCES:
-        with tempfile.TemporaryDirectory() as out:
-            _REFERENCES[key] = micro_run(out, steps, *options)
+        threads = torch.get_num_threads()
+        # One thread, as every rank has: on a busy machine waking a second intra-op thread
+        # costs more than these tiny ops (10x on the first step).
+        torch.set_num_threads(1)
+        try:
+            with tempfile.TemporaryDirectory() as out:
+                _REFERENCES[key] = micro_run(out, steps, *options)
+        finally:
+            torch.set_num_threads(threads)
     return _REFERENCES[key]
 
 

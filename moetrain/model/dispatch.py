@@ -132,6 +132,10 @@ class Dispatcher(Protocol):
         self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
     ) -> torch.Tensor: ...
 
+    bytes_sent: float
+    """Token bytes sent to other ranks since the last ``pop_comm_bytes`` (settable: activation
+    checkpointing restores it after a recomputed forward)."""
+
     def pop_comm_bytes(self) -> float:
         """Token bytes sent to other ranks by forward dispatch + combine since the last call."""
         ...
@@ -139,6 +143,8 @@ class Dispatcher(Protocol):
 
 class LocalDispatcher:
     """All experts live in this process: dispatch is a permutation, combine its inverse."""
+
+    bytes_sent = 0.0  # nothing leaves the process
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str

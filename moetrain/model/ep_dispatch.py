@@ -204,6 +204,14 @@ class ExpertTPDispatcher:
         y_TD = self.inner.combine(y_ND, plan, weights_TK, backend)
         return ReduceFromTPFunction.apply(y_TD, self.group)
 
+    @property
+    def bytes_sent(self) -> float:
+        return self.inner.bytes_sent
+
+    @bytes_sent.setter
+    def bytes_sent(self, value: float) -> None:
+        self.inner.bytes_sent = value
+
     def pop_comm_bytes(self) -> float:
         return self.inner.pop_comm_bytes()
 

@@ -12,7 +12,6 @@ afterwards (the injected aux-loss gradient is recomputed like any other activati
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -26,44 +25,62 @@ def _moe_layers(module: nn.Module) -> list[MoELayer]:
     return [m for m in module.modules() if isinstance(m, MoELayer)]
 
 
-@contextmanager
-def _note_rows(module: nn.Module, rows: list[torch.Tensor]):
+class _NoteRows:
     """Around the original forward: remember each MoE layer's sequence counter as it was
     (router jitter is keyed by it, ``MoELayer.set_jitter_key``)."""
-    rows[:] = [m.stat_rows.clone() for m in _moe_layers(module)]
-    yield
+
+    def __init__(self, layers: list[MoELayer], rows: list[torch.Tensor]) -> None:
+        self.layers, self.rows = layers, rows
+
+    def __enter__(self) -> None:
+        self.rows[:] = [m.stat_rows.clone() for m in self.layers]
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
-@contextmanager
-def _keep_moe_stats(module: nn.Module, rows: list[torch.Tensor]):
-    """Recomputing a block in backward must not count its MoE statistics twice: snapshot
-    every ``stat_*`` buffer (and the dispatcher's byte counter) and restore them after. The
-    recompute itself starts from the sequence counter of the original forward, so that it
-    draws the same router jitter and routes exactly as the forward did."""
-    layers = _moe_layers(module)
-    saved = [
-        (
-            {n: b.clone() for n, b in m.named_buffers(recurse=False) if n.startswith("stat_")},
-            getattr(m.dispatcher, "bytes_sent", None),
+class _KeepMoEStats:
+    """Around each recomputation in backward: a recomputed block must not count its MoE
+    statistics twice, so every ``stat_*`` buffer (and the dispatcher's byte counter) is
+    snapshotted and restored after; the recompute starts from the sequence counter of the
+    original forward, so that it draws the same router jitter and routes as the forward did.
+    Re-enterable: zero-bubble schedules recompute a block twice, once for the input gradient
+    and once for the weight gradient."""
+
+    def __init__(self, layers: list[MoELayer], rows: list[torch.Tensor]) -> None:
+        self.layers, self.rows = layers, rows
+        self.saved: list[list[tuple[dict[str, torch.Tensor], float]]] = []
+
+    def __enter__(self) -> None:
+        self.saved.append(
+            [
+                (
+                    {
+                        n: b.clone()
+                        for n, b in m.named_buffers(recurse=False)
+                        if n.startswith("stat_")
+                    },
+                    m.dispatcher.bytes_sent,
+                )
+                for m in self.layers
+            ]
         )
-        for m in layers
-    ]
-    for m, before in zip(layers, rows, strict=True):
-        m.stat_rows.copy_(before)
-    try:
-        yield
-    finally:
-        for m, (buffers, bytes_sent) in zip(layers, saved, strict=True):
+        for m, before in zip(self.layers, self.rows, strict=True):
+            m.stat_rows.copy_(before)
+
+    def __exit__(self, *exc: object) -> None:
+        for m, (buffers, bytes_sent) in zip(self.layers, self.saved.pop(), strict=True):
             for name, value in buffers.items():
                 getattr(m, name).copy_(value)
-            if bytes_sent is not None:
-                m.dispatcher.bytes_sent = bytes_sent
+            m.dispatcher.bytes_sent = bytes_sent
 
 
 def _wrap(module: nn.Module) -> nn.Module:
-    def contexts():
-        rows: list[torch.Tensor] = []
-        return _note_rows(module, rows), _keep_moe_stats(module, rows)
+    layers = _moe_layers(module)
+
+    def contexts() -> tuple[_NoteRows, _KeepMoEStats]:
+        rows: list[torch.Tensor] = []  # one per checkpointed call, shared by its two contexts
+        return _NoteRows(layers, rows), _KeepMoEStats(layers, rows)
 
     return checkpoint_wrapper(module, preserve_rng_state=True, context_fn=contexts)
 

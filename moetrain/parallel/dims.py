@@ -22,6 +22,7 @@ from typing import Any
 from moetrain.config import ConfigError, JobConfig, ParallelConfig
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+_MESHES: dict[tuple, Meshes] = {}  # build_mesh's cache: process groups are per process anyway
 
 # Schedules that keep several micro-batches in flight need at least one per stage.
 _NEEDS_MB_GE_PP = ("1f1b", "interleaved_1f1b", "zero_bubble")
@@ -227,7 +228,20 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> Meshes:
         """The world ``DeviceMesh`` with named dims ``MESH_DIMS`` (size-1 dims included) and
-        its sub-meshes. Needs the default process group."""
+        its sub-meshes. Needs the default process group.
+
+        Built once per layout and default process group, then reused: a process that builds
+        several trainers of one layout (tests, tools) would otherwise open new process groups
+        -- sockets between every pair of their ranks -- each time, and DTensor's sharding
+        cache, which compares meshes by their ranks, could hand a new model an older mesh."""
+        import torch.distributed as dist
+
+        key = (device_type, id(dist.group.WORLD), self)
+        if key not in _MESHES:
+            _MESHES[key] = self._build_mesh(device_type)
+        return _MESHES[key]
+
+    def _build_mesh(self, device_type: str) -> Meshes:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = init_device_mesh(

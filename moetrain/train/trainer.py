@@ -236,7 +236,9 @@ class Trainer:
         # Dashboard cadence, dead-expert/imbalance warnings. TensorBoard is opened by fit once
         # the start is accepted (``_open_run_dir``): a refused start writes no event file.
         self.writer = MetricsWriter(None, cfg.log)
-        self._measure_peak()
+        # The MFU denominator, measured by fit() (on CPU a timed matmul: not worth its 0.2 s
+        # for a trainer driven step by step, as tests and tools do).
+        self.peak_flops, self.peak_source = float("nan"), "not measured"
         self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
         self.faults = FaultInjector(self.rank)
         self.collapse = CollapseMonitor(
@@ -374,6 +376,7 @@ class Trainer:
         # Validate first, write after: a refused start leaves the run directory as it was.
         self.maybe_resume()
         self._open_run_dir()
+        self._measure_peak()
         entropy = unigram_entropy(self.tokenizer, cfg.data) if self.is_main else 0.0
         log.info(
             "model: %.2fM params (%.2fM active per token), %d MoE layers, device %s %s",

@@ -1,0 +1,247 @@
+"""The equivalence matrix's design: which option rows run under which layout.
+
+Factors (tests/parallel/matrix_options.py) x layouts (``LAYOUTS`` below). A row picks one
+value of every factor; its overrides are the union of the values' overrides, and it is
+*valid* under a layout when no two values set one key differently and config validation
+(``load_config`` + ``ParallelDims.validate`` for the layout's world size) accepts it.
+
+- ``covering_rows(layout)``: rows such that every pair of option values that can meet
+  under the layout (some valid row holds both) does meet in one of them -- a pairwise
+  covering design per layout, built greedily (AETG-style: many candidate rows, keep the one
+  covering most uncovered pairs), deterministic, reusing rows already chosen for other
+  layouts first so that layouts share their single-process references.
+- ``all_rows()``: the union of every layout's covering rows; the slow part runs each of
+  them under every layout where it is valid (the full cross product of the design's rows
+  and the layouts).
+
+Everything here is cheap (config objects only): the tests below run the rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import random
+from dataclasses import dataclass
+
+from matrix_options import FACTORS, FORBIDDEN
+
+BASE = (
+    # The micro MoE of tests/multirank.py made smaller (dim 32, 16 tokens a sequence) to keep
+    # hundreds of runs inside the budget; 4 layers so pp=2 x 2 virtual stages works.
+    "model.dim=32",
+    "model.ffn_dim=64",
+    "moe.expert_ffn_dim=32",
+    "data.seq_len=16",
+)
+STEPS = 2
+"""Two optimizer steps: gradients of both, AdamW's moments after the second, the expert
+bias moved by the first step's counts and used by the second's routing."""
+VOCAB = 4096  # the default tokenizer's vocabulary (validation checks it divides tp)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    world: int
+    overrides: tuple[str, ...]
+
+
+LAYOUTS: list[Layout] = [
+    # one axis, 2 ranks
+    Layout("dp2 zero0", 2, ("parallel.zero_stage=0",)),
+    Layout("dp2 zero1", 2, ("parallel.zero_stage=1",)),
+    Layout("dp2 zero2", 2, ("parallel.zero_stage=2",)),
+    Layout("dp2 zero3", 2, ("parallel.zero_stage=3",)),
+    Layout("tp2", 2, ("parallel.tp=2",)),
+    Layout("tp2 SP", 2, ("parallel.tp=2", "parallel.sequence_parallel=true")),
+    Layout("tp2 SP replicated experts", 2,
+           ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.expert_tp=false")),
+    Layout("pp2 gpipe", 2, ("parallel.pp=2", "parallel.pp_schedule=gpipe")),
+    Layout("pp2 1f1b", 2, ("parallel.pp=2", "parallel.pp_schedule=1f1b")),
+    Layout("pp2 interleaved_1f1b v2", 2, ("parallel.pp=2", "parallel.pp_virtual_stages=2")),
+    Layout("pp2 zero_bubble v2", 2,
+           ("parallel.pp=2", "parallel.pp_schedule=zero_bubble", "parallel.pp_virtual_stages=2")),
+    Layout("ep2 all_to_all", 2, ("parallel.ep=2",)),
+    Layout("ep2 all_gather zero3", 2,
+           ("parallel.ep=2", "parallel.ep_dispatcher=all_gather", "parallel.zero_stage=3")),
+    # two axes, 4 ranks
+    Layout("hsdp 2x2 zero3", 4, ("parallel.dp_replicate=2", "parallel.zero_stage=3")),
+    Layout("hsdp 2x2 zero1", 4, ("parallel.dp_replicate=2", "parallel.zero_stage=1")),
+    Layout("dp2 x tp2 SP zero2", 4,
+           ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2")),
+    Layout("pp2 x dp2 zero1 1f1b, 4 pipeline micro-batches", 4,
+           ("parallel.pp=2", "parallel.zero_stage=1", "parallel.pp_schedule=1f1b",
+            "parallel.pp_microbatches=4")),
+    Layout("pp2 x tp2 SP interleaved v2", 4,
+           ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "parallel.pp_virtual_stages=2")),
+    Layout("ep2 x tp2 expert TP", 4, ("parallel.ep=2", "parallel.tp=2")),
+    Layout("ep4 zero2 all_gather", 4,
+           ("parallel.ep=4", "parallel.ep_dispatcher=all_gather", "parallel.zero_stage=2")),
+    Layout("ep2 x edp2 zero1", 4, ("parallel.ep=2", "parallel.zero_stage=1")),
+    # three axes, 8 ranks
+    Layout("pp2 x dp2 x tp2 zero3 SP interleaved v2", 8,
+           ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "parallel.zero_stage=3", "parallel.pp_virtual_stages=2")),
+    Layout("ep4 x tp2 expert TP (tiny_ep)", 8, ("parallel.ep=4", "parallel.tp=2")),
+    Layout("pp2 x ep2 x tp2 expert TP zero1 interleaved v2", 8,
+           ("parallel.pp=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=1",
+            "parallel.pp_virtual_stages=2")),
+]  # fmt: skip
+
+Row = tuple[int, ...]
+"""One value index per factor, in FACTORS order."""
+
+NAMES = list(FACTORS)
+LEVELS = [len(FACTORS[n]) for n in NAMES]
+
+
+def row_overrides(row: Row) -> tuple[str, ...]:
+    return tuple(o for name, v in zip(NAMES, row, strict=True) for o in FACTORS[name][v][1])
+
+
+def row_label(row: Row) -> str:
+    """The values that differ from the baseline (value 0 of every factor)."""
+    parts = [FACTORS[n][v][0] for n, v in zip(NAMES, row, strict=True) if v]
+    return ", ".join(parts) or "baseline"
+
+
+def conflict(row: Row) -> str | None:
+    """Why the row's values cannot go together before validation, or None."""
+    seen: dict[str, str] = {}
+    for o in row_overrides(row):
+        key, _, value = o.partition("=")
+        if seen.setdefault(key, value) != value:
+            return f"{key} set to {seen[key]} and {value}"
+    for values, reason in FORBIDDEN:
+        if all(FACTORS[n][row[NAMES.index(n)]][0] == label for n, label in values.items()):
+            return reason
+    return None
+
+
+@functools.cache
+def refusal(row: Row, layout: Layout) -> str | None:
+    """Why the row is not valid under the layout (a conflict or config validation's error
+    message), or None when it is."""
+    reason = conflict(row)
+    if reason is not None:
+        return reason
+    from moetrain.config import ConfigError
+    from moetrain.parallel.dims import ParallelDims
+
+    try:
+        cfg = _load([*BASE, *row_overrides(row), *layout.overrides, f"model.vocab_size={VOCAB}"])
+        ParallelDims.from_config(cfg.parallel, layout.world).validate(cfg)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+@functools.cache
+def _parsed(override: str) -> dict:
+    from moetrain.config import parse_overrides
+
+    return parse_overrides([override])
+
+
+def _load(overrides: list[str]):
+    """``load_config(None, overrides)`` with each override parsed once (YAML is slow)."""
+    from moetrain.config import JobConfig, _build_section, _merge
+
+    tree: dict = {}
+    for o in overrides:
+        tree = _merge(tree, _parsed(o))
+    return _build_section(JobConfig, tree, "").validate()
+
+
+def _pairs(row: Row) -> set[tuple[int, int, int, int]]:
+    return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
+
+
+def _random_valid_rows(layout: Layout, n: int, rng: random.Random) -> list[Row]:
+    out = []
+    for _ in range(n * 20):
+        row = tuple(rng.randrange(k) for k in LEVELS)
+        if refusal(row, layout) is None:
+            out.append(row)
+            if len(out) == n:
+                break
+    return out
+
+
+@functools.cache
+def coverable_pairs(layout: Layout) -> frozenset[tuple[int, int, int, int]]:
+    """Pairs of option values some valid row holds (found by completing each pair)."""
+    out = set()
+    rng = random.Random(0)
+    for i, j in itertools.combinations(range(len(LEVELS)), 2):
+        for a in range(LEVELS[i]):
+            for b in range(LEVELS[j]):
+                if _complete(layout, {i: a, j: b}, rng) is not None:
+                    out.add((i, a, j, b))
+    return frozenset(out)
+
+
+def _complete(layout: Layout, fixed: dict[int, int], rng: random.Random) -> Row | None:
+    """A valid row with the ``fixed`` values: baseline first, then random completions."""
+    base = tuple(fixed.get(k, 0) for k in range(len(LEVELS)))
+    if refusal(base, layout) is None:
+        return base
+    for _ in range(40):
+        row = tuple(fixed.get(k, rng.randrange(LEVELS[k])) for k in range(len(LEVELS)))
+        if refusal(row, layout) is None:
+            return row
+    return None
+
+
+@functools.cache
+def design() -> dict[Layout, tuple[Row, ...]]:
+    """Every layout's pairwise covering rows (see the module doc), chosen in ``LAYOUTS``
+    order, each layout reusing the rows earlier ones chose where they help."""
+    chosen: list[Row] = []
+    out = {}
+    for index, layout in enumerate(LAYOUTS):
+        out[layout] = _cover(layout, chosen, random.Random(index))
+    return out
+
+
+def _cover(layout: Layout, chosen: list[Row], rng: random.Random) -> tuple[Row, ...]:
+    uncovered = set(coverable_pairs(layout))
+    rows: list[Row] = []
+    while uncovered:
+        reusable = [r for r in chosen if r not in rows and refusal(r, layout) is None]
+        best = max(reusable, key=lambda r: len(_pairs(r) & uncovered), default=None)
+        if best is None or not _pairs(best) & uncovered:
+            # A new row: seed it with an uncovered pair, then fill the rest greedily.
+            cands = []
+            for i, a, j, b in sorted(uncovered)[:8]:
+                for _ in range(4):
+                    row = _complete(layout, {i: a, j: b}, rng)
+                    if row is not None:
+                        cands.append(_improve(row, layout, uncovered, rng))
+            cands += _random_valid_rows(layout, 20, rng)
+            best = max(cands, key=lambda r: len(_pairs(r) & uncovered))
+            chosen.append(best)
+        rows.append(best)
+        uncovered -= _pairs(best)
+    return tuple(rows)
+
+
+def _improve(row: Row, layout: Layout, uncovered: set, rng: random.Random) -> Row:
+    """Hill-climb one factor at a time while the row stays valid and covers more."""
+    best, score = row, len(_pairs(row) & uncovered)
+    for k in rng.sample(range(len(LEVELS)), len(LEVELS)):
+        for v in range(LEVELS[k]):
+            cand = best[:k] + (v,) + best[k + 1 :]
+            if cand == best or refusal(cand, layout) is not None:
+                continue
+            s = len(_pairs(cand) & uncovered)
+            if s > score:
+                best, score = cand, s
+    return best
+
+
+def all_rows() -> list[Row]:
+    """Every row any layout's covering design chose (the slow part runs each everywhere)."""
+    return list(dict.fromkeys(r for rows in design().values() for r in rows))

@@ -1,0 +1,139 @@
+"""The equivalence matrix: every model and MoE option under every parallel layout.
+
+The option factors live in tests/parallel/matrix_options.py, the layouts and the design in
+tests/parallel/matrix_design.py. Each cell runs the micro MoE for ``STEPS`` steps under the
+layout and compares it on every rank with the single-process run of the same options
+(``check_cases`` of tests/multirank.py: losses, MoE statistics, every gradient of every
+step, AdamW's moments, final parameters, and the layout facts), within ``TOLERANCES``.
+
+- CI part: a pairwise covering design per layout -- every pair of option values that can
+  go together meets every layout at least once (about 16 rows per layout, one spawned job
+  per world size).
+- Slow part (``-m slow``, deselected otherwise: tests/conftest.py): every row of the design
+  under every layout where it is valid (the design's rows x the layouts).
+- Refusals: a combination the code does not support is refused by config validation with a
+  message naming the key; the design asks only for what validation accepts.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import matrix_design as md
+import pytest
+from matrix_options import FACTORS
+from multirank import Case, check_cases, expected_layout
+
+WORLDS = (2, 4, 8)
+
+
+def _cases(world: int, rows_for) -> list[Case]:
+    return [
+        Case(
+            f"{layout.name} | {md.row_label(row)}",
+            layout.overrides,
+            md.BASE + md.row_overrides(row),
+        )
+        for layout in md.LAYOUTS
+        if layout.world == world
+        for row in rows_for(layout)
+    ]
+
+
+def test_design_covers_every_pair_of_option_values_under_every_layout() -> None:
+    design = md.design()
+    assert set(design) == set(md.LAYOUTS)
+    for layout, rows in design.items():
+        for row in rows:
+            assert md.refusal(row, layout) is None, (layout.name, md.row_label(row))
+        covered = set().union(*(md._pairs(r) for r in rows))
+        missing = md.coverable_pairs(layout) - covered
+        assert not missing, (layout.name, sorted(missing)[:5])
+        # Every value of every factor runs under every layout (unless validation refuses it
+        # there, as tied embeddings under pp).
+        for k, name in enumerate(md.NAMES):
+            for v in range(md.LEVELS[k]):
+                if any(
+                    p[0] == k and p[1] == v or p[2] == k and p[3] == v
+                    for p in md.coverable_pairs(layout)
+                ):
+                    assert any(r[k] == v for r in rows), (layout.name, name, v)
+    print(
+        f"{len(md.LAYOUTS)} layouts, {len(md.all_rows())} distinct option rows, "
+        f"{sum(len(r) for r in design.values())} cells"
+    )
+
+
+def test_combinations_left_out_are_refused_by_validation_with_a_message() -> None:
+    """A pair of values no valid row can hold under a layout is refused by config
+    validation, and the message names the key -- never silently accepted and wrong."""
+    key = re.compile(r"^[a-z_]+\.[a-z_]+: \S")
+    for layout in md.LAYOUTS:
+        coverable = md.coverable_pairs(layout)
+        for i, j in itertools.combinations(range(len(md.LEVELS)), 2):
+            for a, b in itertools.product(range(md.LEVELS[i]), range(md.LEVELS[j])):
+                if (i, a, j, b) in coverable:
+                    continue
+                row = tuple(a if k == i else b if k == j else 0 for k in range(len(md.LEVELS)))
+                reason = md.refusal(row, layout)
+                assert reason is not None, (layout.name, md.row_label(row))
+                if md.conflict(row) is None:
+                    assert key.match(reason), (layout.name, md.row_label(row), reason)
+
+
+def test_every_parallel_key_is_exercised_and_observable() -> None:
+    """A ``parallel.*`` key the code silently ignored must fail a test: every key is set to
+    a non-default value by some layout of the matrix, and that value changes the facts the
+    layout check asserts (``expected_layout``), so running the layout without honouring the
+    key would fail it. ``dp_shard`` is derived from the world size: an explicit value can
+    only equal the derived one (a different one is refused, tests/parallel/test_dims.py)."""
+    import dataclasses
+
+    from moetrain.config import ParallelConfig
+
+    for f in dataclasses.fields(ParallelConfig):
+        if f.name == "dp_shard":
+            continue
+        witnesses = []
+        for layout in md.LAYOUTS:
+            mine = [o for o in layout.overrides if o.startswith(f"parallel.{f.name}=")]
+            if not mine:
+                continue
+            others = [o for o in layout.overrides if o not in mine]
+            try:
+                without = expected_layout([*md.BASE, *others], layout.world, 0)
+            except Exception:  # noqa: BLE001 - the key is needed for the layout to exist
+                witnesses.append(layout.name)
+                continue
+            if without != expected_layout([*md.BASE, *layout.overrides], layout.world, 0):
+                witnesses.append(layout.name)
+        if f.name == "activation_checkpointing":
+            # An option factor of the matrix rather than a layout: set by the rows.
+            assert len(FACTORS["activation_checkpointing"]) == 3
+            continue
+        assert witnesses, f"parallel.{f.name}: no layout of the matrix shows it is honoured"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"{w} ranks" for w in WORLDS])
+def test_covering_design_matches_one_process(world: int) -> None:
+    design = md.design()
+    check_cases(world, _cases(world, design.__getitem__), md.STEPS, timeout=880)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"{w} ranks" for w in WORLDS])
+def test_every_row_under_every_layout_matches_one_process(world: int) -> None:
+    design = md.design()
+
+    def rest(layout):  # the rows the covering part did not run under this layout
+        return [
+            r for r in md.all_rows() if r not in design[layout] and md.refusal(r, layout) is None
+        ]
+
+    check_cases(world, _cases(world, rest), md.STEPS, timeout=3500)
