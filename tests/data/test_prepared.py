@@ -485,3 +485,20 @@ def test_a_copied_dataset_is_verified_once_then_trusted(local, tmp_path, data_cf
     os.utime(sorted(root.glob("train-*.bin"))[0])  # a file written since is read again
     check_data(cfg)
     assert stamps.stat().st_mtime_ns != before
+
+
+def test_automatic_shard_size_keeps_the_workers_busy(local, data_cfg, monkeypatch):
+    from moetrain.data import load_split
+    from moetrain.data.prepare import auto_shard_chars
+
+    small = {r: load_split(data_cfg(dataset=local["jsonl"]), r) for r in ("train", "eval")}
+    assert auto_shard_chars(small, "text") == 1_000_000  # at least 1 M characters a shard
+    corpus = {r: load_split(data_cfg(), r) for r in ("train", "eval")}
+    chars = sum(len(t) for ds in corpus.values() for t in ds["text"])
+    assert auto_shard_chars(corpus, "text") == 1_000_000  # 4 M characters: the floor again
+    monkeypatch.setattr(prepare_module, "MIN_SHARD_MB", 0.0)
+    assert auto_shard_chars(corpus, "text") == int(chars / 64)  # 64 shards of the text
+    monkeypatch.setattr(prepare_module, "MAX_SHARD_MB", 0.01)
+    assert auto_shard_chars(corpus, "text") == 10_000
+    streamed = {r: load_split(data_cfg(streaming=True), r) for r in ("train", "eval")}
+    assert auto_shard_chars(streamed, "text") == 16_000_000
