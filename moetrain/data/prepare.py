@@ -314,20 +314,10 @@ def prepare_dataset(
     if workers < 0 or (shard_mb is not None and not shard_mb > 0):
         raise DataError(f"--workers must be >= 0 and --shard-mb > 0, got {workers}, {shard_mb}")
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
-    if is_prepared(out):
-        manifest = read_manifest(out, "--out")
-        if manifest.tokenizer["fingerprint"] != tokenizer.fingerprint:
-            raise DataError(
-                f"--out: {str(out)!r} already holds a dataset prepared with "
-                "another tokenizer; choose another --out"
-            )
-        log.info("%s is already prepared", out)
-        return manifest
-    if out.exists():
+    if out.exists() and not is_prepared(out):
         raise DataError(
             f"--out: {str(out)!r} exists and is not a prepared dataset; choose a new directory"
         )
-
     splits = {role: load_split(cfg, role) for role in _ROLES}
     dtype = token_dtype(tokenizer.vocab_size)
     if shard_mb is None:
@@ -341,6 +331,16 @@ def prepare_dataset(
         "shard_chars": shard_chars,
         "source": _source_description(cfg, splits),
     }
+    if is_prepared(out):
+        manifest = read_manifest(out, "--out")
+        same = manifest.tokenizer["fingerprint"] == tokenizer.fingerprint
+        if not same or json.loads(json.dumps(plan["source"])) != manifest.data["source"]:
+            raise DataError(
+                f"--out: {str(out)!r} already holds a dataset prepared from other data or "
+                "with another tokenizer; choose another --out"
+            )
+        log.info("%s is already prepared", out)
+        return manifest
     staging = _Staging(out, plan)
     try:
         return _prepare(

@@ -460,6 +460,16 @@ def test_prepare_data_refuses_what_it_cannot_do(local, tmp_path, capsys, cache_d
             "data.dataset: ",
             "does not exist",
         ),
+        (
+            [
+                f"data.dataset={write_jsonl(tmp_path / 'o.jsonl', texts(5, 'o'))}",
+                cache,
+                "--out",
+                local["prepared"],
+            ],
+            "--out: ",
+            "already holds a dataset prepared from other data",
+        ),
     ]
     for args, key, phrase in cases:
         assert cli_main(["prepare-data", *args]) == 2
