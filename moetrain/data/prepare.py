@@ -38,19 +38,16 @@ from moetrain.data.prepared import (
     TOKENIZER_FILE,
     Manifest,
     build_manifest,
-    check_files,
     is_prepared,
     publish_dir,
     read_manifest,
-    record_verified,
     sha256_file,
-    stamp_file,
-    verify_checksums,
     write_json_atomic,
 )
 from moetrain.data.sources import token_dtype
 from moetrain.data.tokenize_worker import ShardTokenizer, init_worker, write_shard
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
+from moetrain.data.verify import check_files, record_verified, stamp_file, verify_checksums
 
 log = logging.getLogger(__name__)
 

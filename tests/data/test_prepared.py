@@ -27,15 +27,9 @@ from moetrain.data import (
     unigram_entropy,
 )
 from moetrain.data import prepare as prepare_module
-from moetrain.data.prepared import (
-    ShardWriter,
-    build_manifest,
-    read_manifest,
-    record_verified,
-    stamp_file,
-    write_json_atomic,
-)
+from moetrain.data.prepared import ShardWriter, build_manifest, read_manifest, write_json_atomic
 from moetrain.data.tokenizer import train_bpe
+from moetrain.data.verify import record_verified, stamp_file
 
 SEQ = 32
 REPO = Path(__file__).resolve().parents[2]
