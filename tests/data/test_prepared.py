@@ -506,3 +506,16 @@ def test_automatic_shard_size_keeps_the_workers_busy(local, data_cfg, monkeypatc
     assert auto_shard_chars(corpus, "text") == 10_000
     streamed = {r: load_split(data_cfg(streaming=True), r) for r in ("train", "eval")}
     assert auto_shard_chars(streamed, "text") == 16_000_000
+
+
+def test_a_streamed_source_prepares_the_same_dataset(local, tmp_path, data_cfg, tokenizer):
+    streamed = data_cfg(dataset=local["jsonl"], streaming=True)
+    m = prepare_dataset(streamed, tmp_path / "s", workers=0, shard_mb=0.002, progress=False)
+    plain = read_manifest(local["prepared"])
+    for split in ("train", "eval"):
+        assert [s["tokens_sha256"] for s in m.split(split)["shards"]] == [
+            s["tokens_sha256"] for s in plain.split(split)["shards"]
+        ]
+    a = PackedBatches(data_cfg(dataset=str(tmp_path / "s"), seq_len=SEQ), tokenizer, "train", 8, 4)
+    b = PackedBatches(data_cfg(dataset=local["prepared"], seq_len=SEQ), tokenizer, "train", 8, 4)
+    assert torch.equal(rows(a, 5), rows(b, 5))
