@@ -449,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="moetrain prepare-data",
         description="Tokenize the dataset that the data.* keys name, once and in parallel, "
-        "into a prepared dataset (sharded memory-mapped token files, document index, "
-        "manifest); train on it with data.dataset=DIR.",
+        "into a prepared dataset (sharded token files, a memory-mapped document index, "
+        "and a manifest); train on it with data.dataset=DIR.",
     )
     parser.add_argument("--config", help="YAML experiment file (its data section is read)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides (data.*)")
