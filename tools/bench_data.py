@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,58 +140,54 @@ def write_corpora(workdir: Path, sizes: list[int], cache_dir: str) -> dict[int, 
     return out
 
 
-def tokenization(res: Results, corpus: Path, workdir: Path, cache_dir: str, quick: bool) -> int:
-    """Tokens/s of prepare-data per worker count, and of datasets.map(num_proc); returns the
-    fastest worker count."""
+def tokenization(res: Results, corpus: Path, workdir: Path, cache_dir: str, reps: int) -> int:
+    """Tokens/s of prepare-data per worker count, and of datasets.map(num_proc) doing the same
+    tokenization; the modes run round-robin ``reps`` times and the best rate of each is kept
+    (a shared machine's load drifts). Returns the fastest prepare-data worker count."""
+    import datasets
+
     from moetrain.config import DataConfig
     from moetrain.data import load_split, load_tokenizer, prepare_dataset
 
     cfg = DataConfig(dataset=str(corpus), cache_dir=cache_dir)
-    for role in ("train", "eval"):
-        load_split(cfg, role)  # the JSON -> Arrow conversion, once, outside the timings
-    cores = os.cpu_count() or 1
-    best, best_rate = 0, 0.0
-    for workers in range(0, cores + 1):
-        out = workdir / f"tok-w{workers}"
-        start = time.perf_counter()
-        manifest = prepare_dataset(cfg, out, workers=workers, shard_mb=4.0, progress=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(manifest.split(s)["n_tokens"] for s in ("train", "eval"))
-        rate = tokens / seconds
-        label = (
-            "in-process (tokenizer threads)" if workers == 0 else f"{workers} worker process(es)"
-        )
-        res.add("tokenize", f"prepare-data, {label}", rate, "tokens/s")
-        if rate > best_rate:
-            best, best_rate = workers, rate
-    # datasets' own parallel map doing the same tokenization (into its Arrow cache).
-    import datasets
-
-    datasets.disable_progress_bars()
+    splits = {role: load_split(cfg, role) for role in ("train", "eval")}  # Arrow, once
     tok = load_tokenizer("default", cache_dir)
-    tok_json, eos = tok.to_str(), tok.eos_id
-    ds = load_split(cfg, "train")
-    for procs in range(1, cores + 1):
-        start = time.perf_counter()
-        mapped = ds.map(
-            _map_tokenize,
-            batched=True,
-            batch_size=256,
-            num_proc=procs,
-            fn_kwargs={"tok_json": tok_json, "eos": eos},
-            remove_columns=ds.column_names,
-            cache_file_name=str(workdir / f"map-{procs}-{time.time_ns()}.arrow"),
-        )
-        seconds = time.perf_counter() - start
-        tokens = sum(len(x) for x in mapped["ids"]) if not quick else mapped.num_rows
-        if not quick:
-            res.add(
-                "tokenize",
-                f"datasets.map(num_proc={procs}) (train split)",
-                tokens / seconds,
-                "tokens/s",
-            )
-    return best
+    kwargs = {"tok_json": tok.to_str(), "eos": tok.eos_id}
+    cores = os.cpu_count() or 1
+    rates: dict[tuple[str, int], float] = {}
+    for rep in range(reps):
+        for workers in range(0, cores + 1):
+            out = workdir / f"tok-w{workers}-{rep}"
+            shutil.rmtree(out, ignore_errors=True)  # a finished one would be a no-op
+            start = time.perf_counter()
+            m = prepare_dataset(cfg, out, workers=workers, progress=False)
+            rate = sum(m.split(s)["n_tokens"] for s in splits) / (time.perf_counter() - start)
+            rates["prepare", workers] = max(rates.get(("prepare", workers), 0.0), rate)
+        for procs in range(1, cores + 1):
+            start = time.perf_counter()
+            tokens = 0
+            for role, ds in splits.items():
+                mapped = ds.map(
+                    _map_tokenize,
+                    batched=True,
+                    batch_size=256,
+                    num_proc=procs,
+                    fn_kwargs=kwargs,
+                    remove_columns=ds.column_names,
+                    load_from_cache_file=False,
+                    cache_file_name=str(workdir / f"map-{role}-{procs}-{rep}.arrow"),
+                )
+                tokens += sum(map(len, mapped.data.column("ids").to_pylist()))
+            rate = tokens / (time.perf_counter() - start)
+            rates["map", procs] = max(rates.get(("map", procs), 0.0), rate)
+    datasets.disable_progress_bars()
+    for (kind, n), rate in rates.items():
+        if kind == "prepare":
+            label = "in-process (tokenizer threads)" if n == 0 else f"{n} worker process(es)"
+            res.add("tokenize", f"prepare-data, {label}", rate, "tokens/s")
+        else:
+            res.add("tokenize", f"datasets.map(num_proc={n}), Arrow out", rate, "tokens/s")
+    return max((n for kind, n in rates if kind == "prepare"), key=lambda n: rates["prepare", n])
 
 
 _MAP_TOKENIZER: dict[str, object] = {}
@@ -301,13 +298,14 @@ def main(argv: list[str] | None = None) -> int:
         corpora = write_corpora(workdir, sizes, cache_dir)
         print("1. tokenization throughput")
         mid = sizes[1] if len(sizes) > 1 else sizes[0]
-        best = tokenization(res, corpora[mid], workdir, cache_dir, args.quick)
+        best = tokenization(res, corpora[mid], workdir, cache_dir, 1 if args.quick else 2)
         print(f"2. prepared datasets per size ({best} workers), first batch and memory per rank")
         from moetrain.data import prepare_dataset
 
         prepared = {}
         for k in sizes:
             cfg = DataConfig(dataset=str(corpora[k]), cache_dir=cache_dir)
+            shutil.rmtree(workdir / f"prepared-{k}x", ignore_errors=True)
             start = time.perf_counter()
             m = prepare_dataset(cfg, workdir / f"prepared-{k}x", workers=best, progress=False)
             seconds = time.perf_counter() - start

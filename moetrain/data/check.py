@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from moetrain.config import DataConfig
 from moetrain.data.dataset import load_split
-from moetrain.data.prepared import check_prepared, is_prepared
+from moetrain.data.prepared import is_prepared
 from moetrain.data.tokenizer import load_tokenizer
+from moetrain.data.verify import check_prepared
 
 
 def check_data(cfg: DataConfig) -> None:

@@ -38,24 +38,27 @@ from moetrain.data.prepared import (
     TOKENIZER_FILE,
     Manifest,
     build_manifest,
-    check_files,
     is_prepared,
     publish_dir,
     read_manifest,
-    record_verified,
     sha256_file,
-    stamp_file,
-    verify_checksums,
     write_json_atomic,
 )
 from moetrain.data.sources import token_dtype
 from moetrain.data.tokenize_worker import ShardTokenizer, init_worker, write_shard
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
+from moetrain.data.verify import check_files, record_verified, stamp_file, verify_checksums
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SHARD_MB = 64.0
-"""Millions of characters of text per shard (about 30 MB of uint16 tokens for English)."""
+MAX_SHARD_MB = 64.0
+"""Most millions of characters of text per shard (about 30 MB of uint16 tokens for English)."""
+
+MIN_SHARD_MB = 1.0
+"""Fewest millions of characters per shard when the size is chosen automatically."""
+
+STREAM_SHARD_MB = 16.0
+"""Shard size for a streamed source, whose total size is not known up front."""
 
 CACHE_SHARD_MB = 256.0
 """Shard size of the token cache that on-the-fly tokenization writes."""
@@ -87,6 +90,20 @@ def _shard_texts(ds: AnyDataset, column: str, shard_chars: int) -> Iterator[tupl
                 texts, chars, rows = [], 0, 0
     if texts or rows:
         yield texts, rows
+
+
+def auto_shard_chars(splits: dict[str, AnyDataset], column: str) -> int:
+    """Characters per shard: 1/64 of the text (so that the workers stay evenly busy to the
+    end), between ``MIN_SHARD_MB`` and ``MAX_SHARD_MB`` million. It depends on the data
+    alone, so that a resumed run cuts the same shards whatever its worker count."""
+    if not all(isinstance(ds, Dataset) for ds in splits.values()):
+        return int(STREAM_SHARD_MB * 1e6)
+    total = 0.0
+    for ds in splits.values():
+        table = ds.data  # the whole file's rows: scale to the rows this split selects
+        chars = pc.sum(pc.utf8_length(table.column(column))).as_py() or 0
+        total += chars * ds.num_rows / max(1, table.num_rows)
+    return int(min(max(total / 64, MIN_SHARD_MB * 1e6), MAX_SHARD_MB * 1e6))
 
 
 def _tokenizer_info(tokenizer: Tokenizer) -> dict[str, Any]:
@@ -229,8 +246,8 @@ def _run(
     on_done: Callable[[str, int, dict[str, Any], int], None],
 ) -> None:
     """Tokenize every (split, index, texts, rows) task into its shard: in this process when
-    ``workers`` is 0, else in a pool of that many spawned processes, at most 2 tasks per
-    worker in flight (bounded memory)."""
+    ``workers`` is 0, else in a pool of that many spawned processes, with at most
+    ``workers + 2`` shards of text in flight (memory bounded by the shard size)."""
     if workers == 0:
         worker = ShardTokenizer(*init_args[:3])
         for split, index, texts, rows in tasks:
@@ -252,7 +269,7 @@ def _run(
 
         try:
             for split, index, texts, rows in tasks:
-                while len(pending) >= 2 * workers:
+                while len(pending) >= workers + 2:
                     collect(block=True)
                 pending[pool.submit(write_shard, str(directory), split, index, texts)] = (
                     split,
@@ -272,13 +289,14 @@ def prepare_dataset(
     cfg: DataConfig,
     out: str | os.PathLike[str],
     workers: int | None = None,
-    shard_mb: float = DEFAULT_SHARD_MB,
+    shard_mb: float | None = None,
     progress: bool = True,
 ) -> Manifest:
     """Tokenize ``cfg``'s train and eval splits into the prepared dataset ``out``.
 
-    ``workers``: tokenizing processes (None: one per CPU core; 0: this process). Resumes an
-    interrupted run with the same settings; returns the manifest of the finished dataset.
+    ``workers``: tokenizing processes (None: one per CPU core; 0: this process).
+    ``shard_mb``: millions of characters of text per shard (None: ``auto_shard_chars``).
+    Resumes an interrupted run with the same settings; returns the finished manifest.
     """
     out = Path(out).expanduser().absolute()
     if cfg.mix is not None:
@@ -290,26 +308,19 @@ def prepare_dataset(
         raise DataError(f"data.dataset: {cfg.dataset!r} is already a prepared dataset")
     if workers is None:
         workers = os.cpu_count() or 1
-    if workers < 0 or not shard_mb > 0:
+    if workers < 0 or (shard_mb is not None and not shard_mb > 0):
         raise DataError(f"--workers must be >= 0 and --shard-mb > 0, got {workers}, {shard_mb}")
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
-    if is_prepared(out):
-        manifest = read_manifest(out, "--out")
-        if manifest.tokenizer["fingerprint"] != tokenizer.fingerprint:
-            raise DataError(
-                f"--out: {str(out)!r} already holds a dataset prepared with "
-                "another tokenizer; choose another --out"
-            )
-        log.info("%s is already prepared", out)
-        return manifest
-    if out.exists():
+    if out.exists() and not is_prepared(out):
         raise DataError(
             f"--out: {str(out)!r} exists and is not a prepared dataset; choose a new directory"
         )
-
     splits = {role: load_split(cfg, role) for role in _ROLES}
     dtype = token_dtype(tokenizer.vocab_size)
-    shard_chars = max(1, int(shard_mb * 1e6))
+    if shard_mb is None:
+        shard_chars = auto_shard_chars(splits, cfg.text_column)
+    else:
+        shard_chars = max(1, int(shard_mb * 1e6))
     plan = {
         "format_version": FORMAT_VERSION,
         "tokenizer": tokenizer.fingerprint,
@@ -317,6 +328,16 @@ def prepare_dataset(
         "shard_chars": shard_chars,
         "source": _source_description(cfg, splits),
     }
+    if is_prepared(out):
+        manifest = read_manifest(out, "--out")
+        same = manifest.tokenizer["fingerprint"] == tokenizer.fingerprint
+        if not same or json.loads(json.dumps(plan["source"])) != manifest.data["source"]:
+            raise DataError(
+                f"--out: {str(out)!r} already holds a dataset prepared from other data or "
+                "with another tokenizer; choose another --out"
+            )
+        log.info("%s is already prepared", out)
+        return manifest
     staging = _Staging(out, plan)
     try:
         return _prepare(
@@ -428,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="moetrain prepare-data",
         description="Tokenize the dataset that the data.* keys name, once and in parallel, "
-        "into a prepared dataset (sharded memory-mapped token files, document index, "
-        "manifest); train on it with data.dataset=DIR.",
+        "into a prepared dataset (sharded token files, a memory-mapped document index, "
+        "and a manifest); train on it with data.dataset=DIR.",
     )
     parser.add_argument("--config", help="YAML experiment file (its data section is read)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides (data.*)")
@@ -443,8 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--shard-mb",
         type=float,
-        default=DEFAULT_SHARD_MB,
-        help="millions of characters of text per shard (default: %(default)s)",
+        default=None,
+        help="millions of characters of text per shard (default: 1/64 of the text, "
+        f"between {MIN_SHARD_MB:g} and {MAX_SHARD_MB:g}; {STREAM_SHARD_MB:g} when streaming)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(

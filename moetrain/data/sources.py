@@ -28,14 +28,9 @@ from moetrain.data._cache import cache_root, short_hash
 from moetrain.data.corpus import corpus_dir
 from moetrain.data.dataset import check_text, load_split, plan_split
 from moetrain.data.errors import DataError
-from moetrain.data.prepared import (
-    PreparedSplit,
-    check_files,
-    check_tokenizer,
-    is_prepared,
-    read_manifest,
-)
+from moetrain.data.prepared import PreparedSplit, is_prepared, read_manifest
 from moetrain.data.tokenizer import Tokenizer
+from moetrain.data.verify import check_files, check_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -27,15 +27,9 @@ from moetrain.data import (
     unigram_entropy,
 )
 from moetrain.data import prepare as prepare_module
-from moetrain.data.prepared import (
-    ShardWriter,
-    build_manifest,
-    read_manifest,
-    record_verified,
-    stamp_file,
-    write_json_atomic,
-)
+from moetrain.data.prepared import ShardWriter, build_manifest, read_manifest, write_json_atomic
 from moetrain.data.tokenizer import train_bpe
+from moetrain.data.verify import record_verified, stamp_file
 
 SEQ = 32
 REPO = Path(__file__).resolve().parents[2]
@@ -460,6 +454,16 @@ def test_prepare_data_refuses_what_it_cannot_do(local, tmp_path, capsys, cache_d
             "data.dataset: ",
             "does not exist",
         ),
+        (
+            [
+                f"data.dataset={write_jsonl(tmp_path / 'o.jsonl', texts(5, 'o'))}",
+                cache,
+                "--out",
+                local["prepared"],
+            ],
+            "--out: ",
+            "already holds a dataset prepared from other data",
+        ),
     ]
     for args, key, phrase in cases:
         assert cli_main(["prepare-data", *args]) == 2
@@ -485,3 +489,33 @@ def test_a_copied_dataset_is_verified_once_then_trusted(local, tmp_path, data_cf
     os.utime(sorted(root.glob("train-*.bin"))[0])  # a file written since is read again
     check_data(cfg)
     assert stamps.stat().st_mtime_ns != before
+
+
+def test_automatic_shard_size_keeps_the_workers_busy(local, data_cfg, monkeypatch):
+    from moetrain.data import load_split
+    from moetrain.data.prepare import auto_shard_chars
+
+    small = {r: load_split(data_cfg(dataset=local["jsonl"]), r) for r in ("train", "eval")}
+    assert auto_shard_chars(small, "text") == 1_000_000  # at least 1 M characters a shard
+    corpus = {r: load_split(data_cfg(), r) for r in ("train", "eval")}
+    chars = sum(len(t) for ds in corpus.values() for t in ds["text"])
+    assert auto_shard_chars(corpus, "text") == 1_000_000  # 4 M characters: the floor again
+    monkeypatch.setattr(prepare_module, "MIN_SHARD_MB", 0.0)
+    assert auto_shard_chars(corpus, "text") == int(chars / 64)  # 64 shards of the text
+    monkeypatch.setattr(prepare_module, "MAX_SHARD_MB", 0.01)
+    assert auto_shard_chars(corpus, "text") == 10_000
+    streamed = {r: load_split(data_cfg(streaming=True), r) for r in ("train", "eval")}
+    assert auto_shard_chars(streamed, "text") == 16_000_000
+
+
+def test_a_streamed_source_prepares_the_same_dataset(local, tmp_path, data_cfg, tokenizer):
+    streamed = data_cfg(dataset=local["jsonl"], streaming=True)
+    m = prepare_dataset(streamed, tmp_path / "s", workers=0, shard_mb=0.002, progress=False)
+    plain = read_manifest(local["prepared"])
+    for split in ("train", "eval"):
+        assert [s["tokens_sha256"] for s in m.split(split)["shards"]] == [
+            s["tokens_sha256"] for s in plain.split(split)["shards"]
+        ]
+    a = PackedBatches(data_cfg(dataset=str(tmp_path / "s"), seq_len=SEQ), tokenizer, "train", 8, 4)
+    b = PackedBatches(data_cfg(dataset=local["prepared"], seq_len=SEQ), tokenizer, "train", 8, 4)
+    assert torch.equal(rows(a, 5), rows(b, 5))
