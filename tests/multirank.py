@@ -224,6 +224,7 @@ def micro_run(
     steps: int,
     *overrides: str,
     inject: Callable[[Any, int], None] | None = None,
+    traffic: bool = True,
 ) -> dict[str, Any]:
     """Train the micro MoE ``steps`` steps (no eval, no checkpoint) and report.
 
@@ -236,7 +237,9 @@ def micro_run(
     every rank returns the same values (each gathered on that rank).
 
     ``inject(engine, step)`` runs on the reduced gradients before they are recorded and
-    used: the oracle's own tests plant errors with it.
+    used: the oracle's own tests plant errors with it. ``traffic=False`` skips counting the
+    first step's collectives (``CommCounter`` sees every op: slow), leaving the traffic facts
+    out of ``layout``: for the cells of a layout whose traffic another cell checked.
     """
     from moetrain.train.trainer import Trainer
 
@@ -258,11 +261,13 @@ def micro_run(
     facts: dict[str, Any] = {}
     for step in range(steps):
         if step == 0:
+            from contextlib import nullcontext
+
             from moetrain.parallel.accounting import CommCounter
 
-            with CommCounter() as counter:
+            with CommCounter() if traffic else nullcontext() as counter:
                 res = trainer.train_step()
-            facts = layout_facts(trainer, counter.records)
+            facts = layout_facts(trainer, counter.records if traffic else None)
             facts["fsdp_resharded_after_forward"] = watch.pop("resharded", None)
             facts["ep_bytes_sent"] = any(float(s["a2a_bytes"]) > 0 for s in res.moe.values())
             counter = None
@@ -350,10 +355,10 @@ def _group_ranks(name: str) -> frozenset[int]:
     return frozenset(dist.get_process_group_ranks(group))
 
 
-def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
+def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
     """What this rank's layout really is, read off the built model and one step's
-    collectives (``records`` of a ``CommCounter``): the evidence every layout test holds
-    against ``expected_layout``."""
+    collectives (``records`` of a ``CommCounter``; None: no traffic facts): the evidence
+    every layout test holds against ``expected_layout``."""
     from collections import Counter
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -366,7 +371,7 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
     eng = trainer.engine
     by_group = _group_dims(eng.meshes)
     kinds: dict[str, set[str]] = {}
-    for r in records:
+    for r in records or ():
         if r.sent > 0:
             kinds.setdefault(by_group.get(_group_ranks(r.group), "other"), set()).add(r.kind)
     # The first column-parallel attention projection (GQA's wq, MLA's per-head up-projection;
@@ -393,7 +398,7 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
             if isinstance(module, CheckpointWrapper):
                 wrapped["attention" if name.endswith("attention") else "block"] += 1
     moe = [m for part in eng.parts for m in part.modules() if isinstance(m, MoELayer)]
-    return {
+    facts = {
         "stages": tuple(eng.stage_ids),
         "schedule": type(eng.schedule).__name__ if eng.schedule is not None else None,
         "microbatches": eng.n_micro,
@@ -404,9 +409,11 @@ def layout_facts(trainer: Any, records: list[Any]) -> dict[str, Any]:
         "checkpointed": dict(wrapped),
         "experts": _experts_per_rank(moe[0].experts.w1) if moe else None,
         "dispatcher": _dispatcher_name(moe[0].dispatcher) if moe else None,
-        "traffic_axes": sorted(k for k in kinds if k != "other"),
-        "sequence_parallel_traffic": "reduce_scatter" in kinds.get("tp", ()),
     }
+    if records is not None:
+        facts["traffic_axes"] = sorted(k for k in kinds if k != "other")
+        facts["sequence_parallel_traffic"] = "reduce_scatter" in kinds.get("tp", ())
+    return facts
 
 
 def _dispatcher_name(d: Any) -> str:
@@ -488,12 +495,16 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     }
 
 
+TRAFFIC_FACTS = ("traffic_axes", "sequence_parallel_traffic")
+
+
 def layout_mismatches(facts: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    """The facts that differ from what the config asks, one line each."""
+    """The facts that differ from what the config asks, one line each (traffic facts only
+    when the run counted its collectives)."""
     return [
         f"{key}: the config asks for {want[key]!r}, the run has {facts.get(key)!r}"
         for key in want
-        if facts.get(key) != want[key]
+        if (key in facts or key not in TRAFFIC_FACTS) and facts.get(key) != want[key]
     ]
 
 
@@ -512,11 +523,14 @@ TOLERANCES: dict[str, dict[str, dict[str, float]]] = {
         # Gradients (every step, before clipping) and AdamW's moments (after the last step),
         # per tensor: max |got - ref| <= scale * max |ref|, relative to the tensor's own
         # magnitude (gradients span 1e-4..1e-1 between tensors: one absolute atol would be
-        # blind on the small ones). Measured: the first step's gradients agree to <= 4e-7;
-        # later steps inherit the Adam-amplified parameter differences, <= 3.5e-5 (tp=2). A
-        # constant factor on one tensor's gradient -- what Adam hides from the parameters --
-        # is an error of the order of the tensor itself: x0.5 reads 0.5.
-        "grad": {"scale": 1e-4},
+        # blind on the small ones). "first": the first step's gradients, where a layout only
+        # reorders fp32 sums (measured <= 4e-7). "later": later steps' gradients and the
+        # moments inherit the parameter differences Adam amplifies (a near-zero gradient
+        # element whose last bit differs moves its parameter by a sizeable fraction of lr),
+        # measured <= 1.3e-4 over the equivalence matrix. A constant factor on one tensor's
+        # gradient -- what Adam hides from the parameters -- is an error of the order of the
+        # tensor itself: x0.5 reads 0.5.
+        "grad": {"first": 1e-5, "later": 1e-3},
         # Router-score histograms: the fraction of scores in another bin (measured 0).
         "hist": {"moved": 1e-3},
     },
@@ -531,9 +545,9 @@ TOLERANCES: dict[str, dict[str, dict[str, float]]] = {
         # bounded by 2 x 7.5e-3. Measured 7.9e-3.
         "param": {"atol": 1.5e-2, "rtol": 0.0},
         # Gradients: the first step's agree to <= 1.4e-2 of each tensor's scale (a few bf16
-        # ulps through the network); later steps inherit the parameter differences above,
-        # measured <= 4.6e-2. Still far from a constant factor (x0.5 reads 0.5).
-        "grad": {"scale": 0.1},
+        # ulps through the network); later steps and the moments inherit the parameter
+        # differences above, measured <= 4.6e-2. Still far from a constant factor (x0.5).
+        "grad": {"first": 0.05, "later": 0.1},
         # A score within an ulp of a bin edge changes bin: measured 0.4% of them.
         "hist": {"moved": 0.02},
     },
@@ -572,7 +586,7 @@ def compare_runs(
     atol = table["value"]["atol"] if atol is None else atol
     rtol = table["value"]["rtol"] if rtol is None else rtol
     param_tol = param_tol or table["param"]
-    scale_tol = (grad_tol or table["grad"])["scale"]
+    grad_tol = grad_tol or table["grad"]
 
     def note(name: str, err: float) -> None:
         key = name.split("[")[0]
@@ -587,13 +601,13 @@ def compare_runs(
             a_t, b_t, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}"
         )
 
-    def check_scaled(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+    def check_scaled(name: str, a: torch.Tensor, b: torch.Tensor, scale_tol: float) -> None:
         a_t, b_t = a.double(), b.double()
         assert a_t.shape == b_t.shape, f"{what} {name}: shape {a_t.shape} vs {b_t.shape}"
         scale = b_t.abs().max().item() if b_t.numel() else 0.0
         err = (a_t - b_t).abs().max().item() if a_t.numel() else 0.0
         rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
-        note(name, rel)
+        note("grad first step[" if name.startswith("grad[step 0 ") else name, rel)
         assert rel <= scale_tol, (
             f"{what} {name}: max abs error {err:.3g} is {rel:.3g} of the reference's max "
             f"abs {scale:.3g} (allowed {scale_tol:g}); ratio of norms got/ref "
@@ -611,12 +625,15 @@ def compare_runs(
         assert len(got["grads"]) == len(ref["grads"]), f"{what}: gradient steps differ"
         for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
             same_names(f"gradients of step {step}", g, r)
+            tol = grad_tol["first"] if step == 0 else grad_tol["later"]
             for name in r:
-                check_scaled(f"grad[step {step} {name}]", g[name], r[name])
+                check_scaled(f"grad[step {step} {name}]", g[name], r[name], tol)
     if "optim" in got and "optim" in ref:
         same_names("optimizer state", got["optim"], ref["optim"])
         for name in ref["optim"]:
-            check_scaled(f"optim[{name}]", got["optim"][name], ref["optim"][name])
+            check_scaled(
+                f"optim[{name}]", got["optim"][name], ref["optim"][name], grad_tol["later"]
+            )
     check("loss", got["loss"], ref["loss"])
     check("grad_norm", got["grad_norm"], ref["grad_norm"])
     for step, (g, r) in enumerate(zip(got["moe"], ref["moe"], strict=True)):
@@ -719,11 +736,14 @@ def _cases_worker(
     steps: int,
 ) -> list[dict[str, Any]]:
     out = []
+    counted: set[tuple[str, ...]] = set()  # layouts whose traffic a cell already counted
     for case in cases:
         overrides = [*case.options, *case.layout]
         inject = _plant(case.fault, rank)
         with tempfile.TemporaryDirectory() as tmp:
-            got = micro_run(tmp, steps, *overrides, inject=inject)
+            traffic = case.layout not in counted
+            got = micro_run(tmp, steps, *overrides, inject=inject, traffic=traffic)
+            counted.add(case.layout)
         facts = {**got["layout"]}
         problems = [
             f"layout {m}"
@@ -798,9 +818,11 @@ def reshard_run(
 def compare_resumed(got: dict[str, Any], ref: dict[str, Any], what: str = "") -> None:
     """A ``reshard_run`` against the uninterrupted single-process ``micro_run``: losses,
     the last step's gradients, the optimizer moments and the parameters."""
+    later = TOLERANCES[ref.get("dtype", "fp32")]["grad"]["later"]
     compare_runs(
         {**got, "grad_norm": [], "moe": []},
         {**ref, "grad_norm": [], "moe": [], "grads": ref["grads"][-1:]},
+        grad_tol={"first": later, "later": later},  # the resumed step is a later step
         what=what,
     )
 

@@ -25,6 +25,7 @@ import random
 from dataclasses import dataclass
 
 from matrix_options import FACTORS, FORBIDDEN
+from multirank import MICRO
 
 BASE = (
     # The micro MoE of tests/multirank.py made smaller (dim 32, 16 tokens a sequence) to keep
@@ -70,9 +71,9 @@ LAYOUTS: list[Layout] = [
     Layout("hsdp 2x2 zero1", 4, ("parallel.dp_replicate=2", "parallel.zero_stage=1")),
     Layout("dp2 x tp2 SP zero2", 4,
            ("parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=2")),
-    Layout("pp2 x dp2 zero1 1f1b, 4 pipeline micro-batches", 4,
+    Layout("pp2 x dp2 zero1 1f1b, 2 pipeline micro-batches of 2", 4,
            ("parallel.pp=2", "parallel.zero_stage=1", "parallel.pp_schedule=1f1b",
-            "parallel.pp_microbatches=4")),
+            "parallel.pp_microbatches=2")),
     Layout("pp2 x tp2 SP interleaved v2", 4,
            ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
             "parallel.pp_virtual_stages=2")),
@@ -131,7 +132,7 @@ def refusal(row: Row, layout: Layout) -> str | None:
     from moetrain.parallel.dims import ParallelDims
 
     try:
-        cfg = _load([*BASE, *row_overrides(row), *layout.overrides, f"model.vocab_size={VOCAB}"])
+        cfg = _load([*row_overrides(row), *layout.overrides])
         ParallelDims.from_config(cfg.parallel, layout.world).validate(cfg)
     except ConfigError as exc:
         return str(exc)
@@ -139,20 +140,39 @@ def refusal(row: Row, layout: Layout) -> str | None:
 
 
 @functools.cache
-def _parsed(override: str) -> dict:
-    from moetrain.config import parse_overrides
+def _setting(override: str) -> tuple[str, str, object]:
+    """(section, key, typed value) of one ``section.key=value`` override, parsed and
+    type-checked once (YAML parsing is most of a config load)."""
+    from moetrain.config import JobConfig, _coerce, _hints, parse_overrides
 
-    return parse_overrides([override])
+    ((section, inner),) = parse_overrides([override]).items()
+    ((key, value),) = inner.items()
+    cls = _hints(JobConfig)[section]
+    return section, key, _coerce(f"{section}.{key}", value, _hints(cls)[key])
+
+
+@functools.cache
+def _base():
+    from moetrain.config import load_config
+
+    return load_config(None, [*MICRO, *BASE, f"model.vocab_size={VOCAB}"])
 
 
 def _load(overrides: list[str]):
-    """``load_config(None, overrides)`` with each override parsed once (YAML is slow)."""
-    from moetrain.config import JobConfig, _build_section, _merge
+    """``load_config(None, [*MICRO, *BASE, *overrides])`` -- what a cell runs, with the
+    default tokenizer's vocabulary -- built from a copy of the base config: the design
+    validates ~10^5 rows."""
+    import copy
 
-    tree: dict = {}
+    cfg = copy.copy(_base())
+    sections = {}
     for o in overrides:
-        tree = _merge(tree, _parsed(o))
-    return _build_section(JobConfig, tree, "").validate()
+        section, key, value = _setting(o)
+        if section not in sections:
+            sections[section] = copy.copy(getattr(cfg, section))
+            setattr(cfg, section, sections[section])
+        setattr(sections[section], key, value)
+    return cfg.validate()
 
 
 def _pairs(row: Row) -> set[tuple[int, int, int, int]]:
@@ -245,3 +265,19 @@ def _improve(row: Row, layout: Layout, uncovered: set, rng: random.Random) -> Ro
 def all_rows() -> list[Row]:
     """Every row any layout's covering design chose (the slow part runs each everywhere)."""
     return list(dict.fromkeys(r for rows in design().values() for r in rows))
+
+
+@functools.cache
+def value_rows(layout: Layout) -> tuple[Row, ...]:
+    """The fewest of the layout's covering rows that still hold every option value valid
+    under it (each value meets the layout at least once): the CI part for compositions of
+    several axes, whose cells cost 3-8 s each on two cores (see tests/parallel/test_matrix.py).
+    """
+    rows = design()[layout]
+    singles = {(k, r[k]) for r in rows for k in range(len(LEVELS))}
+    out: list[Row] = []
+    while singles:
+        best = max(rows, key=lambda r: len({(k, r[k]) for k in range(len(LEVELS))} & singles))
+        out.append(best)
+        singles -= {(k, best[k]) for k in range(len(LEVELS))}
+    return tuple(out)

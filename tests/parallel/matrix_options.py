@@ -28,7 +28,8 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
                         ["model.qkv_bias=true", "model.out_bias=true"])],
     "head_dim": [("dim / heads", ["model.head_dim=null"]),
                  ("head_dim 16 != dim / heads", ["model.head_dim=16"])],
-    "clip_qkv": [("no clip", ["model.clip_qkv=null"]), ("clip_qkv 2 (OLMoE)", ["model.clip_qkv=2.0"])],
+    "clip_qkv": [("no clip", ["model.clip_qkv=null"]),
+                 ("clip_qkv 2 (OLMoE)", ["model.clip_qkv=2.0"])],
     "rope_style": [("interleaved pairs", ["model.rope_style=interleaved"]),
                    ("rotate-half (HF)", ["model.rope_style=half"])],
     "rope_scaling": [("no scaling", ["model.rope_scaling=none"]),
@@ -76,8 +77,9 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
                     ("score-correction bias, frozen (DeepSeek-V3 inference)",
                      ["moe.expert_bias_rate=0.0", "moe.route_with_bias=true"])],
     # training
-    "accumulation": [("micro-batch 2", ["train.micro_batch_size=2"]),
-                     ("micro-batch 1", ["train.micro_batch_size=1"])],
+    # 8 sequences a step: 2 micro-batches of 4 in one process (the cheap baseline), or 4 of 2.
+    "accumulation": [("micro-batches of 4", ["train.micro_batch_size=4"]),
+                     ("micro-batches of 2", ["train.micro_batch_size=2"])],
     "activation_checkpointing": [("no AC", ["parallel.activation_checkpointing=none"]),
                                  ("selective AC", ["parallel.activation_checkpointing=selective"]),
                                  ("full AC", ["parallel.activation_checkpointing=full"])],

@@ -45,6 +45,7 @@ def test_design_covers_every_pair_of_option_values_under_every_layout() -> None:
     design = md.design()
     assert set(design) == set(md.LAYOUTS)
     for layout, rows in design.items():
+        assert rows, f"{layout.name}: validation refuses every option row"
         for row in rows:
             assert md.refusal(row, layout) is None, (layout.name, md.row_label(row))
         covered = set().union(*(md._pairs(r) for r in rows))
@@ -117,10 +118,37 @@ def test_every_parallel_key_is_exercised_and_observable() -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("world", WORLDS, ids=[f"{w} ranks" for w in WORLDS])
-def test_covering_design_matches_one_process(world: int) -> None:
+def test_pairwise_design_under_every_two_rank_layout() -> None:
+    """Every pair of option values meets every layout of one axis (dp with ZeRO 0-3, tp with
+    and without SP and with replicated experts, pp with each schedule, ep with each
+    dispatcher) on two ranks."""
+    check_cases(2, _cases(2, md.design().__getitem__), md.STEPS, timeout=880)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", (4, 8), ids=["4 ranks", "8 ranks"])
+def test_every_option_value_under_every_composition(world: int) -> None:
+    """Every option value meets every composition of axes (HSDP, dp x tp, pp x dp, pp x tp,
+    ep x tp, ep x edp, pp x dp x tp, ep x tp, pp x ep x tp): the fewest of the layout's
+    pairwise rows that hold all the values. The rest of the pairwise design runs under
+    ``-m slow`` (``test_pairwise_design_under_every_composition``): 16 rows a layout cost
+    3-8 s each on two cores, beyond the suite's budget."""
+    check_cases(world, _cases(world, md.value_rows), md.STEPS, timeout=880)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("world", (4, 8), ids=["4 ranks", "8 ranks"])
+def test_pairwise_design_under_every_composition(world: int) -> None:
     design = md.design()
-    check_cases(world, _cases(world, design.__getitem__), md.STEPS, timeout=880)
+
+    def rest(layout):  # the pairwise rows the CI part did not run
+        return [r for r in design[layout] if r not in md.value_rows(layout)]
+
+    check_cases(world, _cases(world, rest), md.STEPS, timeout=3500)
 
 
 @pytest.mark.multirank
@@ -128,10 +156,12 @@ def test_covering_design_matches_one_process(world: int) -> None:
 @pytest.mark.exhaustive
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("world", WORLDS, ids=[f"{w} ranks" for w in WORLDS])
-def test_every_row_under_every_layout_matches_one_process(world: int) -> None:
+def test_every_row_under_every_layout(world: int) -> None:
+    """The design's rows x the layouts: every row any layout's pairwise design chose, under
+    every layout where validation accepts it."""
     design = md.design()
 
-    def rest(layout):  # the rows the covering part did not run under this layout
+    def rest(layout):  # the rows the pairwise design did not run under this layout
         return [
             r for r in md.all_rows() if r not in design[layout] and md.refusal(r, layout) is None
         ]
