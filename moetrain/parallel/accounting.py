@@ -447,7 +447,8 @@ def analytic_sent(
     dp:  zero 0 all-reduce 2 Psi (d-1)/d; zero 1 and 2: reduce-scatter + all-gather
          2 Psi (n-1)/n; zero 3: 3 Psi (n-1)/n (+ the hybrid all-reduce of the 1/n shard).
     tp:  per micro-batch (b s h (t-1)/t) x (8 per dense layer, 6 per MoE layer with SP / 4
-         without, + 2 each for the vocabulary-parallel embedding and output).
+         without, + 2 each for the vocabulary-parallel embedding and output; with expert TP
+         each MoE layer adds 4 + 2 K / h for its routed experts and 4 for shared experts).
     pp:  b s h (/t with SP) per micro-batch and stage boundary, forward and backward
          (summed over the pp ranks: 2 m (stages - 1) b s h).
     """
@@ -466,6 +467,13 @@ def analytic_sent(
     bsh = b * s * h * bytes_per_elem
     if t > 1:
         moe_factor = 6 if cfg.parallel.sequence_parallel else 4
+        if cfg.parallel.expert_tp and cfg.moe.num_experts:
+            # Expert TP (ExpertTPDispatcher): the combined output all-reduced in forward, the
+            # input's and the combine weights' (T x K) gradients in backward; the shared
+            # experts column/row-wise: their output in forward, their input gradient back.
+            moe_factor += 4 + 2 * cfg.moe.top_k / cfg.model.dim
+            if cfg.moe.num_shared_experts:
+                moe_factor += 4
         per_mb = (
             8 * n_stage_layers.get("dense", 0)
             + moe_factor * n_stage_layers.get("moe", 0)

@@ -80,8 +80,9 @@ def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
 
 
 def _tp_sent(res: dict, sequence_parallel: bool) -> float:
-    """Tensor-parallel bytes: all-gathers + reduce-scatters with SP, all-reduces without."""
-    kinds = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+    """Tensor-parallel bytes: all-gathers + reduce-scatters + all-reduces with SP (expert TP
+    all-reduces even under SP), all-reduces without."""
+    kinds = ("all_gather", "reduce_scatter", "all_reduce") if sequence_parallel else ("all_reduce",)
     return sum(res["sent"].get(k, 0.0) for k in kinds)
 
 
@@ -107,7 +108,7 @@ def _rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float, str]
     for name, overrides in TP_LAYOUTS.items():
         r = measured[name][0]
         sp = "parallel.sequence_parallel=true" in overrides
-        counted = "all-gathers + reduce-scatters" if sp else "all-reduces"
+        counted = "all-gathers + reduce-scatters + all-reduces" if sp else "all-reduces"
         rows.append(
             (name, r["memory"] / r["formula"], _tp_sent(r, sp) / r["analytic"]["tp"], counted)
         )
