@@ -52,6 +52,7 @@ LAYOUTS: dict[str, list[str]] = {
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_family_options_reproduce_one_process_under_tp_pp_ep_zero3() -> None:
     """Whole option sets of the families (more than the pairs the equivalence matrix crosses,
