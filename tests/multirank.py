@@ -478,7 +478,13 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         "schedule": SCHEDULES[p.pp_schedule] if dims.pp > 1 else None,
         "microbatches": dims.microbatches(cfg),
         "tp_placement": "S(0)" if dims.tp > 1 else None,
-        "fsdp_units": (layers + len(stages)) if zero >= 2 else 0,
+        # A unit per block and per chunk root; under bf16 each MoE router is one more (it is
+        # gathered in fp32).
+        "fsdp_units": (
+            layers + len(stages) + (len(moe_layers) if cfg.train.dtype == "bf16" else 0)
+            if zero >= 2
+            else 0
+        ),
         "zero1_sharded": zero == 1,
         "zero_shards": dims.dp_shard if zero >= 1 else 1,
         "checkpointed": {"attention": layers}
@@ -535,11 +541,13 @@ TOLERANCES: dict[str, dict[str, dict[str, float]]] = {
         "hist": {"moved": 1e-3},
     },
     "bf16": {
-        # bf16 autocast (fp32 master weights, fp32 router, FSDP2 MixedPrecisionPolicy under
-        # ZeRO-2/3): a layout rounds its partial sums to bf16 at other places (tp's row-
-        # parallel all-reduce, FSDP's bf16 parameters), about 1 ulp = 2^-8 relative. Losses
-        # and statistics: measured <= 3e-4 relative.
-        "value": {"atol": 2e-3, "rtol": 2e-3},
+        # bf16 autocast in one process rounds matmul inputs to bf16; a layout rounds its
+        # partial sums at other places (tp's row-parallel all-reduce: about 1 ulp = 2^-8),
+        # and FSDP2's mixed precision (ZeRO-2/3) rounds the parameters themselves -- norm
+        # weights and embeddings too, which autocast leaves fp32 (routers are gathered in
+        # fp32 either way). Losses and statistics: measured <= 3e-4 relative under tp, the
+        # third step's gradient norm 2.6e-3 under ZeRO-3.
+        "value": {"atol": 5e-3, "rtol": 5e-3},
         # Parameters after 3 steps: a gradient element near zero whose sign bf16 rounding
         # flips moves by 2 lr in Adam's first steps (sum of the lrs of the 3 steps: 7.5e-3):
         # bounded by 2 x 7.5e-3. Measured 7.9e-3.

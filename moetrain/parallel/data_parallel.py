@@ -43,16 +43,32 @@ def apply_fsdp(
     ignored: Iterable[nn.Parameter] = (),
 ) -> None:
     """ZeRO-2/3 with FSDP2: each block, then the root. ``dp_mesh`` is 1-D (dp_shard) or 2-D
-    (dp_replicate, dp_shard) for hybrid sharding. ``param_dtype``: mixed precision (GPU).
+    (dp_replicate, dp_shard) for hybrid sharding. ``param_dtype``: mixed precision (bf16):
+    parameters all-gathered in it, fp32 shards as master weights, gradients reduced in fp32.
     ``ignored``: parameters FSDP must leave alone (the expert parameters under expert
     parallelism: they differ per EP rank and are reduced over the expert-data-parallel
-    group by the engine, ``reduce_expert_grads``)."""
+    group by the engine, ``reduce_expert_grads``).
+
+    Mixed precision keeps the numerics of bf16 autocast in one process: inputs are not cast
+    (``cast_forward_inputs=False``), so the residual stream stays as autocast leaves it, and
+    every MoE router is its own FSDP unit gathered in fp32 -- routing decisions hang on small
+    logit differences, which a bf16-rounded gate weight would change."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    from moetrain.model.moe import Router
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
+    fp32 = MixedPrecisionPolicy(
+        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+    )
     reshard = zero_stage == 3
     kw: dict[str, Any] = {"ignored_params": set(ignored)} if ignored else {}
     for block in model.layers.values():
+        if param_dtype is not None and param_dtype != torch.float32:
+            for router in (m for m in block.modules() if isinstance(m, Router)):
+                fully_shard(router, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=fp32)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **kw)
     # The root (embedding, final norm, output) follows the stage too, so that ZeRO-3 sends
     # exactly its 3 Psi: gathered for forward and again for backward.

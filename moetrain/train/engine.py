@@ -623,7 +623,10 @@ class Engine:
         for sd in (state["model"], state["optim"]):  # the expert DTensor views: local again
             for key, value in sd.items():
                 if key in expert_keys and isinstance(value, DTensor):
-                    sd[key] = value.to_local()
+                    # A copy: DCP may hand back a view that partly overlaps the parameter it
+                    # is loaded into (seen with one expert per rank sharded over ep and the
+                    # FFN width over tp), which the copy into the parameter refuses.
+                    sd[key] = value.to_local().clone()
         for part, opt in zip(self.parts, shadows, strict=True):
             keys = set(get_model_state_dict(part))
             set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in keys})

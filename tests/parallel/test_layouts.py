@@ -8,12 +8,12 @@ every parameter's gradient at every step (gathered to full size, before clipping
 two moments after the last step and every final parameter; and the layout must really have
 run (``expected_layout``: DTensor placements under tp, FSDP units and resharding under
 ZeRO-2/3, ZeRO-1 shards, pipeline stages and schedule, checkpoint wrappers, experts per
-rank, and traffic on each parallel axis). Tolerances: ``VALUE_TOL``, ``PARAM_TOL`` and
-``GRAD_TOL`` of tests/multirank.py, stated there once with what was measured.
+rank, and traffic on each parallel axis). Tolerances: ``TOLERANCES`` of
+tests/multirank.py, per dtype, stated there once with what was measured.
 
-Several layouts share one spawned job (one process group, a fresh Trainer per layout) to
-keep the suite inside its time budget on two cores. Every option of the model and the
-router is crossed with these layouts in tests/parallel/test_matrix.py.
+Every layout, crossed with every option of the model and the router, runs in the
+equivalence matrix (tests/parallel/test_matrix.py, docs/matrix.md). This file holds what the
+matrix does not: a checkpoint saved under one layout and resumed under another, and bf16.
 """
 
 from __future__ import annotations
@@ -22,94 +22,6 @@ import pytest
 from multirank import Case, check_cases, check_reshards
 
 STEPS = 3
-
-
-def _cases(layouts: dict[str, list[str]], **options: list[str]) -> list[Case]:
-    return [
-        Case(name, tuple(overrides), tuple(options.get(name, ())))
-        for name, overrides in layouts.items()
-    ]
-
-
-@pytest.mark.multirank
-@pytest.mark.timeout(400)
-def test_each_axis_alone_on_two_ranks() -> None:
-    layouts = {
-        "dp=2 zero0": ["parallel.zero_stage=0"],
-        "dp=2 zero1": ["parallel.zero_stage=1"],
-        "dp=2 zero2 + full AC": [
-            "parallel.zero_stage=2",
-            "parallel.activation_checkpointing=full",
-        ],
-        "dp=2 zero3": ["parallel.zero_stage=3"],
-        "tp=2": ["parallel.tp=2"],
-        "tp=2 + SP + selective AC": [
-            "parallel.tp=2",
-            "parallel.sequence_parallel=true",
-            "parallel.activation_checkpointing=selective",
-        ],
-        "pp=2 gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
-        "pp=2 1f1b, 4 pipeline micro-batches of 2 (one process: 2 of 4)": [
-            "parallel.pp=2",
-            "parallel.pp_schedule=1f1b",
-            "parallel.pp_microbatches=4",
-        ],
-        "pp=2 interleaved_1f1b v=2": ["parallel.pp=2", "parallel.pp_virtual_stages=2"],
-        "pp=2 zero_bubble v=2": [
-            "parallel.pp=2",
-            "parallel.pp_schedule=zero_bubble",
-            "parallel.pp_virtual_stages=2",
-        ],
-    }
-    # parallel.pp_microbatches re-cuts the pipeline's micro-batches: the reference
-    # accumulates 2 micro-batches of 4 sequences, the pipeline 4 of 2; token groups of 2
-    # sequences keep routing, capacity and the balancing losses the same.
-    options = {
-        "pp=2 1f1b, 4 pipeline micro-batches of 2 (one process: 2 of 4)": [
-            "train.micro_batch_size=4"
-        ]
-    }
-    check_cases(2, _cases(layouts, **options), STEPS, timeout=380)
-
-
-@pytest.mark.multirank
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_two_axis_compositions_on_four_ranks() -> None:
-    layouts = {
-        "dp x tp = 2x2, zero2, SP": [
-            "parallel.tp=2",
-            "parallel.sequence_parallel=true",
-            "parallel.zero_stage=2",
-        ],
-        "pp x dp = 2x2, zero1": ["parallel.pp=2", "parallel.zero_stage=1"],
-        "pp x dp = 2x2, zero3": ["parallel.pp=2", "parallel.zero_stage=3"],
-        "hybrid dp_replicate x dp_shard = 2x2, zero3": [
-            "parallel.dp_replicate=2",
-            "parallel.zero_stage=3",
-        ],
-        "hybrid dp_replicate x dp_shard = 2x2, zero1": [
-            "parallel.dp_replicate=2",
-            "parallel.zero_stage=1",
-        ],
-    }
-    check_cases(4, _cases(layouts), STEPS, timeout=380)
-
-
-@pytest.mark.multirank
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_three_axes_pp_dp_tp_on_eight_ranks() -> None:
-    layouts = {
-        "pp x dp x tp = 2x2x2, zero3, SP, interleaved v=2": [
-            "parallel.pp=2",
-            "parallel.tp=2",
-            "parallel.sequence_parallel=true",
-            "parallel.zero_stage=3",
-            "parallel.pp_virtual_stages=2",
-        ],
-    }
-    check_cases(8, _cases(layouts), STEPS, timeout=380)
 
 
 # ----------------------------------------------------------------------------- checkpoints
