@@ -245,12 +245,23 @@ class _FlatShard:
         for view in self.views:
             mine[pos : pos + view.numel()].copy_(view.detach())
             pos += view.numel()
-        full = torch.empty(self.padded, dtype=ref.dtype, device=ref.device)
-        dist.all_gather_into_tensor(full, mine, group=shard_group)
-        offset = 0
-        for p, numel in zip(self.params, self.numels, strict=True):
-            _local(p).detach().view(-1).copy_(full[offset : offset + numel])
+        for p, full in zip(self.params, self.gather_flat(mine, shard_group), strict=True):
+            _local(p).detach().view(-1).copy_(full)
+
+    def gather_flat(self, mine: torch.Tensor, shard_group: Any) -> list[torch.Tensor]:
+        """This rank's slice of a flat per-group quantity (updated weights, a gradient or
+        Adam moment shard) gathered over the shard group, cut back into one flat piece per
+        parameter (collective)."""
+        full = torch.empty(self.padded, dtype=mine.dtype, device=mine.device)
+        if self.n > 1:
+            dist.all_gather_into_tensor(full, mine, group=shard_group)
+        else:
+            full.copy_(mine)
+        out, offset = [], 0
+        for numel in self.numels:
+            out.append(full[offset : offset + numel])
             offset += numel
+        return out
 
 
 def moe_layers(parts: Iterable[nn.Module]) -> dict[int, MoELayer]:

@@ -533,20 +533,14 @@ class Engine:
                     if v in sharded.state:
                         mine[pos : pos + v.numel()] = sharded.state[v][key]
                     pos += v.numel()
-                full = torch.empty(shard.padded, device=self.device)
-                if shard.n > 1:
-                    dist.all_gather_into_tensor(full, mine, group=self.grad_sync.shard_group)
-                else:
-                    full.copy_(mine)
-                offset = 0
-                for p, numel in zip(shard.params, shard.numels, strict=True):
+                pieces = shard.gather_flat(mine, self.grad_sync.shard_group)
+                for p, piece in zip(shard.params, pieces, strict=True):
                     st = owner[id(p)].state.setdefault(p, {})
                     st[key] = torch.zeros_like(p)
-                    _local(st[key]).view(-1).copy_(full[offset : offset + numel])
+                    _local(st[key]).view(-1).copy_(piece)
                     st["step"] = (
                         step.clone() if step is not None else torch.zeros((), dtype=torch.float32)
                     )
-                    offset += numel
         return shadows
 
     def _zero1_restore(self, shadows: list[torch.optim.Optimizer]) -> None:
@@ -696,15 +690,9 @@ class Engine:
                 mine_flat = shard.grad_shard
                 if mine_flat is None:
                     mine_flat = torch.zeros(shard.size, device=self.device)
-                full = torch.empty(shard.padded, dtype=mine_flat.dtype, device=self.device)
-                if shard.n > 1:
-                    dist.all_gather_into_tensor(full, mine_flat, group=self.grad_sync.shard_group)
-                else:
-                    full.copy_(mine_flat)
-                offset = 0
-                for p, numel in zip(shard.params, shard.numels, strict=True):
-                    zero1[id(p)] = full[offset : offset + numel].view_as(_local(p))
-                    offset += numel
+                pieces = shard.gather_flat(mine_flat, self.grad_sync.shard_group)
+                for p, piece in zip(shard.params, pieces, strict=True):
+                    zero1[id(p)] = piece.view_as(_local(p))
         for part in self.parts:
             experts: dict[str, torch.Tensor] = {}
             for name, p in part.named_parameters():
