@@ -45,6 +45,7 @@ PP_LAYOUTS = {"PP=2, 1F1B, 4 micro-batches": ["parallel.pp=2", "parallel.pp_sche
 
 def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> list[dict]:
     from moetrain.parallel.accounting import (
+        analytic_expert_flops,
         analytic_sent,
         layer_counts,
         measure_step,
@@ -73,6 +74,8 @@ def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
                     "analytic": analytic_sent(trainer.cfg, d, params, counts),
                     "analytic_as_dense": analytic_sent(trainer.cfg, d, params, as_dense),
                     "moe_layers": counts["moe"],
+                    "expert_flops": report.expert_flops,
+                    "expert_flops_analytic": analytic_expert_flops(trainer.cfg, d, counts["moe"]),
                 }
             )
             trainer.close()
@@ -195,22 +198,6 @@ def test_accounting_page_is_current(measured) -> None:
     )
 
 
-def _expert_flops_worker(rank: int, world_size: int, layouts: list[list[str]]) -> list[tuple]:
-    from moetrain.parallel.accounting import analytic_expert_flops, layer_counts, measure_step
-    from moetrain.train.trainer import Trainer
-
-    out = []
-    for overrides in layouts:
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer = Trainer(micro_config(tmp, "train.steps=2", *overrides))
-            trainer.train_step()
-            report = measure_step(trainer)
-            moe = layer_counts(trainer.engine.parts)["moe"]
-            out.append((report.expert_flops, analytic_expert_flops(trainer.cfg, trainer.dims, moe)))
-            trainer.close()
-    return out
-
-
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
 def test_expert_flops_per_rank_match_the_analytic_figure_and_expert_tp_halves_them() -> None:
@@ -218,10 +205,10 @@ def test_expert_flops_per_rank_match_the_analytic_figure_and_expert_tp_halves_th
     parallelism (the default) each rank computes half of every expert -- measured from the
     rows its experts received -- exactly the analytic figure; with the experts replicated
     over tp each rank computes all of them, twice as much."""
-    common = ["moe.capacity_factor=null", "parallel.tp=2"]
+    common = ["moe.capacity_factor=null", "parallel.tp=2", "train.global_batch_size=2"]
     split, whole = run_ranks(
-        _expert_flops_worker, 2, [common, [*common, "parallel.expert_tp=false"]], timeout=280
+        _measure_worker, 2, [common, [*common, "parallel.expert_tp=false"]], timeout=280
     )[0]
-    assert split[0] == pytest.approx(split[1], rel=1e-12), split
-    assert whole[0] == pytest.approx(whole[1], rel=1e-12), whole
-    assert whole[0] == pytest.approx(2 * split[0], rel=1e-12)
+    for res in (split, whole):
+        assert res["expert_flops"] == pytest.approx(res["expert_flops_analytic"], rel=1e-12)
+    assert whole["expert_flops"] == pytest.approx(2 * split["expert_flops"], rel=1e-12)
