@@ -99,18 +99,28 @@ def test_every_parallel_key_is_exercised_and_observable() -> None:
         if f.name == "dp_shard":
             continue
         witnesses = []
+        # The layout alone, then under each option value the design pairs it with (a key
+        # such as pp_microbatches only matters once the micro-batch size makes it differ
+        # from the default).
+        contexts = [[]] + [list(v) for values in FACTORS.values() for _, v in values]
         for layout in md.LAYOUTS:
             mine = [o for o in layout.overrides if o.startswith(f"parallel.{f.name}=")]
             if not mine:
                 continue
             others = [o for o in layout.overrides if o not in mine]
-            try:
-                without = expected_layout([*md.BASE, *others], layout.world, 0)
-            except Exception:  # noqa: BLE001 - the key is needed for the layout to exist
-                witnesses.append(layout.name)
-                continue
-            if without != expected_layout([*md.BASE, *layout.overrides], layout.world, 0):
-                witnesses.append(layout.name)
+            for extra in contexts:
+                try:
+                    with_key = expected_layout([*md.BASE, *extra, *layout.overrides],
+                                               layout.world, 0)
+                except Exception:  # noqa: BLE001 - this option value is refused here
+                    continue
+                try:
+                    without = expected_layout([*md.BASE, *extra, *others], layout.world, 0)
+                except Exception:  # noqa: BLE001 - the key is needed for the layout to exist
+                    without = None
+                if without != with_key:
+                    witnesses.append((layout.name, extra))
+                    break
         if f.name == "activation_checkpointing":
             # An option factor of the matrix rather than a layout: set by the rows.
             assert len(FACTORS["activation_checkpointing"]) == 3
