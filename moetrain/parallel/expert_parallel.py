@@ -1,8 +1,9 @@
 """Expert parallelism: place E / ep experts on each rank and swap in a cross-rank dispatcher.
 
-Layout. ``parallel.ep`` is carved out of the data-parallel ranks: the dp ranks split into
-``edp = dp / ep`` expert-data-parallel replicas of ``ep`` ranks each (ep innermost, as
-torchtitan does). EP rank r of a group owns experts ``[r * E/ep, (r+1) * E/ep)``. Ranks
+Layout. ``parallel.ep`` is carved out of the data-parallel ranks (dp x cp under context
+parallelism, as Megatron-Core does): they split into ``edp = dp * cp / ep``
+expert-data-parallel replicas of ``ep`` ranks each (ep innermost, as torchtitan does; with
+cp the innermost are the cp ranks of one dp rank). EP rank r of a group owns experts ``[r * E/ep, (r+1) * E/ep)``. Ranks
 of one EP group see different data, so an EP group is also part of the data-parallel
 group; with tensor parallelism every TP rank holds the same experts (replicated) and
 dispatches over the EP group of its own TP index.
@@ -38,10 +39,12 @@ from moetrain.model.moe import MoELayer
 DISPATCHERS = ("all_to_all", "all_gather")
 
 
-def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
-    """Raise ``ConfigError`` naming the keys unless ep divides the experts and the dp size.
+def check_ep_layout(num_experts: int, ep: int, dp: int, cp: int = 1) -> None:
+    """Raise ``ConfigError`` naming the keys unless ep divides the experts and the dp x cp
+    size.
 
-    ``dp`` is the data-parallel degree (``parallel.dp_replicate * parallel.dp_shard``)."""
+    ``dp`` is the data-parallel degree (``parallel.dp_replicate * parallel.dp_shard``), ``cp``
+    the context-parallel one: EP groups are carved out of the dp x cp ranks."""
     if ep < 1:
         raise ConfigError(f"parallel.ep: must be >= 1, got {ep}")
     if ep == 1:
@@ -50,7 +53,12 @@ def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
         raise ConfigError(f"parallel.ep: {ep} needs MoE layers, but moe.num_experts is 0")
     if num_experts % ep:
         raise ConfigError(f"parallel.ep: {ep} does not divide moe.num_experts={num_experts}")
-    if dp % ep:
+    if (dp * cp) % ep:
+        if cp > 1:
+            raise ConfigError(
+                f"parallel.ep: {ep} does not divide the data-parallel x context-parallel size "
+                f"{dp * cp} (parallel.dp_replicate * parallel.dp_shard * parallel.cp)"
+            )
         raise ConfigError(
             f"parallel.ep: {ep} does not divide the data-parallel size "
             f"{dp} (parallel.dp_replicate * parallel.dp_shard)"
@@ -62,7 +70,8 @@ def build_ep_meshes(
 ):
     """The ``ep`` and ``edp`` 1-D meshes over the rank order of ``moetrain.parallel.dims``.
 
-    The world is ``(pp, dp, tp)`` row-major with dp = dp_replicate x dp_shard; dp splits
+    The world is ``(pp, dp, tp)`` row-major with dp = dp_replicate x dp_shard (x cp under
+    context parallelism: pass dp * cp, the cp ranks are contiguous inside it); dp splits
     into ``(edp, ep)`` with ep innermost, so EP groups are ``ep`` consecutive dp ranks of
     one pipeline stage and TP index. Every rank must call this (it creates groups).
     Returns ``(ep_mesh, edp_mesh)``, plus the 4-D ``(pp, edp, ep, tp)`` root mesh with
