@@ -291,9 +291,10 @@ class ParallelDims:
         bf, df = p.breadth_first_micro_batches, p.depth_first_micro_batches
         if bf is not None and df is not None and bf * df != n_mb:
             raise ConfigError(
-                f"parallel.breadth_first_micro_batches * parallel.depth_first_micro_batches = "
-                f"{bf} * {df} = {bf * df}, but a step has {n_mb} micro-batches per "
-                "data-parallel rank (train.global_batch_size / (dp * micro-batch size))"
+                f"parallel.breadth_first_micro_batches: {bf} * parallel."
+                f"depth_first_micro_batches={df} = {bf * df}, but a step has {n_mb} "
+                "micro-batches per data-parallel rank (train.global_batch_size / (dp * "
+                "micro-batch size))"
             )
         for key, value in (("breadth_first_micro_batches", bf), ("depth_first_micro_batches", df)):
             if value is not None and n_mb % value:

@@ -122,14 +122,23 @@ def apply_ep(
 
     For the engine's convenience ``ep_mesh`` may also be an object with ``ep`` (and
     optionally ``tp``) mesh attributes and ``dispatcher`` an object with ``ep_dispatcher``
-    / ``expert_tp`` attributes (a ``ParallelConfig``).
+    / ``expert_tp`` / ``overlap_shared_experts`` attributes (a ``ParallelConfig``); the last
+    makes every MoE layer with shared experts compute them while its all-to-all carries the
+    routed tokens (``AllToAllDispatcher.dispatch_overlapped``).
     """
     if hasattr(ep_mesh, "ep"):  # a Meshes-like bundle
         meshes, ep_mesh = ep_mesh, ep_mesh.ep
         if not isinstance(dispatcher, str) and getattr(dispatcher, "expert_tp", False):
             etp_mesh = meshes.tp
+    overlap = False
     if not isinstance(dispatcher, str):  # a ParallelConfig-like section
+        overlap = bool(getattr(dispatcher, "overlap_shared_experts", False))
         dispatcher = getattr(dispatcher, "ep_dispatcher", "all_to_all")
+    if overlap and dispatcher != "all_to_all":
+        raise ConfigError(
+            "parallel.overlap_shared_experts: needs parallel.ep_dispatcher=all_to_all, got "
+            f"{dispatcher}"
+        )
     if dispatcher not in DISPATCHERS:
         raise ValueError(
             f"EP dispatcher: expected one of {', '.join(DISPATCHERS)}, got {dispatcher!r}"
@@ -174,6 +183,8 @@ def apply_ep(
         layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
         if etp_group is not None:
             layer.dispatcher = ExpertTPDispatcher(layer.dispatcher, etp_group)
+        # Shared experts computed while the all-to-all is in flight (same numbers).
+        layer.overlap_shared = overlap and layer.shared_experts is not None
         for p in experts.parameters():
             p._moetrain_expert = True  # type: ignore[attr-defined]
             params.append(p)
