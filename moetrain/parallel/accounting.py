@@ -336,6 +336,101 @@ def zero_bytes_per_param(zero_stage: int, n: int, mixed_precision: bool = False)
     return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[zero_stage]
 
 
+# ----------------------------------------------------------------------------- activations
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd keeps for backward (the activations), live at once,
+    while active (``with SavedActivations(parts) as a``): a tensor counts from when a
+    forward saves it until the backward that used it frees it; ``peak`` is the most held at
+    any moment. Storages are counted once however many saved tensors view them; parameters
+    (and FSDP's gathered copies of them, which are model state) are left out. Activation
+    checkpointing's own hooks take precedence inside checkpointed regions, so what they keep
+    (block inputs) is what is counted there."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        self.params = {
+            _storage_key(_local(p)) for part in parts for p in part.parameters()
+        }
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[tuple[int, int], int] = {}
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        try:
+            key = _storage_key(_local(t))  # a DTensor's own shard
+        except (RuntimeError, NotImplementedError):  # tensors without a storage
+            return t
+        if key in self.params:
+            return t
+        if key not in self._refs:
+            self.live += key[1]
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        return _Saved(t, key, self)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.live -= key[1]
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    """A saved tensor and its place in ``SavedActivations``' count (released on collection,
+    when autograd frees the graph node holding it)."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[int, int], owner: SavedActivations):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self) -> None:
+        self.owner._release(self.key)
+
+
+def full_sequence_kv_bytes(model_cfg: Any, dims: Any, micro_batch_size: int, seq_len: int,
+                           n_attention: int, bytes_per_elem: int = 4) -> int:
+    """Bytes of the keys and values of whole sequences that the attention of ``n_attention``
+    layers keeps for backward on one rank (per micro-batch in flight): what context
+    parallelism does not divide by cp (each rank attends its queries over the whole
+    sequence's K and V, kept at full length with every query head's copy, as SDPA sees
+    them), plus its (s x S) boolean causal mask."""
+    h_local = model_cfg.n_heads // dims.tp
+    if model_cfg.attention == "mla":
+        dk = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
+        dv = model_cfg.v_head_dim
+    else:
+        dk = dv = model_cfg.attn_head_dim
+    kv = micro_batch_size * seq_len * h_local * (dk + dv) * bytes_per_elem
+    mask = (seq_len // dims.cp) * seq_len if dims.cp > 1 else 0
+    return n_attention * (kv + mask)
+
+
+def analytic_cp_activations(one_rank_cp1: float, kv_bytes_cp1: float, cp: int,
+                            kv_bytes_cp: float) -> float:
+    """Activation bytes per rank under context parallelism: everything but the whole
+    sequence's keys and values scales with the tokens a rank holds (1/cp of every
+    sequence), those stay whole: (A_1 - KV_1)/cp + KV_cp, with A_1 measured at cp = 1 on the
+    same micro-batch and KV from ``full_sequence_kv_bytes``."""
+    return (one_rank_cp1 - kv_bytes_cp1) / cp + kv_bytes_cp
+
+
 # ----------------------------------------------------------------------------- one step
 
 
@@ -347,6 +442,8 @@ class StepReport:
     params_per_rank: int
     """Parameters this rank holds before data-parallel sharding (its TP shard, its stages)."""
     memory: dict[str, MemorySample] = field(default_factory=dict)
+    activations: int = 0
+    """Peak bytes of the tensors saved for backward during the step (``SavedActivations``)."""
     result: Any = None
     """The trainer's StepResult of the measured step."""
     sent: dict[str, float] = field(default_factory=dict)
@@ -365,6 +462,7 @@ class StepReport:
                 "memory/param_bytes": float(peak.params),
                 "memory/grad_bytes": float(peak.grads),
                 "memory/optim_bytes": float(peak.optim),
+                "memory/activation_bytes": float(self.activations),
             }
         )
         return out
@@ -399,10 +497,11 @@ def measure_step(trainer: Any) -> StepReport:
 
     engine.probe = probe
     try:
-        with CommCounter() as counter:
+        with CommCounter() as counter, SavedActivations(engine.parts) as saved:
             report.result = trainer.train_step()
     finally:
         engine.probe = None
+    report.activations = saved.peak
     report.sent = counter.sent_by_kind()
     by_group: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in counter.records:
