@@ -405,12 +405,16 @@ class _Saved:
 
 
 def full_sequence_kv_bytes(model_cfg: Any, dims: Any, micro_batch_size: int, seq_len: int,
-                           n_attention: int, bytes_per_elem: int = 4) -> int:
+                           n_attention: int, checkpointing: str = "none",
+                           bytes_per_elem: int = 4) -> int:
     """Bytes of the keys and values of whole sequences that the attention of ``n_attention``
     layers keeps for backward on one rank (per micro-batch in flight): what context
     parallelism does not divide by cp (each rank attends its queries over the whole
     sequence's K and V, kept at full length with every query head's copy, as SDPA sees
-    them), plus its (s x S) boolean causal mask."""
+    them), plus its (s x S) boolean causal mask. 0 when activation checkpointing recomputes
+    the attention (``checkpointing`` selective or full): only its input is kept."""
+    if checkpointing != "none":
+        return 0
     h_local = model_cfg.n_heads // dims.tp
     if model_cfg.attention == "mla":
         dk = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
@@ -529,19 +533,25 @@ def analytic_sent(
          without, + 2 each for the vocabulary-parallel embedding and output).
     pp:  b s h (/t with SP) per micro-batch and stage boundary, forward and backward
          (summed over the pp ranks: 2 m (stages - 1) b s h).
+    cp:  per micro-batch and attention layer the whole sequence's K and V, (cp-1)/cp of them
+         all-gathered forward and reduce-scattered backward, plus the routing decisions of
+         every MoE layer (``context_parallel.analytic_cp_bytes``). With cp, s above is the
+         seq_len / cp positions a rank holds, and dp reduces over dp x cp ranks.
     """
     psi = params_per_rank * bytes_per_elem
-    n, r = dims.dp_shard, dims.dp_replicate
-    zero = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    # Gradients are averaged over dp x cp; ZeRO shards over dp_shard x cp.
+    n, r, d = dims.dp_shard * dims.cp, dims.dp_replicate, dims.dp * dims.cp
+    zero = cfg.parallel.zero_stage if d > 1 else 0
     out: dict[str, float] = {}
-    if dims.dp > 1:
+    if d > 1:
         if zero == 0:
-            out["dp"] = 2 * psi * (dims.dp - 1) / dims.dp
+            out["dp"] = 2 * psi * (d - 1) / d
         else:
             out["dp"] = (3 if zero == 3 else 2) * psi * (n - 1) / n
             out["dp"] += 2 * (psi / n) * (r - 1) / r
     m = dims.microbatches(cfg)
-    b, s, h, t = dims.micro_batch_size(cfg), cfg.data.seq_len, cfg.model.dim, dims.tp
+    # A cp rank holds seq_len / cp positions of every sequence: tp and pp move 1/cp of it.
+    b, s, h, t = dims.micro_batch_size(cfg), cfg.data.seq_len // dims.cp, cfg.model.dim, dims.tp
     bsh = b * s * h * bytes_per_elem
     if t > 1:
         moe_factor = 6 if cfg.parallel.sequence_parallel else 4
@@ -554,6 +564,25 @@ def analytic_sent(
     if dims.pp > 1:
         act = bsh / (t if cfg.parallel.sequence_parallel else 1)
         out["pp_all_ranks"] = 2 * m * (dims.num_stages - 1) * act
+    if dims.cp > 1:
+        from moetrain.parallel.context_parallel import analytic_cp_bytes
+
+        mc, moe = cfg.model, cfg.moe
+        if mc.attention == "mla":
+            kv = (mc.qk_nope_head_dim + mc.qk_rope_head_dim + mc.v_head_dim) * mc.n_heads
+        else:
+            kv = 2 * mc.attn_head_dim * mc.kv_heads
+        scores = moe.capacity_factor is not None and moe.drop_policy == "probs"
+        ac = cfg.parallel.activation_checkpointing
+        n_attn = n_stage_layers.get("dense", 0) + n_stage_layers.get("moe", 0)
+        n_moe = n_stage_layers.get("moe", 0)
+        out["cp"] = analytic_cp_bytes(
+            dims.micro_batch_size(cfg), cfg.data.seq_len, dims.cp, kv // dims.tp,
+            moe.top_k * (8 + (4 if scores else 0)), n_attn, n_moe, m,
+            recomputed_attention=n_attn if ac != "none" else 0,
+            recomputed_moe=n_moe if ac == "full" else 0,
+            bytes_per_elem=bytes_per_elem,
+        )
     return out
 
 
