@@ -39,6 +39,7 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
 
     from moetrain.config import load_config
     from moetrain.parallel.accounting import (
+        analytic_expert_flops,
         analytic_sent,
         layer_counts,
         measure_step,
@@ -61,6 +62,10 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
             "sent": report.sent,
             "analytic": analytic_sent(
                 cfg, d, report.params_per_rank, layer_counts(trainer.engine.parts)
+            ),
+            "expert_flops": report.expert_flops,
+            "expert_flops_analytic": analytic_expert_flops(
+                cfg, d, layer_counts(trainer.engine.parts)["moe"]
             ),
             "layout": f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
             f"tp {d.tp}, zero {zero}, sp {cfg.parallel.sequence_parallel}, "
@@ -106,6 +111,18 @@ def _print(rows: list[dict]) -> None:
             print(
                 f"tensor parallel: analytic {a['tp'] / 1e6:.4f} MB per rank (mixed with dp "
                 "traffic above)"
+            )
+    if rows[0]["expert_flops_analytic"]:
+        print(
+            "routed-expert forward FLOPs per rank (measured from the rows each rank's experts "
+            "received; analytic: every assignment computed once, over dp ranks and, with "
+            "parallel.expert_tp, tp ranks):"
+        )
+        for r in rows:
+            print(
+                f"  rank {r['rank']}: {r['expert_flops'] / 1e6:.3f} MFLOP = "
+                f"{r['expert_flops'] / r['expert_flops_analytic']:.4f} x analytic "
+                f"{r['expert_flops_analytic'] / 1e6:.3f} MFLOP"
             )
     if "pp_all_ranks" in a:
         sends = sum(r["sent"].get("send", 0) for r in rows)

@@ -1,5 +1,5 @@
 """Memory and communication accounting, measured on the real thing and set beside the
-analytic figures of ``ANCHORS.md`` (``docs/parallel.md`` derives them).
+analytic figures (derived in ``docs/parallel.md``; measured ratios in ``docs/accounting.md``).
 
 Model-state bytes: parameters, gradients and optimizer states actually allocated on this
 rank (DTensor local shards, FSDP's gathered buffers, distinct storages counted once), sampled
@@ -330,7 +330,7 @@ def model_state_bytes(parts: list[torch.nn.Module], optimizers: list[Any]) -> Me
 
 
 def zero_bytes_per_param(zero_stage: int, n: int, mixed_precision: bool = False) -> float:
-    """Model-state bytes per parameter of the ZeRO formula (ANCHORS.md), N = shard degree."""
+    """Model-state bytes per parameter of the ZeRO formula (docs/parallel.md), N = shard degree."""
     if mixed_precision:
         return {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[zero_stage]
     return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[zero_stage]
@@ -452,6 +452,10 @@ class StepReport:
     """The trainer's StepResult of the measured step."""
     sent: dict[str, float] = field(default_factory=dict)
     sent_by_group: dict[str, dict[str, float]] = field(default_factory=dict)
+    expert_flops: float = 0.0
+    """Forward FLOPs of this rank's routed experts in the step, counted from the rows they
+    received and the weight slices they hold (2 x rows x D x F per projection, 3 of them;
+    recomputation under activation checkpointing counts again)."""
 
     @property
     def peak(self) -> MemorySample:
@@ -499,12 +503,28 @@ def measure_step(trainer: Any) -> StepReport:
     def probe(phase: str) -> None:
         report.memory[phase] = model_state_bytes(engine.parts, engine.optimizers)
 
+    def count_expert_flops(module: Any, args: tuple, out: torch.Tensor) -> None:
+        x_ND, offs_E = args[0], args[1]
+        rows = int(offs_E[-1]) if offs_E.numel() else 0
+        w1 = module.w1.to_local() if hasattr(module.w1, "to_local") else module.w1
+        report.expert_flops += 3 * 2 * rows * x_ND.shape[1] * w1.shape[2]
+
+    from moetrain.model.experts import GroupedExperts
+
+    hooks = [
+        m.register_forward_hook(count_expert_flops)
+        for part in engine.parts
+        for m in part.modules()
+        if isinstance(m, GroupedExperts)
+    ]
     engine.probe = probe
     try:
         with CommCounter() as counter, SavedActivations(engine.parts) as saved:
             report.result = trainer.train_step()
     finally:
         engine.probe = None
+        for h in hooks:
+            h.remove()
     report.activations = saved.peak
     report.sent = counter.sent_by_kind()
     by_group: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -524,13 +544,14 @@ def analytic_sent(
     n_stage_layers: dict[str, int],
     bytes_per_elem: int = 4,
 ) -> dict[str, float]:
-    """Analytic bytes one rank sends in one step, by axis (ANCHORS.md), for one micro-batch
+    """Analytic bytes one rank sends in one step, by axis (docs/parallel.md), for one micro-batch
     per data-parallel rank where FSDP is used (FSDP gathers and reduces per micro-batch).
 
     dp:  zero 0 all-reduce 2 Psi (d-1)/d; zero 1 and 2: reduce-scatter + all-gather
          2 Psi (n-1)/n; zero 3: 3 Psi (n-1)/n (+ the hybrid all-reduce of the 1/n shard).
     tp:  per micro-batch (b s h (t-1)/t) x (8 per dense layer, 6 per MoE layer with SP / 4
-         without, + 2 each for the vocabulary-parallel embedding and output).
+         without, + 2 each for the vocabulary-parallel embedding and output; with expert TP
+         each MoE layer adds 4 + 2 K / h for its routed experts and 4 for shared experts).
     pp:  b s h (/t with SP) per micro-batch and stage boundary, forward and backward
          (summed over the pp ranks: 2 m (stages - 1) b s h).
     cp:  per micro-batch and attention layer the whole sequence's K and V, (cp-1)/cp of them
@@ -555,6 +576,13 @@ def analytic_sent(
     bsh = b * s * h * bytes_per_elem
     if t > 1:
         moe_factor = 6 if cfg.parallel.sequence_parallel else 4
+        if cfg.parallel.expert_tp and cfg.moe.num_experts:
+            # Expert TP (ExpertTPDispatcher): the combined output all-reduced in forward, the
+            # input's and the combine weights' (T x K) gradients in backward; the shared
+            # experts column/row-wise: their output in forward, their input gradient back.
+            moe_factor += 4 + 2 * cfg.moe.top_k / cfg.model.dim
+            if cfg.moe.num_shared_experts:
+                moe_factor += 4
         per_mb = (
             8 * n_stage_layers.get("dense", 0)
             + moe_factor * n_stage_layers.get("moe", 0)
@@ -584,6 +612,20 @@ def analytic_sent(
             bytes_per_elem=bytes_per_elem,
         )
     return out
+
+
+def analytic_expert_flops(cfg: Any, dims: Any, n_moe_layers: int) -> float:
+    """Forward FLOPs of routed experts per rank in one step if every token's top-k
+    assignments are computed (no drops) and spread evenly: 6 D F per assignment, over the
+    global batch's T K assignments per MoE layer, divided among the dp x cp ranks (each computes
+    its share of the tokens' experts, under expert parallelism for its EP peers) and the tp
+    ranks when ``parallel.expert_tp`` splits every expert's FFN width. With experts
+    replicated over tp each tp rank computes all of its dp rank's: tp x this figure.
+    ``n_moe_layers``: the MoE layers this rank's pipeline stages hold."""
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len
+    per_assignment = 6 * cfg.model.dim * cfg.moe.expert_ffn_dim
+    split = dims.dp * dims.cp * (dims.tp if cfg.parallel.expert_tp else 1)
+    return per_assignment * tokens * cfg.moe.top_k * n_moe_layers / split
 
 
 def layer_counts(parts: list[torch.nn.Module]) -> dict[str, int]:

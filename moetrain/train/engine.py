@@ -479,7 +479,9 @@ class Engine:
         and pp (each layer lives on one pp rank; tp ranks hold identical copies, not summed).
         Token counts are counted on the source rank over all experts, so summing over dp
         counts each assignment once under expert parallelism too; ``a2a_bytes`` (token bytes
-        sent to other EP ranks in forward) is the whole job's. The expert bias is a state,
+        sent to other EP ranks in forward) is summed over dp and pp but not tp: under tp > 1
+        it is the bytes of one tp index (every tp rank sends the same). The expert bias is a
+        state,
         identical over dp: returned as is."""
         from moetrain.model import is_moe_layer
 

@@ -105,8 +105,9 @@ def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
 
 
 def _tp_sent(res: dict, sequence_parallel: bool) -> float:
-    """Tensor-parallel bytes: all-gathers + reduce-scatters with SP, all-reduces without."""
-    kinds = ("all_gather", "reduce_scatter") if sequence_parallel else ("all_reduce",)
+    """Tensor-parallel bytes: all-gathers + reduce-scatters + all-reduces with SP (expert TP
+    all-reduces even under SP), all-reduces without."""
+    kinds = ("all_gather", "reduce_scatter", "all_reduce") if sequence_parallel else ("all_reduce",)
     return sum(res["sent"].get(k, 0.0) for k in kinds)
 
 
@@ -144,7 +145,7 @@ def _rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float, str]
     for name, overrides in TP_LAYOUTS.items():
         r = measured[name][0]
         sp = "parallel.sequence_parallel=true" in overrides
-        counted = "all-gathers + reduce-scatters" if sp else "all-reduces"
+        counted = "all-gathers + reduce-scatters + all-reduces" if sp else "all-reduces"
         rows.append(
             (name, r["memory"] / r["formula"], _tp_sent(r, sp) / r["analytic"]["tp"], counted)
         )
@@ -302,3 +303,35 @@ def test_accounting_page_is_current(measured) -> None:
         "MOETRAIN_UPDATE_DOCS=1 python -m pytest tests/parallel/test_accounting.py\n"
         f"measured:\n{page}"
     )
+
+
+def _expert_flops_worker(rank: int, world_size: int, layouts: list[list[str]]) -> list[tuple]:
+    from moetrain.parallel.accounting import analytic_expert_flops, layer_counts, measure_step
+    from moetrain.train.trainer import Trainer
+
+    out = []
+    for overrides in layouts:
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(micro_config(tmp, "train.steps=2", *overrides))
+            trainer.train_step()
+            report = measure_step(trainer)
+            moe = layer_counts(trainer.engine.parts)["moe"]
+            out.append((report.expert_flops, analytic_expert_flops(trainer.cfg, trainer.dims, moe)))
+            trainer.close()
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_expert_flops_per_rank_match_the_analytic_figure_and_expert_tp_halves_them() -> None:
+    """Dropless routing, so every assignment is computed: under tp=2 with expert tensor
+    parallelism (the default) each rank computes half of every expert -- measured from the
+    rows its experts received -- exactly the analytic figure; with the experts replicated
+    over tp each rank computes all of them, twice as much."""
+    common = ["moe.capacity_factor=null", "parallel.tp=2"]
+    split, whole = run_ranks(
+        _expert_flops_worker, 2, [common, [*common, "parallel.expert_tp=false"]], timeout=280
+    )[0]
+    assert split[0] == pytest.approx(split[1], rel=1e-12), split
+    assert whole[0] == pytest.approx(whole[1], rel=1e-12), whole
+    assert whole[0] == pytest.approx(2 * split[0], rel=1e-12)

@@ -11,18 +11,17 @@ Three option sets, each the micro MoE of ``tests/multirank.py`` with one family'
   one, routed_scaling_factor, a first dense layer.
 
 Each trains ``STEPS`` fp32 steps under tp=2 + sequence parallelism, pp=2 and ep=2 with ZeRO-3
-(one spawned 2-rank job) and must reproduce the single-process run: losses, router
-statistics, every gradient and AdamW moment, final parameters (tolerances of
-``tests/multirank.py``). The DeepSeek set under tp also proves the gradient all-reduce of
-the shared RoPE key (without it the run drifts; checked when the hook was written).
+(one spawned 2-rank job) and must reproduce the single-process run on every rank: losses,
+router statistics, every gradient and AdamW moment, final parameters, layout facts
+(``check_cases`` and the tolerances of ``tests/multirank.py``). The DeepSeek set under tp
+also proves the gradient all-reduce of the shared RoPE key (without it the run drifts;
+checked when the hook was written).
 """
 
 from __future__ import annotations
 
-import tempfile
-
 import pytest
-from multirank import compare_runs, micro_run, run_ranks
+from multirank import Case, check_cases
 
 STEPS = 2
 
@@ -52,32 +51,16 @@ LAYOUTS: dict[str, list[str]] = {
 }
 
 
-def _worker(rank: int, world_size: int, runs: list[list[str]]) -> list[dict] | None:
-    results = []
-    for overrides in runs:
-        with tempfile.TemporaryDirectory() as out:
-            results.append(micro_run(out, STEPS, *overrides))
-    return results if rank == 0 else None
-
-
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_family_options_reproduce_one_process_under_tp_pp_ep_zero3() -> None:
-    refs = {}
-    for name, options in OPTION_SETS.items():
-        with tempfile.TemporaryDirectory() as out:
-            refs[name] = micro_run(out, STEPS, *options)
-    cases = [(o, lay) for o in OPTION_SETS for lay in LAYOUTS]
-    runs = [OPTION_SETS[o] + LAYOUTS[lay] for o, lay in cases]
-    results = run_ranks(_worker, 2, runs, timeout=850)[0]
-    failures = []
-    for (options, layout), got in zip(cases, results, strict=True):
-        what = f"{options} options, {layout}"
-        try:
-            errs = compare_runs(got, refs[options], what=what)
-        except AssertionError as exc:
-            failures.append(f"{what}: {exc}")
-        else:
-            print(f"{what}: max abs errors {errs}")
-    assert not failures, "\n\n".join(failures)
+    """Whole option sets of the families (more than the pairs the equivalence matrix crosses,
+    tests/parallel/test_matrix.py), on the oracle of every layout test: every rank, every
+    gradient, the layout facts."""
+    cases = [
+        Case(f"{family} / {layout}", tuple(lo), tuple(opts))
+        for family, opts in OPTION_SETS.items()
+        for layout, lo in LAYOUTS.items()
+    ]
+    check_cases(2, cases, STEPS, timeout=560)

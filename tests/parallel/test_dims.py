@@ -116,17 +116,28 @@ INVALID = [
         "parallel.ep: 4 does not divide the data-parallel size 6",
     ),
     (4, ["parallel.ep=2", "moe.num_experts=0"], "parallel.ep: 2 needs MoE layers"),
-    (4, ["parallel.expert_tp=true", "parallel.ep=2"], "parallel.expert_tp: needs parallel.ep > 1"),
     (
         4,
         ["parallel.ep=2", "parallel.tp=2", "parallel.expert_tp=true", "moe.expert_ffn_dim=33"],
         "moe.expert_ffn_dim: 33 is not divisible by parallel.tp=2",
     ),
+    (  # expert TP is the default under tp, ep or not
+        2,
+        ["parallel.tp=2", "moe.expert_ffn_dim=33"],
+        "moe.expert_ffn_dim: 33 is not divisible by parallel.tp=2 (parallel.expert_tp splits",
+    ),
+    (
+        2,
+        ["parallel.tp=2", "moe.num_shared_experts=1", "moe.shared_expert_ffn_dim=33"],
+        "moe.shared_expert_ffn_dim: the shared experts' width 33 is not divisible by "
+        "parallel.tp=2",
+    ),
     (4, ["parallel.ep=2", "parallel.ep_dispatcher=ring"], "parallel.ep_dispatcher"),
     (
-        8,
-        ["parallel.ep=2", "parallel.tp=2", "parallel.pp=2", "parallel.expert_tp=true"],
-        "parallel.expert_tp: not supported with parallel.pp=2",
+        2,
+        ["parallel.pp=2", "parallel.pp_microbatches=16", "moe.token_group_seqs=null"],
+        "parallel.pp_microbatches: 16 pipeline micro-batches make micro-batches of 1 sequences "
+        "instead of train.micro_batch_size=",
     ),
 ]
 

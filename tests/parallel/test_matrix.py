@@ -18,7 +18,9 @@ step, AdamW's moments, final parameters, and the layout facts), within ``TOLERAN
 from __future__ import annotations
 
 import itertools
+import os
 import re
+from pathlib import Path
 
 import matrix_design as md
 import pytest
@@ -167,3 +169,90 @@ def test_every_row_under_every_layout(world: int) -> None:
         ]
 
     check_cases(world, _cases(world, rest), md.STEPS, timeout=3500)
+
+
+# ----------------------------------------------------------------------------- the page
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "matrix.md"
+
+
+def _values_under(layout: md.Layout, k: int) -> tuple[list[str], list[str]]:
+    """The values of factor k that run under the layout, and the refused ones with why."""
+    runs, refused = [], []
+    for v, (label, _) in enumerate(FACTORS[md.NAMES[k]]):
+        if any(r[k] == v for r in md.design()[layout]):
+            runs.append(label)
+        else:
+            row = tuple(v if i == k else 0 for i in range(len(md.LEVELS)))
+            refused.append(f"{label}: {md.refusal(row, layout) or 'no valid row'}")
+    return runs, refused
+
+
+def render_page() -> str:
+    design = md.design()
+    lines = [
+        "# The equivalence matrix: what is proven equal to one process",
+        "",
+        "Written by `tests/parallel/test_matrix.py` from the design it runs; the test fails",
+        "when this page is not what the design is. To rewrite it after changing the factors",
+        "(`tests/parallel/matrix_options.py`) or the layouts",
+        "(`tests/parallel/matrix_design.py`):",
+        "`MOETRAIN_UPDATE_DOCS=1 python -m pytest tests/parallel/test_matrix.py -k page`.",
+        "",
+        f"Each cell trains the micro MoE (`tests/multirank.py`, made smaller: "
+        f"{', '.join(f'`{o}`' for o in md.BASE)}) for {md.STEPS} steps under the layout and",
+        "compares it on every rank with one process on the same options: losses, MoE",
+        "statistics (aux / seq-aux / z losses, entropy, token and drop counts, score",
+        "histograms, expert bias), every parameter's gradient at every step, AdamW's moments,",
+        "the final parameters, and that the layout really ran (placements, FSDP sharding and",
+        "resharding, ZeRO-1 shards, stages and schedule, checkpoint wrappers, experts per",
+        "rank, the dispatcher, traffic on each axis), within `TOLERANCES` of",
+        "`tests/multirank.py`.",
+        "",
+        f"{len(md.NAMES)} option factors, {len(md.LAYOUTS)} layouts, "
+        f"{len(md.all_rows())} distinct option rows. CI runs, for every layout of one axis,",
+        "a pairwise covering design (every pair of option values that validation accepts",
+        "together meets the layout at least once) and, for every composition of axes, the",
+        "fewest of its pairwise rows that hold every option value; `-m slow` runs the rest of",
+        "the pairwise designs and every row under every layout where it is valid.",
+        "",
+        "| layout | ranks | overrides | cells in CI | cells under `-m slow` |",
+        "|---|---|---|---|---|",
+    ]
+    for layout in md.LAYOUTS:
+        ci = len(design[layout]) if layout.world == 2 else len(md.value_rows(layout))
+        valid = sum(md.refusal(r, layout) is None for r in md.all_rows())
+        overrides = " ".join(f"`{o.removeprefix('parallel.')}`" for o in layout.overrides)
+        lines.append(f"| {layout.name} | {layout.world} | {overrides} | {ci} | {valid - ci} |")
+    lines += [
+        "",
+        "## Option values under each layout",
+        "",
+        "Every value of every factor runs under every layout, except where config validation",
+        "refuses it (the refusal names the key); those are listed.",
+        "",
+        "| factor | values | refused under |",
+        "|---|---|---|",
+    ]
+    for k, name in enumerate(md.NAMES):
+        labels = [label for label, _ in FACTORS[name]]
+        refusals = {}
+        for layout in md.LAYOUTS:
+            for why in _values_under(layout, k)[1]:
+                refusals.setdefault(why, []).append(layout.name)
+        refused = "; ".join(
+            f"{why.split(': ', 1)[0]} under {', '.join(names)} ({why.split(': ', 1)[1]})"
+            for why, names in refusals.items()
+        )
+        lines.append(f"| {name} | {'; '.join(labels)} | {refused or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_page_is_current() -> None:
+    text = render_page()
+    if os.environ.get("MOETRAIN_UPDATE_DOCS"):
+        PAGE.write_text(text)
+    assert PAGE.exists() and PAGE.read_text() == text, (
+        "docs/matrix.md is stale: MOETRAIN_UPDATE_DOCS=1 python -m pytest "
+        "tests/parallel/test_matrix.py -k page"
+    )
