@@ -60,14 +60,38 @@ def test_each_axis_alone_on_two_ranks() -> None:
             "parallel.pp_schedule=zero_bubble",
             "parallel.pp_virtual_stages=2",
         ],
+        "pp=2 looped_bfs v=2": [
+            "parallel.pp=2",
+            "parallel.pp_schedule=looped_bfs",
+            "parallel.pp_virtual_stages=2",
+        ],
+        "pp=2 zbv (V placement)": [
+            "parallel.pp=2",
+            "parallel.pp_schedule=zbv",
+            "parallel.pp_virtual_stages=2",
+        ],
+        "pp=2 dualpipev (V placement), 4 pipeline micro-batches of 2 (one process: 2 of 4)": [
+            "parallel.pp=2",
+            "parallel.pp_schedule=dualpipev",
+            "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4",
+        ],
+        "pp=2 1f1b, 2 depth-first passes of 2 micro-batches of 2 (one process: 2 of 4)": [
+            "parallel.pp=2",
+            "parallel.pp_schedule=1f1b",
+            "parallel.pp_microbatches=4",
+            "parallel.depth_first_micro_batches=2",
+        ],
+        "dp=2 zero2, breadth-first: 2 forwards then their backwards": [
+            "parallel.zero_stage=2",
+            "parallel.breadth_first_micro_batches=2",
+        ],
     }
     # parallel.pp_microbatches re-cuts the pipeline's micro-batches: the reference
     # accumulates 2 micro-batches of 4 sequences, the pipeline 4 of 2; token groups of 2
     # sequences keep routing, capacity and the balancing losses the same.
     options = {
-        "pp=2 1f1b, 4 pipeline micro-batches of 2 (one process: 2 of 4)": [
-            "train.micro_batch_size=4"
-        ]
+        name: ["train.micro_batch_size=4"] for name in layouts if "(one process: 2 of 4)" in name
     }
     check_cases(2, _cases(layouts, **options), STEPS, timeout=380)
 
