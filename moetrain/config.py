@@ -548,9 +548,9 @@ class ParallelConfig:
 
     Rank order (``moetrain.parallel.dims``): tp varies fastest, then cp, dp_shard,
     dp_replicate, and pp slowest, so tensor-parallel groups are consecutive ranks (one node)
-    and pipeline stages are the farthest apart. The data-parallel degree is what the world size leaves
-    (``dp_shard: -1``), as in Fast-LLM. The cross-section checks (heads, layers, batch) run
-    before any process group exists, in ``ParallelDims.validate``.
+    and pipeline stages are the farthest apart. The data-parallel degree is what the world
+    size leaves (``dp_shard: -1``), as in Fast-LLM. The cross-section checks (heads, layers,
+    batch) run before any process group exists, in ``ParallelDims.validate``.
     """
 
     dp_replicate: int = 1

@@ -415,9 +415,7 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
         ),
         # Context parallelism: the positions of every sequence this rank computed with, the
         # attention core, and whether the MoE layers plan over whole sequences.
-        "positions": (
-            tuple(eng.seq_index.tolist()) if eng.seq_index is not None else None
-        ),
+        "positions": (tuple(eng.seq_index.tolist()) if eng.seq_index is not None else None),
         "attend": type(attention.attend).__name__,
         "moe_whole_sequences": bool(moe) and all(m.seq_shard is not None for m in moe),
         "shared_overlap": bool(moe) and getattr(moe[0].dispatcher, "overlapped", 0) > 0,

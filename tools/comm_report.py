@@ -70,8 +70,12 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
             "sent_cp": report.sent_by_group.get(cp_group, {}) if cp_group else {},
             "activations": report.activations,
             "kv": full_sequence_kv_bytes(
-                cfg.model, d, d.micro_batch_size(cfg), cfg.data.seq_len,
-                counts["dense"] + counts["moe"], cfg.parallel.activation_checkpointing,
+                cfg.model,
+                d,
+                d.micro_batch_size(cfg),
+                cfg.data.seq_len,
+                counts["dense"] + counts["moe"],
+                cfg.parallel.activation_checkpointing,
             ),
             "cp": d.cp,
             "bubble": _bubble(cfg, d),
@@ -130,8 +134,12 @@ def _cp1_baseline(cfg_path: str | None, overrides: list[str], cfg, dims) -> dict
         d = trainer.dims
         counts = layer_counts(trainer.engine.parts)
         kv = full_sequence_kv_bytes(
-            base_cfg.model, d, d.micro_batch_size(base_cfg), base_cfg.data.seq_len,
-            counts["dense"] + counts["moe"], p.activation_checkpointing,
+            base_cfg.model,
+            d,
+            d.micro_batch_size(base_cfg),
+            base_cfg.data.seq_len,
+            counts["dense"] + counts["moe"],
+            p.activation_checkpointing,
         )
         trainer.close()
     return {"activations_cp1": report.activations, "kv_cp1": kv}
@@ -209,9 +217,7 @@ def _print(rows: list[dict]) -> None:
         )
         print("activations per rank (peak saved for backward) against (A_1 - KV_1)/cp + KV_cp:")
         for r in rows:
-            analytic = analytic_cp_activations(
-                r["activations_cp1"], r["kv_cp1"], r["cp"], r["kv"]
-            )
+            analytic = analytic_cp_activations(r["activations_cp1"], r["kv_cp1"], r["cp"], r["kv"])
             print(
                 f"  rank {r['rank']}: {r['activations'] / 1e6:.3f} MB = "
                 f"{r['activations'] / analytic:.4f} x analytic {analytic / 1e6:.3f} MB "

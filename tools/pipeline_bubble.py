@@ -79,12 +79,22 @@ def render(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--microbatches", type=int, nargs="+", default=None,
-                        help="micro-batches per pass (default: pp, 2 pp, 4 pp)")
-    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULE_ORDER),
-                        choices=SCHEDULE_ORDER)
-    parser.add_argument("--virtual-stages", type=int, default=2,
-                        help="chunks per rank of interleaved_1f1b, looped_bfs, zero_bubble")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        nargs="+",
+        default=None,
+        help="micro-batches per pass (default: pp, 2 pp, 4 pp)",
+    )
+    parser.add_argument(
+        "--schedules", nargs="+", default=list(SCHEDULE_ORDER), choices=SCHEDULE_ORDER
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        help="chunks per rank of interleaved_1f1b, looped_bfs, zero_bubble",
+    )
     args = parser.parse_args(argv)
     print(render(bubble_rows(args.pp, args.microbatches, args.schedules, args.virtual_stages)))
     return 0

@@ -195,8 +195,7 @@ def plan_kept(
     dest_A = torch.empty_like(dest_sorted)
     dest_A[order_A] = dest_sorted
     dropped = (~keep_A).sum()
-    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped,
-                        capacity)
+    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, capacity)
 
 
 class Dispatcher(Protocol):

@@ -76,8 +76,12 @@ class AllToAllStartFunction(torch.autograd.Function):
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         works.append(
             dist.all_to_all_single(
-                out, x.contiguous(), output_split_sizes=out_splits,
-                input_split_sizes=in_splits, group=group, async_op=True,
+                out,
+                x.contiguous(),
+                output_split_sizes=out_splits,
+                input_split_sizes=in_splits,
+                group=group,
+                async_op=True,
             )
         )
         return out
@@ -237,8 +241,9 @@ class ExpertTPDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.dispatch(CopyToTPFunction.apply(x_TD, self.group), plan, backend)
 
-    def dispatch_overlapped(self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str,
-                            side: Callable[[], torch.Tensor]):
+    def dispatch_overlapped(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str, side: Callable[[], torch.Tensor]
+    ):
         return self.inner.dispatch_overlapped(
             CopyToTPFunction.apply(x_TD, self.group), plan, backend, side
         )
@@ -294,7 +299,10 @@ class AllToAllDispatcher(_CommCounter):
         return x_RD, offs_L
 
     def dispatch_overlapped(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str,
+        self,
+        x_TD: torch.Tensor,
+        plan: DispatchPlan,
+        backend: str,
         side: Callable[[], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``dispatch``, with ``side()`` (the shared experts) computed while the row
@@ -306,7 +314,10 @@ class AllToAllDispatcher(_CommCounter):
         return x_RD, offs_L, out
 
     def _dispatch(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str,
+        self,
+        x_TD: torch.Tensor,
+        plan: DispatchPlan,
+        backend: str,
         side: Callable[[], torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         P, L = self.ep, self.local_experts

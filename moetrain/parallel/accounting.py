@@ -349,9 +349,7 @@ class SavedActivations:
     (block inputs) is what is counted there."""
 
     def __init__(self, parts: list[torch.nn.Module]) -> None:
-        self.params = {
-            _storage_key(_local(p)) for part in parts for p in part.parameters()
-        }
+        self.params = {_storage_key(_local(p)) for part in parts for p in part.parameters()}
         self.live = 0
         self.peak = 0
         self._refs: dict[tuple[int, int], int] = {}
@@ -404,9 +402,15 @@ class _Saved:
         self.owner._release(self.key)
 
 
-def full_sequence_kv_bytes(model_cfg: Any, dims: Any, micro_batch_size: int, seq_len: int,
-                           n_attention: int, checkpointing: str = "none",
-                           bytes_per_elem: int = 4) -> int:
+def full_sequence_kv_bytes(
+    model_cfg: Any,
+    dims: Any,
+    micro_batch_size: int,
+    seq_len: int,
+    n_attention: int,
+    checkpointing: str = "none",
+    bytes_per_elem: int = 4,
+) -> int:
     """Bytes of the keys and values of whole sequences that the attention of ``n_attention``
     layers keeps for backward on one rank (per micro-batch in flight): what context
     parallelism does not divide by cp (each rank attends its queries over the whole
@@ -426,8 +430,9 @@ def full_sequence_kv_bytes(model_cfg: Any, dims: Any, micro_batch_size: int, seq
     return n_attention * (kv + mask)
 
 
-def analytic_cp_activations(one_rank_cp1: float, kv_bytes_cp1: float, cp: int,
-                            kv_bytes_cp: float) -> float:
+def analytic_cp_activations(
+    one_rank_cp1: float, kv_bytes_cp1: float, cp: int, kv_bytes_cp: float
+) -> float:
     """Activation bytes per rank under context parallelism: everything but the whole
     sequence's keys and values scales with the tokens a rank holds (1/cp of every
     sequence), those stay whole: (A_1 - KV_1)/cp + KV_cp, with A_1 measured at cp = 1 on the
@@ -605,8 +610,14 @@ def analytic_sent(
         n_attn = n_stage_layers.get("dense", 0) + n_stage_layers.get("moe", 0)
         n_moe = n_stage_layers.get("moe", 0)
         out["cp"] = analytic_cp_bytes(
-            dims.micro_batch_size(cfg), cfg.data.seq_len, dims.cp, kv // dims.tp,
-            moe.top_k * (8 + (4 if scores else 0)), n_attn, n_moe, m,
+            dims.micro_batch_size(cfg),
+            cfg.data.seq_len,
+            dims.cp,
+            kv // dims.tp,
+            moe.top_k * (8 + (4 if scores else 0)),
+            n_attn,
+            n_moe,
+            m,
             recomputed_attention=n_attn if ac != "none" else 0,
             recomputed_moe=n_moe if ac == "full" else 0,
             bytes_per_elem=bytes_per_elem,

@@ -54,8 +54,9 @@ def sequence_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """int64 positions cp rank ``rank`` holds of a ``seq_len`` sequence: chunks ``rank`` and
     ``2 cp - 1 - rank`` of 2 cp equal chunks, in that order."""
     if seq_len % (2 * cp):
-        raise ValueError(f"a sequence of {seq_len} positions does not split into 2 * cp = "
-                         f"{2 * cp} equal chunks")
+        raise ValueError(
+            f"a sequence of {seq_len} positions does not split into 2 * cp = {2 * cp} equal chunks"
+        )
     chunk = seq_len // (2 * cp)
     first = torch.arange(rank * chunk, (rank + 1) * chunk)
     second = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)

@@ -3,10 +3,11 @@
 Layout. ``parallel.ep`` is carved out of the data-parallel ranks (dp x cp under context
 parallelism, as Megatron-Core does): they split into ``edp = dp * cp / ep``
 expert-data-parallel replicas of ``ep`` ranks each (ep innermost, as torchtitan does; with
-cp the innermost are the cp ranks of one dp rank). EP rank r of a group owns experts ``[r * E/ep, (r+1) * E/ep)``. Ranks
-of one EP group see different data, so an EP group is also part of the data-parallel
-group; with tensor parallelism every TP rank holds the same experts (replicated) and
-dispatches over the EP group of its own TP index.
+cp the innermost are the cp ranks of one dp rank). EP rank r of a group owns experts
+``[r * E/ep, (r+1) * E/ep)``. Ranks of one EP group see different data (or other tokens of
+the same sequences), so an EP group is also part of the data-parallel group; with tensor
+parallelism every TP rank holds the same experts (replicated) and dispatches over the EP
+group of its own TP index.
 
 Gradients. A rank's expert gradient already sums the contributions of every source rank
 of its EP group (the all-to-all backward carries them home), so expert parameters need an

@@ -58,8 +58,9 @@ def stage_ids(
     the ``zbv`` / ``dualpipev`` schedules (r, 2 pp - 1 - r)."""
     if schedule in V_SCHEDULES:
         if virtual_stages != 2:
-            raise ValueError(f"pp_schedule={schedule!r} places 2 stages per rank, not "
-                             f"{virtual_stages}")
+            raise ValueError(
+                f"pp_schedule={schedule!r} places 2 stages per rank, not {virtual_stages}"
+            )
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(virtual_stages)]
 
@@ -137,9 +138,7 @@ def schedule_actions(schedule: str, pp: int, virtual_stages: int, n_microbatches
 
     cls = getattr(pipelining, SCHEDULES[schedule])
     num_stages = pp * virtual_stages
-    stages = [
-        _StageShape(s, num_stages, pp, 0) for s in stage_ids(0, pp, virtual_stages, schedule)
-    ]
+    stages = [_StageShape(s, num_stages, pp, 0) for s in stage_ids(0, pp, virtual_stages, schedule)]
     kw: dict[str, Any] = {"n_microbatches": n_microbatches, "loss_fn": lambda out, tgt: out}
     if schedule in SINGLE_STAGE:
         return _forwards_in_order(cls(stages[0], **kw)._get_pipeline_order())
@@ -241,7 +240,7 @@ def _finish(done: dict, a: Any, t: float) -> None:
 
 def _unfinish(done: dict, a: Any) -> None:
     s, kind, m = a.stage_index, a.computation_type.value, a.microbatch_index
-    for k in ((kind,) if kind != "B" else ("B", "I", "W")):
+    for k in (kind,) if kind != "B" else ("B", "I", "W"):
         done.pop((s, k, m), None)
 
 

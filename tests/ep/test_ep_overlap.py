@@ -42,8 +42,11 @@ def _worker(rank: int, world: int, layouts: dict[str, list[str]]) -> dict[str, t
         with tempfile.TemporaryDirectory() as tmp:  # the path the overlapped run took
             from multirank import micro_config
 
-            trainer = Trainer(micro_config(tmp, "train.steps=1", *SMALL, *overrides,
-                                           "parallel.overlap_shared_experts=true"))
+            trainer = Trainer(
+                micro_config(
+                    tmp, "train.steps=1", *SMALL, *overrides, "parallel.overlap_shared_experts=true"
+                )
+            )
             trainer.train_step()
             layers = trainer.engine.moe.values()
             calls = min(getattr(m.dispatcher, "overlapped", 0) for m in layers)
@@ -88,9 +91,22 @@ def test_overlap_is_refused_where_there_is_no_all_to_all_or_no_shared_expert() -
     with pytest.raises(ConfigError, match="parallel.overlap_shared_experts: .* needs parallel.ep"):
         load_config(None, ["parallel.overlap_shared_experts=true"])
     with pytest.raises(ConfigError, match="parallel.ep_dispatcher=all_to_all"):
-        load_config(None, ["parallel.overlap_shared_experts=true", "parallel.ep=2",
-                           "parallel.ep_dispatcher=all_gather"])
-    cfg = load_config(None, ["parallel.overlap_shared_experts=true", "parallel.ep=2",
-                             "moe.num_shared_experts=0", "model.vocab_size=512"])
+        load_config(
+            None,
+            [
+                "parallel.overlap_shared_experts=true",
+                "parallel.ep=2",
+                "parallel.ep_dispatcher=all_gather",
+            ],
+        )
+    cfg = load_config(
+        None,
+        [
+            "parallel.overlap_shared_experts=true",
+            "parallel.ep=2",
+            "moe.num_shared_experts=0",
+            "model.vocab_size=512",
+        ],
+    )
     with pytest.raises(ConfigError, match="moe.num_shared_experts=0 .* nothing to overlap"):
         ParallelDims.from_config(cfg.parallel, 2).validate(cfg)

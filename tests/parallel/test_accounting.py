@@ -94,8 +94,12 @@ def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
                     "moe_layers": counts["moe"],
                     "activations": report.activations,
                     "kv": full_sequence_kv_bytes(
-                        cfg.model, d, d.micro_batch_size(cfg), cfg.data.seq_len,
-                        counts["dense"] + counts["moe"], cfg.parallel.activation_checkpointing,
+                        cfg.model,
+                        d,
+                        d.micro_batch_size(cfg),
+                        cfg.data.seq_len,
+                        counts["dense"] + counts["moe"],
+                        cfg.parallel.activation_checkpointing,
                     ),
                     "cp": d.cp,
                 }
@@ -187,8 +191,7 @@ def _activation_rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, 
         r, base = measured[name][0], measured[f"{name} (cp=1 baseline)"][0]
         analytic = analytic_cp_activations(base["activations"], base["kv"], r["cp"], r["kv"])
         rows.append(
-            (name, r["activations"] / analytic, r["activations"] / base["activations"],
-             1 / r["cp"])
+            (name, r["activations"] / analytic, r["activations"] / base["activations"], 1 / r["cp"])
         )
     return rows
 

@@ -37,8 +37,10 @@ def test_each_rank_holds_an_early_and_a_late_chunk_and_equal_causal_work(cp: int
     assert sorted(torch.cat(held).tolist()) == list(range(S))
     chunk = S // (2 * cp)
     for r, pos in enumerate(held):
-        assert pos.tolist() == [*range(r * chunk, (r + 1) * chunk),
-                                *range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]
+        assert pos.tolist() == [
+            *range(r * chunk, (r + 1) * chunk),
+            *range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk),
+        ]
     # Causal attention's work of a query at position p is p + 1 keys: equal on every rank.
     work = {int((pos + 1).sum()) for pos in held}
     assert len(work) == 1, work
@@ -83,21 +85,25 @@ def test_sharded_plan_keeps_exactly_what_the_whole_sequences_keep(
         d = LocalDispatcher()
         rows, offs = d.dispatch(x, plan, "torch")
         expert_of_row = torch.searchsorted(offs.long(), torch.arange(rows.shape[0]), right=True)
-        return d.combine(rows * scale_E[expert_of_row.clamp(max=E - 1)][:, None], plan,
-                         weights, "torch")
+        return d.combine(
+            rows * scale_E[expert_of_row.clamp(max=E - 1)][:, None], plan, weights, "torch"
+        )
 
     y_whole = run(x_all, ids_all, weights_all, whole).view(B, S, -1)
     dropped, counts = 0, torch.zeros(E, dtype=torch.int64)
     for r in range(cp):
         pos = sequence_index(S, cp, r)
-        local = lambda t: t.view(B, S, -1)[:, pos].reshape(B * len(pos), -1)  # noqa: E731
-        ids, x, w = local(ids_all), local(x_all), local(weights_all)
+        ids, x, w = (
+            t.view(B, S, -1)[:, pos].reshape(B * len(pos), -1)
+            for t in (ids_all, x_all, weights_all)
+        )
         plan = plan_dispatch_sharded(ids, ids_all, scores_all, pos, E, G, cf, policy, pad)
         keep = (whole.dest_TK >= 0).view(B, S, K)[:, pos].reshape(-1, K)
         assert torch.equal(plan.dest_TK >= 0, keep), f"cp rank {r}: other assignments kept"
         assert plan.capacity == whole.capacity
-        torch.testing.assert_close(run(x, ids, w, plan).view(B, len(pos), -1),
-                                   y_whole[:, pos], rtol=0, atol=0)
+        torch.testing.assert_close(
+            run(x, ids, w, plan).view(B, len(pos), -1), y_whole[:, pos], rtol=0, atol=0
+        )
         dropped += int(plan.dropped)
         counts += plan.tokens_per_expert_E
         if pad:
@@ -147,8 +153,9 @@ def test_switch_loss_of_the_shards_averages_to_the_whole_sequences_loss(cp: int)
     pos = sequence_index(S, cp, 0)
     probs = probs_all.detach().view(B, S, E)[:, pos].reshape(-1, E)
     ids = ids_all.view(B, S, K)[:, pos].reshape(-1, K)
-    assert not torch.allclose(load_balancing_loss(probs, ids, G, ids_all),
-                              load_balancing_loss(probs, ids, G))
+    assert not torch.allclose(
+        load_balancing_loss(probs, ids, G, ids_all), load_balancing_loss(probs, ids, G)
+    )
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -170,17 +177,30 @@ def test_cp2_alone_and_resharded_to_dp2() -> None:
             *_cases({"cp=2": ["parallel.cp=2"]}),
             Case(
                 "cp=2 zero1 + full AC, drop by score padded, jitter",
-                ("parallel.cp=2", "parallel.zero_stage=1",
-                 "parallel.activation_checkpointing=full"),
+                (
+                    "parallel.cp=2",
+                    "parallel.zero_stage=1",
+                    "parallel.activation_checkpointing=full",
+                ),
                 (*SMALL, "moe.pad_to_capacity=true", "moe.jitter_eps=0.1"),
             ),
             Case(
                 "cp=2 zero3 + selective AC, MLA, drop by position",
-                ("parallel.cp=2", "parallel.zero_stage=3",
-                 "parallel.activation_checkpointing=selective"),
-                (*SMALL, "model.attention=mla", "model.q_lora_rank=24", "model.kv_lora_rank=16",
-                 "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
-                 "moe.drop_policy=position"),
+                (
+                    "parallel.cp=2",
+                    "parallel.zero_stage=3",
+                    "parallel.activation_checkpointing=selective",
+                ),
+                (
+                    *SMALL,
+                    "model.attention=mla",
+                    "model.q_lora_rank=24",
+                    "model.kv_lora_rank=16",
+                    "model.qk_nope_head_dim=16",
+                    "model.qk_rope_head_dim=8",
+                    "model.v_head_dim=16",
+                    "moe.drop_policy=position",
+                ),
             ),
         ],  # fmt: skip
         STEPS,
@@ -189,10 +209,16 @@ def test_cp2_alone_and_resharded_to_dp2() -> None:
     check_reshards(
         2,
         [
-            ("cp=2 zero1 -> dp=2 zero3", ["parallel.cp=2", "parallel.zero_stage=1"],
-             ["parallel.zero_stage=3"]),
-            ("dp=2 zero0 -> cp=2 zero2", ["parallel.zero_stage=0"],
-             ["parallel.cp=2", "parallel.zero_stage=2"]),
+            (
+                "cp=2 zero1 -> dp=2 zero3",
+                ["parallel.cp=2", "parallel.zero_stage=1"],
+                ["parallel.zero_stage=3"],
+            ),
+            (
+                "dp=2 zero0 -> cp=2 zero2",
+                ["parallel.zero_stage=0"],
+                ["parallel.cp=2", "parallel.zero_stage=2"],
+            ),
         ],  # fmt: skip
         STEPS,
         timeout=380,
@@ -213,11 +239,17 @@ def test_cp4_and_cp2_with_dp_ep_pp_on_four_ranks() -> None:
                 "cp=4": ["parallel.cp=4"],
                 "cp=2 x dp=2 zero3": ["parallel.cp=2", "parallel.zero_stage=3"],
                 "cp=2 x ep=2 x dp=2 zero1": [
-                    "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"],
+                    "parallel.cp=2",
+                    "parallel.ep=2",
+                    "parallel.zero_stage=1",
+                ],
                 "cp=2 x pp=2 1f1b": ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
                 "cp=2 x pp=2 zbv": [
-                    "parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zbv",
-                    "parallel.pp_virtual_stages=2"],
+                    "parallel.cp=2",
+                    "parallel.pp=2",
+                    "parallel.pp_schedule=zbv",
+                    "parallel.pp_virtual_stages=2",
+                ],
             }
         ),  # fmt: skip
         STEPS,
@@ -225,8 +257,13 @@ def test_cp4_and_cp2_with_dp_ep_pp_on_four_ranks() -> None:
     )
     check_reshards(
         4,
-        [("cp=4 -> cp=2 x dp=2 zero1", ["parallel.cp=4"], ["parallel.cp=2",
-                                                            "parallel.zero_stage=1"])],
+        [
+            (
+                "cp=4 -> cp=2 x dp=2 zero1",
+                ["parallel.cp=4"],
+                ["parallel.cp=2", "parallel.zero_stage=1"],
+            )
+        ],
         STEPS,
         timeout=380,
         options=SMALL,
@@ -243,8 +280,11 @@ def test_cp2_dp2_tp2_on_eight_ranks() -> None:
         _cases(
             {
                 "cp=2 x dp=2 x tp=2 SP zero2": [
-                    "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                    "parallel.zero_stage=2"],
+                    "parallel.cp=2",
+                    "parallel.tp=2",
+                    "parallel.sequence_parallel=true",
+                    "parallel.zero_stage=2",
+                ],
             }
         ),  # fmt: skip
         STEPS,

@@ -129,8 +129,7 @@ INVALID = [
     (
         2,
         ["parallel.tp=2", "moe.num_shared_experts=1", "moe.shared_expert_ffn_dim=33"],
-        "moe.shared_expert_ffn_dim: the shared experts' width 33 is not divisible by "
-        "parallel.tp=2",
+        "moe.shared_expert_ffn_dim: the shared experts' width 33 is not divisible by parallel.tp=2",
     ),
     (4, ["parallel.ep=2", "parallel.ep_dispatcher=ring"], "parallel.ep_dispatcher"),
     (
@@ -159,8 +158,13 @@ INVALID = [
     ),
     (
         8,
-        ["parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "data.seq_len=36",
-         "model.n_kv_heads=4"],
+        [
+            "parallel.cp=2",
+            "parallel.tp=4",
+            "parallel.sequence_parallel=true",
+            "data.seq_len=36",
+            "model.n_kv_heads=4",
+        ],
         "data.seq_len: the 18 positions a cp rank holds (data.seq_len / parallel.cp = 36 / 2) "
         "are not divisible by parallel.tp=4",
     ),
@@ -178,15 +182,24 @@ INVALID = [
     ),
     (
         4,
-        ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
-         "train.micro_batch_size=4"],
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule=dualpipev",
+            "parallel.pp_virtual_stages=2",
+            "train.micro_batch_size=4",
+        ],
         "parallel.pp_microbatches: 2 micro-batches per step is fewer than the 4 stages "
         "(parallel.pp * parallel.pp_virtual_stages = 2 * 2)",
     ),
     (
         4,
-        ["parallel.pp=4", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
-         "model.n_layers=8", "train.micro_batch_size=8"],
+        [
+            "parallel.pp=4",
+            "parallel.pp_schedule=zbv",
+            "parallel.pp_virtual_stages=2",
+            "model.n_layers=8",
+            "train.micro_batch_size=8",
+        ],
         "parallel.pp_microbatches: 2 micro-batches per step is fewer than parallel.pp=4",
     ),
     (

@@ -75,8 +75,12 @@ def test_the_simulator_sees_a_dependency_broken_list() -> None:
     (it is not a clock that merely counts actions)."""
     order = schedule_actions("1f1b", 2, 1, 2)
     last = order[1]
-    first_f = next(i for i, a in enumerate(last) if a is not None and a.computation_type.value == "F")
-    first_b = next(i for i, a in enumerate(last) if a is not None and a.computation_type.value == "B")
+    first_f = next(
+        i for i, a in enumerate(last) if a is not None and a.computation_type.value == "F"
+    )
+    first_b = next(
+        i for i, a in enumerate(last) if a is not None and a.computation_type.value == "B"
+    )
     last[first_f], last[first_b] = last[first_b], last[first_f]
     with pytest.raises(RuntimeError, match="deadlock"):
         simulate_schedule(order, 2)
@@ -84,8 +88,7 @@ def test_the_simulator_sees_a_dependency_broken_list() -> None:
 
 def test_v_placement_puts_two_stages_per_rank_in_a_v() -> None:
     assert [stage_ids(r, 4, 2, "zbv") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
-    assert [stage_ids(r, 4, 2, "looped_bfs") for r in range(4)] == [[0, 4], [1, 5], [2, 6],
-                                                                      [3, 7]]
+    assert [stage_ids(r, 4, 2, "looped_bfs") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     with pytest.raises(ValueError, match="2 stages per rank"):
         stage_ids(0, 4, 3, "dualpipev")
     assert analytic_bubble("1f1b", 4, 1, 8) == 3 / 8
