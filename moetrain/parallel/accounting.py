@@ -557,8 +557,9 @@ def analytic_sent(
     tp:  per micro-batch (b s h (t-1)/t) x (8 per dense layer, 6 per MoE layer with SP / 4
          without, + 2 each for the vocabulary-parallel embedding and output; with expert TP
          each MoE layer adds 4 + 2 K / h for its routed experts and 4 for shared experts).
-    pp:  b s h (/t with SP) per micro-batch and stage boundary, forward and backward
-         (summed over the pp ranks: 2 m (stages - 1) b s h).
+    pp:  b s h (/t with SP) per micro-batch and stage boundary between ranks, forward and
+         backward (summed over the pp ranks: 2 m (stages - 1) b s h; 2 m (stages - 2) b s h
+         for the V placement, whose turn at the last rank stays on the rank).
     cp:  per micro-batch and attention layer the whole sequence's K and V, (cp-1)/cp of them
          all-gathered forward and reduce-scattered backward, plus the routing decisions of
          every MoE layer (``context_parallel.analytic_cp_bytes``). With cp, s above is the
@@ -596,7 +597,10 @@ def analytic_sent(
         out["tp"] = m * per_mb * bsh * (t - 1) / t
     if dims.pp > 1:
         act = bsh / (t if cfg.parallel.sequence_parallel else 1)
-        out["pp_all_ranks"] = 2 * m * (dims.num_stages - 1) * act
+        # The V placement (zbv, dualpipev) holds stages pp - 1 and pp on one rank: that
+        # boundary is crossed without a send.
+        local = 1 if cfg.parallel.pp_schedule in ("zbv", "dualpipev") else 0
+        out["pp_all_ranks"] = 2 * m * (dims.num_stages - 1 - local) * act
     if dims.cp > 1:
         from moetrain.parallel.context_parallel import analytic_cp_bytes
 

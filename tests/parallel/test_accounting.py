@@ -42,7 +42,11 @@ TP_LAYOUTS = {
     ],
     "TP=2, MoE": ["parallel.tp=2", "train.global_batch_size=2"],
 }
-PP_LAYOUTS = {"PP=2, 1F1B, 4 micro-batches": ["parallel.pp=2", "parallel.pp_schedule=1f1b"]}
+PP_LAYOUTS = {
+    "PP=2, 1F1B, 4 micro-batches": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "PP=2, ZB-V (V placement), 4 micro-batches": [
+        "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
+}  # fmt: skip
 # Context parallelism, each beside its cp = 1 baseline: the same world as data parallelism,
 # the same micro-batch of 2 whole sequences per rank (so twice the global batch per cp).
 CP_LAYOUTS = {
