@@ -543,13 +543,14 @@ class LogConfig:
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout over the ``torchrun`` world: pp x dp_replicate x dp_shard x tp ranks.
+    """Parallel layout over the ``torchrun`` world: pp x dp_replicate x dp_shard x cp x tp
+    ranks.
 
-    Rank order (``moetrain.parallel.dims``): tp varies fastest, then dp_shard, dp_replicate,
-    and pp slowest, so tensor-parallel groups are consecutive ranks (one node) and pipeline
-    stages are the farthest apart. The data-parallel degree is what the world size leaves
-    (``dp_shard: -1``), as in Fast-LLM. The cross-section checks (heads, layers, batch) run
-    before any process group exists, in ``ParallelDims.validate``.
+    Rank order (``moetrain.parallel.dims``): tp varies fastest, then cp, dp_shard,
+    dp_replicate, and pp slowest, so tensor-parallel groups are consecutive ranks (one node)
+    and pipeline stages are the farthest apart. The data-parallel degree is what the world
+    size leaves (``dp_shard: -1``), as in Fast-LLM. The cross-section checks (heads, layers,
+    batch) run before any process group exists, in ``ParallelDims.validate``.
     """
 
     dp_replicate: int = 1
@@ -557,7 +558,15 @@ class ParallelConfig:
     dimension when zero_stage >= 1)."""
     dp_shard: int = -1
     """Data-parallel ranks within a replica group, over which ZeRO shards optimizer state,
-    gradients and parameters. -1: world size / (pp * dp_replicate * tp)."""
+    gradients and parameters (together with the cp ranks). -1: world size / (pp *
+    dp_replicate * cp * tp)."""
+    cp: int = 1
+    """Context-parallel degree: every sequence is split over cp ranks along the sequence,
+    load-balanced for the causal mask (rank c holds chunks c and 2 cp - 1 - c of 2 cp equal
+    chunks); attention all-gathers keys and values over the cp ranks, MoE layers gather the
+    routing decisions so that capacity and the balancing losses stay those of whole
+    sequences. Parameters are replicated over cp and their gradients averaged with dp
+    (docs/parallel.md). data.seq_len must divide into 2 cp chunks."""
     tp: int = 1
     """Tensor-parallel degree: attention heads and SwiGLU split column/row-wise, vocabulary-
     parallel embedding and loss. Must divide model.n_heads and the kv heads."""
@@ -566,17 +575,33 @@ class ParallelConfig:
     (needs tp > 1 and data.seq_len divisible by tp)."""
     pp: int = 1
     """Pipeline-parallel stages (physical, one per pp rank)."""
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = (
-        "interleaved_1f1b")
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (Megatron's, the default) or
-    zero_bubble (interleaved zero-bubble, ZB-H1-style split of the weight gradients)."""
+    pp_schedule: Literal[
+        "gpipe", "1f1b", "interleaved_1f1b", "zero_bubble", "looped_bfs", "zbv", "dualpipev"
+    ] = "interleaved_1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (Megatron's, the default),
+    zero_bubble (interleaved zero-bubble, ZB-H1-style split of the weight gradients),
+    looped_bfs (breadth-first: every micro-batch through a rank's first chunk before its
+    next), zbv (zero-bubble V: two chunks per rank placed in a V) or dualpipev (DeepSeek's
+    DualPipe-V: the same V placement, a forward and a backward overlapped in steady state).
+    zbv and dualpipev need pp_virtual_stages = 2."""
     pp_microbatches: int | None = None
     """Pipeline micro-batches per step and data-parallel rank. null: global_batch_size /
     (dp * micro_batch_size); otherwise it sets the micro-batch size to global_batch_size /
     (dp * pp_microbatches). Needs pp > 1."""
     pp_virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules); the model splits into
-    pp * pp_virtual_stages stages of equal layer counts."""
+    pp * pp_virtual_stages stages of equal layer counts. Looped placement (rank r holds
+    stages r, r + pp, ...) except zbv and dualpipev: V placement (rank r holds r and
+    2 pp - 1 - r)."""
+    breadth_first_micro_batches: int | None = None
+    """Micro-batches that one pass holds in flight (Fast-LLM's key of that name): with pp > 1
+    the micro-batches of one run of the pipeline schedule, without a pipeline micro-batches
+    whose forwards all run before their backwards. null: all of a step's micro-batches with
+    pp > 1, 1 without (or the step's micro-batches / depth_first_micro_batches)."""
+    depth_first_micro_batches: int | None = None
+    """Passes per optimizer step, one after the other, gradients accumulated between them
+    (Fast-LLM's key of that name): breadth_first_micro_batches * depth_first_micro_batches
+    = the step's micro-batches per data-parallel rank. null: whatever breadth-first leaves."""
     zero_stage: Literal[0, 1, 2, 3] = 0
     """0: replicas with gradient all-reduce; 1: optimizer state sharded over dp_shard;
     2: gradients too (FSDP2, reshard_after_forward=False); 3: parameters too (FSDP2)."""
@@ -599,9 +624,15 @@ class ParallelConfig:
     false: every tp rank holds whole experts and computes all of them on all of its tokens
     (tp x the expert FLOPs, no expert communication). No effect with tp = 1.
     moe.expert_ffn_dim (and the shared experts' width) must divide by tp."""
+    overlap_shared_experts: bool = False
+    """Compute the shared experts while the expert-parallel all-to-all carries the routed
+    tokens (an asynchronous all_to_all_single, waited for after the shared experts), instead
+    of after the combine. The same numbers in another order; needs ep > 1, the all_to_all
+    dispatcher and moe.num_shared_experts > 0."""
 
     def validate(self) -> None:
-        for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages", "ep", "pp_microbatches"):
+        for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages", "ep", "pp_microbatches",
+                     "cp", "breadth_first_micro_batches", "depth_first_micro_batches"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 _fail(f"parallel.{name}", f"must be >= 1, got {value}")
@@ -618,6 +649,19 @@ class ParallelConfig:
         if self.pp_virtual_stages > 1 and self.pp_schedule in ("gpipe", "1f1b"):
             _fail("parallel.pp_virtual_stages", f"{self.pp_virtual_stages} needs an interleaved "
                   f"schedule; parallel.pp_schedule={self.pp_schedule!r} runs one stage per rank")
+        if self.pp > 1 and self.pp_schedule in V_SCHEDULES and self.pp_virtual_stages != 2:
+            _fail("parallel.pp_virtual_stages", f"{self.pp_virtual_stages}, but parallel."
+                  f"pp_schedule={self.pp_schedule!r} places exactly 2 stages on each rank in a V "
+                  "(rank r holds stages r and 2 pp - 1 - r): set parallel.pp_virtual_stages=2")
+        if self.overlap_shared_experts and (self.ep == 1 or self.ep_dispatcher != "all_to_all"):
+            _fail("parallel.overlap_shared_experts", "overlaps the shared experts with the "
+                  "expert-parallel all-to-all: needs parallel.ep > 1 and parallel.ep_dispatcher="
+                  f"all_to_all, got parallel.ep={self.ep}, parallel.ep_dispatcher="
+                  f"{self.ep_dispatcher}")
+
+
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Pipeline schedules with the V-shaped stage placement (two stages per rank)."""
 
 
 @dataclass

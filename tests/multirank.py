@@ -311,7 +311,7 @@ def _watch_fsdp(engine: Any) -> dict[str, bool]:
                 def after(module: Any, args: Any, out: Any) -> None:
                     p = next(module.parameters())
                     names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-                    seen.setdefault("resharded", "dp_shard" in names)
+                    seen.setdefault("resharded", bool({"dp_shard", "dp_shard_cp"} & set(names)))
 
                 block.register_forward_hook(after)
                 return seen
@@ -328,12 +328,17 @@ def _group_dims(meshes: Any) -> dict[frozenset[int], str]:
     out: dict[frozenset[int], str] = {}
     if meshes is None:
         return out
+    # The cp group first: with dp = 1 the gradient group (dp x cp) and an EP group carved out
+    # of it may hold exactly the cp ranks, whose traffic then reads "cp".
     for dim, axis in (
         ("tp", "tp"),
         ("pp", "pp"),
+        ("cp", "cp"),
         ("dp", "dp"),
         ("dp_shard", "dp"),
         ("dp_replicate", "dp"),
+        ("dp_cp", "dp"),
+        ("dp_shard_cp", "dp"),
         ("ep", "dp"),
         ("edp", "dp"),
     ):
@@ -388,8 +393,8 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
         for name, placement, size in zip(names, wq.placements, wq.device_mesh.shape, strict=True):
             if name == "tp":
                 tp_placement = str(placement)
-            elif name == "dp_shard" and not placement.is_replicate():
-                zero_shards = size  # FSDP (ZeRO-2/3), over dp_shard only under HSDP
+            elif name in ("dp_shard", "dp_shard_cp") and not placement.is_replicate():
+                zero_shards = size  # FSDP (ZeRO-2/3), over dp_shard (x cp) only under HSDP
     if eng.grad_sync is not None and eng.grad_sync.shards:
         zero_shards = eng.grad_sync.shards[0].n  # ZeRO-1
     wrapped: Counter[str] = Counter()
@@ -398,10 +403,22 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
             if isinstance(module, CheckpointWrapper):
                 wrapped["attention" if name.endswith("attention") else "block"] += 1
     moe = [m for part in eng.parts for m in part.modules() if isinstance(m, MoELayer)]
+    attention = eng.parts[0].layers[next(iter(eng.parts[0].layers))].attention
+    attention = getattr(attention, "_checkpoint_wrapped_module", attention)
     facts = {
         "stages": tuple(eng.stage_ids),
         "schedule": type(eng.schedule).__name__ if eng.schedule is not None else None,
         "microbatches": eng.n_micro,
+        # Micro-batches per pass (one run of the schedule, or forwards before backwards).
+        "breadth_first": (
+            eng.schedule._n_microbatches if eng.schedule is not None else eng.breadth
+        ),
+        # Context parallelism: the positions of every sequence this rank computed with, the
+        # attention core, and whether the MoE layers plan over whole sequences.
+        "positions": (tuple(eng.seq_index.tolist()) if eng.seq_index is not None else None),
+        "attend": type(attention.attend).__name__,
+        "moe_whole_sequences": bool(moe) and all(m.seq_shard is not None for m in moe),
+        "shared_overlap": bool(moe) and getattr(moe[0].dispatcher, "overlapped", 0) > 0,
         "tp_placement": tp_placement,
         "fsdp_units": sum(isinstance(m, FSDPModule) for p in eng.parts for m in p.modules()),
         "zero1_sharded": bool(eng.grad_sync is not None and eng.grad_sync.shards),
@@ -446,17 +463,39 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     cfg = micro_config("unused", *overrides)
     p = cfg.parallel
     dims = ParallelDims.from_config(p, world_size)
-    pp_rank = dims.coords(rank)["pp"]
-    stages = tuple(stage_ids(pp_rank, dims.pp, dims.virtual_stages) if dims.pp > 1 else [0])
+    coords = dims.coords(rank)
+    pp_rank = coords["pp"]
+    if dims.pp == 1:
+        stages: tuple[int, ...] = (0,)
+    elif p.pp_schedule in ("zbv", "dualpipev"):  # the V: rank r holds r and 2 pp - 1 - r
+        stages = (pp_rank, 2 * dims.pp - 1 - pp_rank)
+    else:
+        stages = tuple(stage_ids(pp_rank, dims.pp, dims.virtual_stages))
     layers = sum(len(stage_layers(cfg.model.n_layers, dims.num_stages, s)) for s in stages)
     moe_layers = [
         i
         for s in stages
         for i in stage_layers(cfg.model.n_layers, dims.num_stages, s)
-        if cfg.moe.num_experts and i % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1
+        if cfg.moe.num_experts
+        and i % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1
+        and i not in cfg.moe.dense_layers
     ]
-    zero = p.zero_stage if dims.dp > 1 else 0
+    zero = p.zero_stage if dims.dp * dims.cp > 1 else 0
     ep_split = dims.ep > 1 and cfg.moe.num_experts > 0
+    n_micro = dims.microbatches(cfg)
+    if p.breadth_first_micro_batches is not None:
+        breadth = p.breadth_first_micro_batches
+    elif p.depth_first_micro_batches is not None:
+        breadth = n_micro // p.depth_first_micro_batches
+    else:
+        breadth = n_micro if dims.pp > 1 else 1
+    positions = None
+    if dims.cp > 1:  # chunks c and 2 cp - 1 - c of 2 cp
+        chunk = cfg.data.seq_len // (2 * dims.cp)
+        c = coords["cp"]
+        positions = tuple(range(c * chunk, (c + 1) * chunk)) + tuple(
+            range((2 * dims.cp - 1 - c) * chunk, (2 * dims.cp - c) * chunk)
+        )
     experts = None
     if moe_layers:
         f = cfg.moe.expert_ffn_dim // (dims.tp if p.expert_tp else 1)  # 1 when tp = 1
@@ -476,7 +515,14 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     return {
         "stages": stages,
         "schedule": SCHEDULES[p.pp_schedule] if dims.pp > 1 else None,
-        "microbatches": dims.microbatches(cfg),
+        "microbatches": n_micro,
+        "breadth_first": breadth,
+        "positions": positions,
+        "attend": "ContextParallelAttention" if dims.cp > 1 else "function",
+        "moe_whole_sequences": dims.cp > 1 and bool(moe_layers),
+        "shared_overlap": bool(
+            p.overlap_shared_experts and moe_layers and cfg.moe.num_shared_experts
+        ),
         "tp_placement": "S(0)" if dims.tp > 1 else None,
         # A unit per block and per chunk root; under bf16 each MoE router is one more (it is
         # gathered in fp32).
@@ -486,14 +532,16 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
             else 0
         ),
         "zero1_sharded": zero == 1,
-        "zero_shards": dims.dp_shard if zero >= 1 else 1,
+        "zero_shards": dims.dp_shard * dims.cp if zero >= 1 else 1,
         "checkpointed": {"attention": layers}
         if ac == "selective"
         else ({"block": layers} if ac == "full" else {}),
         "experts": experts,
         "dispatcher": dispatcher,
         "traffic_axes": sorted(
-            axis for axis, n in (("dp", dims.dp), ("pp", dims.pp), ("tp", dims.tp)) if n > 1
+            axis
+            for axis, n in (("dp", dims.dp), ("pp", dims.pp), ("tp", dims.tp), ("cp", dims.cp))
+            if n > 1
         ),
         "sequence_parallel_traffic": p.sequence_parallel,
         "fsdp_resharded_after_forward": (zero == 3) if zero >= 2 else None,
@@ -533,10 +581,13 @@ TOLERANCES: dict[str, dict[str, dict[str, float]]] = {
         # reorders fp32 sums (measured <= 4e-7). "later": later steps' gradients and the
         # moments inherit the parameter differences Adam amplifies (a near-zero gradient
         # element whose last bit differs moves its parameter by a sizeable fraction of lr),
-        # measured <= 1.3e-4 over the equivalence matrix. A constant factor on one tensor's
+        # measured <= 2.2e-4 over the equivalence matrix, except where a clamp sits on an
+        # element (model.clip_qkv): a parameter difference of 1e-6 moves a q/k/v element
+        # across the clip bound and its gradient jumps to zero -- measured 2.2e-3 of the
+        # tensor (norms 0.9998 apart) under cp2 and zbv. A constant factor on one tensor's
         # gradient -- what Adam hides from the parameters -- is an error of the order of the
         # tensor itself: x0.5 reads 0.5.
-        "grad": {"first": 1e-5, "later": 1e-3},
+        "grad": {"first": 1e-5, "later": 5e-3},
         # Router-score histograms: the fraction of scores in another bin (measured 0).
         "hist": {"moved": 1e-3},
     },

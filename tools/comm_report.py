@@ -8,7 +8,11 @@
 config and its layout are checked for that world size before any process starts. Each rank
 takes one warm-up step, then one measured step (``moetrain.parallel.accounting``); rank 0
 prints, per rank: model-state bytes and their ratio to the ZeRO formula, bytes sent per
-collective kind, and the analytic volume of each axis (``docs/parallel.md``) with its ratio.
+collective kind, and the analytic volume of each axis (``docs/parallel.md``) with its ratio;
+with a pipeline, the schedule's bubble from its own action list beside the analytic one;
+the activation bytes per rank, and with context parallelism (``parallel.cp``) the cp
+group's bytes against their volume and the activations against (A_1 - KV_1)/cp + KV_cp,
+A_1 measured by a second run without cp on the same world and per-rank micro-batch.
 The data-parallel formulas assume one micro-batch per rank (FSDP gathers per micro-batch).
 """
 
@@ -41,6 +45,7 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
     from moetrain.parallel.accounting import (
         analytic_expert_flops,
         analytic_sent,
+        full_sequence_kv_bytes,
         layer_counts,
         measure_step,
         zero_bytes_per_param,
@@ -53,13 +58,27 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
         trainer.train_step()
         report = measure_step(trainer)
         d = trainer.dims
-        zero = cfg.parallel.zero_stage if d.dp > 1 else 0
+        counts = layer_counts(trainer.engine.parts)
+        zero = cfg.parallel.zero_stage if d.dp * d.cp > 1 else 0
+        cp_group = trainer.engine.meshes.cp.get_group().group_name if d.cp > 1 else None
         row = {
             "rank": dist.get_rank() if dist.is_initialized() else 0,
             "params": report.params_per_rank,
             "memory": report.peak.total,
-            "formula": zero_bytes_per_param(zero, d.dp_shard) * report.params_per_rank,
+            "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp) * report.params_per_rank,
             "sent": report.sent,
+            "sent_cp": report.sent_by_group.get(cp_group, {}) if cp_group else {},
+            "activations": report.activations,
+            "kv": full_sequence_kv_bytes(
+                cfg.model,
+                d,
+                d.micro_batch_size(cfg),
+                cfg.data.seq_len,
+                counts["dense"] + counts["moe"],
+                cfg.parallel.activation_checkpointing,
+            ),
+            "cp": d.cp,
+            "bubble": _bubble(cfg, d),
             "analytic": analytic_sent(
                 cfg, d, report.params_per_rank, layer_counts(trainer.engine.parts)
             ),
@@ -68,15 +87,62 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
                 cfg, d, layer_counts(trainer.engine.parts)["moe"]
             ),
             "layout": f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
-            f"tp {d.tp}, zero {zero}, sp {cfg.parallel.sequence_parallel}, "
-            f"{d.microbatches(cfg)} micro-batches of {d.micro_batch_size(cfg)}",
+            f"cp {d.cp} x tp {d.tp}, zero {zero}, sp {cfg.parallel.sequence_parallel}, "
+            f"{d.microbatches(cfg)} micro-batches of {d.micro_batch_size(cfg)}"
+            + (f", schedule {cfg.parallel.pp_schedule}" if d.pp > 1 else ""),
         }
         trainer.close()
+        if d.cp > 1:  # the cp = 1 baseline: the same micro-batch of whole sequences per rank
+            row.update(_cp1_baseline(cfg_path, overrides, cfg, d))
     if dist.is_initialized():
         rows: list = [None] * dist.get_world_size()
         dist.all_gather_object(rows, row)
         return {"rows": rows}
     return {"rows": [row]}
+
+
+def _bubble(cfg, dims) -> dict | None:
+    """The schedule's bubble from its own action list beside the analytic figure."""
+    if dims.pp == 1:
+        return None
+    from moetrain.parallel.pipeline import analytic_bubble, schedule_actions, simulate_schedule
+
+    name, p, v, m = cfg.parallel.pp_schedule, dims.pp, dims.virtual_stages, dims.breadth_first(cfg)
+    sim = simulate_schedule(schedule_actions(name, p, v, m), p * v)
+    return {"actions": sim["bubble"], "analytic": analytic_bubble(name, p, v, m), "m": m}
+
+
+def _cp1_baseline(cfg_path: str | None, overrides: list[str], cfg, dims) -> dict:
+    """Activation bytes of the same layout without context parallelism on the same world
+    (cp folded into dp_shard) and the same per-rank micro-batch of whole sequences (the
+    global batch x cp): A_1 and KV_1 of the analytic (A_1 - KV_1)/cp + KV_cp."""
+    from moetrain.config import load_config
+    from moetrain.parallel.accounting import full_sequence_kv_bytes, layer_counts, measure_step
+    from moetrain.train.trainer import Trainer
+
+    p = cfg.parallel
+    extra = ["parallel.cp=1", f"train.global_batch_size={cfg.train.global_batch_size * dims.cp}"]
+    if p.dp_shard != -1:
+        extra.append(f"parallel.dp_shard={p.dp_shard * dims.cp}")
+    with tempfile.TemporaryDirectory() as out:
+        base_cfg = load_config(
+            cfg_path, [*overrides, *extra, f"train.output_dir={out}", *FIXED_OVERRIDES]
+        )
+        trainer = Trainer(base_cfg)
+        trainer.train_step()
+        report = measure_step(trainer)
+        d = trainer.dims
+        counts = layer_counts(trainer.engine.parts)
+        kv = full_sequence_kv_bytes(
+            base_cfg.model,
+            d,
+            d.micro_batch_size(base_cfg),
+            base_cfg.data.seq_len,
+            counts["dense"] + counts["moe"],
+            p.activation_checkpointing,
+        )
+        trainer.close()
+    return {"activations_cp1": report.activations, "kv_cp1": kv}
 
 
 def _print(rows: list[dict]) -> None:
@@ -95,10 +161,13 @@ def _print(rows: list[dict]) -> None:
     a = rows[0]["analytic"]
     s0 = rows[0]["sent"]
     if "dp" in a:
-        total = sum(s0.values())
+        # Context parallelism's own gathers are priced below, on their own.
+        cp_kinds = ("all_gather", "reduce_scatter")
+        total = sum(s0.values()) - sum(rows[0]["sent_cp"].get(k, 0) for k in cp_kinds)
         print(
             f"data parallel: analytic {a['dp'] / 1e6:.4f} MB per rank, rank 0 sent "
-            f"{total / 1e6:.4f} MB in all = {total / a['dp']:.4f}"
+            f"{total / 1e6:.4f} MB in all{' but the cp gathers' if 'cp' in a else ''} = "
+            f"{total / a['dp']:.4f}"
         )
     if "tp" in a:
         tp = s0.get("all_gather", 0) + s0.get("reduce_scatter", 0)
@@ -130,6 +199,33 @@ def _print(rows: list[dict]) -> None:
             f"pipeline: analytic {a['pp_all_ranks'] / 1e6:.4f} MB over all ranks, sent "
             f"{sends / 1e6:.4f} MB = {sends / a['pp_all_ranks']:.4f}"
         )
+    b = rows[0]["bubble"]
+    if b is not None:
+        print(
+            f"pipeline bubble (idle / useful time per rank, {b['m']} micro-batches per pass): "
+            f"{b['actions']:.4f} from the schedule's action list, {b['analytic']:.4f} analytic "
+            "(tools/pipeline_bubble.py)"
+        )
+    if "cp" in a:
+        from moetrain.parallel.accounting import analytic_cp_activations
+
+        cp_sent = sum(rows[0]["sent_cp"].get(k, 0) for k in ("all_gather", "reduce_scatter"))
+        print(
+            f"context parallel: analytic {a['cp'] / 1e6:.4f} MB per rank (K/V gathers and "
+            f"their gradients, MoE routing), rank 0's all-gathers + reduce-scatters on the cp "
+            f"group {cp_sent / 1e6:.4f} MB = {cp_sent / a['cp']:.4f}"
+        )
+        print("activations per rank (peak saved for backward) against (A_1 - KV_1)/cp + KV_cp:")
+        for r in rows:
+            analytic = analytic_cp_activations(r["activations_cp1"], r["kv_cp1"], r["cp"], r["kv"])
+            print(
+                f"  rank {r['rank']}: {r['activations'] / 1e6:.3f} MB = "
+                f"{r['activations'] / analytic:.4f} x analytic {analytic / 1e6:.3f} MB "
+                f"(cp = 1: {r['activations_cp1'] / 1e6:.3f} MB)"
+            )
+    else:
+        acts = ", ".join(f"rank {r['rank']} {r['activations'] / 1e6:.3f} MB" for r in rows)
+        print(f"activations per rank (peak saved for backward): {acts}")
 
 
 def _spawned(

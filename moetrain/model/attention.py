@@ -12,11 +12,20 @@ wkv_b``; a RoPE part of the key, ``wk_rope``, shared by every head (transformers
 ``kv_a_proj_with_mqa`` is ``wkv_a`` and ``wk_rope`` stacked). Names follow DeepSeek's
 reference code.
 
+The attention core (causal SDPA) is the module's ``attend`` attribute, ``causal_attention``
+by default: the seam where context parallelism plugs in (``moetrain.parallel.
+context_parallel`` installs a function that gathers the keys and values of the whole
+sequence over the ranks holding parts of it), as the dispatcher is the MoE layer's seam for
+expert parallelism. Keys and values reach it with their own (kv) head count: a function that
+exchanges them sends the un-repeated heads.
+
 Shape legend: B batch, S new positions, L cached + new positions, D model dim, H heads,
 Hkv kv heads, Dh head dim, R rotated width, C latent width.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,15 +59,30 @@ class KVCache:
         return k_BSHD, v_BSHD
 
 
-def _attend(
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None, int], torch.Tensor]
+"""``attend(q_BSHD, k_BLHD, v_BLHD, scale, start) -> (B, S, H*Dv)``: the attention core."""
+
+
+def repeat_kv(k_BLHD: torch.Tensor, v_BLHD: torch.Tensor, heads: int):
+    """Grouped-query attention: each kv head serves heads / Hkv query heads."""
+    n_rep = heads // k_BLHD.shape[2]
+    if n_rep > 1:
+        k_BLHD = k_BLHD.repeat_interleave(n_rep, dim=2)
+        v_BLHD = v_BLHD.repeat_interleave(n_rep, dim=2)
+    return k_BLHD, v_BLHD
+
+
+def causal_attention(
     q_BSHD: torch.Tensor,
     k_BLHD: torch.Tensor,
     v_BLHD: torch.Tensor,
     scale: float | None,
     start: int,
 ) -> torch.Tensor:
-    """Causal SDPA of S new queries at positions start.. over L = start + S keys -> (B, S, H*Dv)."""
+    """Causal SDPA of S new queries at positions start.. over L = start + S keys -> (B, S, H*Dv).
+    Keys and values may have fewer (kv) heads than the queries."""
     B, S = q_BSHD.shape[:2]
+    k_BLHD, v_BLHD = repeat_kv(k_BLHD, v_BLHD, q_BSHD.shape[2])
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BLHD, v_BLHD))
     if start == 0:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -78,7 +102,6 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = cfg.attn_head_dim
-        self.n_rep = cfg.n_heads // cfg.kv_heads
         self.rope_style = cfg.rope_style
         self.clip = cfg.clip_qkv
         q_out, kv_out = cfg.n_heads * self.head_dim, cfg.kv_heads * self.head_dim
@@ -86,6 +109,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_out, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, kv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_out, cfg.dim, bias=cfg.out_bias)
+        self.attend: Attend = causal_attention
         self.qk_norm = cfg.qk_norm
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -119,10 +143,7 @@ class Attention(nn.Module):
         k = apply_rope(k, cos, sin, self.rope_style)
         if cache is not None:
             k, v = cache.extend(self.layer_id, k, v)
-        if self.n_rep > 1:
-            k = k.repeat_interleave(self.n_rep, dim=2)
-            v = v.repeat_interleave(self.n_rep, dim=2)
-        return self.wo(_attend(q, k, v, None, start))
+        return self.wo(self.attend(q, k, v, None, start))
 
 
 class LatentAttention(nn.Module):
@@ -154,6 +175,7 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(C, H * (self.nope_dim + self.v_dim), bias=False)
         self.wk_rope = nn.Linear(D, self.rope_dim, bias=False)
         self.wo = nn.Linear(H * self.v_dim, D, bias=False)
+        self.attend: Attend = causal_attention
 
     def forward(
         self,
@@ -183,7 +205,7 @@ class LatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope_BS1R.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         if cache is not None:
             k, v = cache.extend(self.layer_id, k, v)
-        return self.wo(_attend(q, k, v, self.scale, start))
+        return self.wo(self.attend(q, k, v, self.scale, start))
 
 
 def build_attention(cfg: ModelConfig, layer_id: int) -> nn.Module:

@@ -117,6 +117,87 @@ def plan_dispatch(
     return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, cap)
 
 
+def plan_dispatch_sharded(
+    ids_TK: torch.Tensor,
+    ids_all_TK: torch.Tensor,
+    scores_all_TK: torch.Tensor | None,
+    positions_s: torch.Tensor,
+    num_experts: int,
+    num_groups: int,
+    capacity_factor: float | None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+) -> DispatchPlan:
+    """The plan of this process's tokens when it holds only some positions of every sequence
+    (context parallelism), keeping exactly the assignments ``plan_dispatch`` keeps for the
+    whole sequences.
+
+    ``ids_TK``: this process's tokens (B sequences x s positions, sequence-major);
+    ``ids_all_TK`` / ``scores_all_TK``: every token of the same B whole sequences (B x S,
+    in position order; scores only needed to drop by score); ``positions_s``: the positions
+    this process holds. Capacity is decided over the whole token groups -- the ranking of
+    each (expert, group) segment needs every assignment of the group -- and this process
+    keeps the rows of its own tokens. Token and drop counts are this process's (summed over
+    the processes of a sequence they are the whole batch's)."""
+    if capacity_factor is None:  # dropless: nothing is decided across tokens
+        return plan_dispatch(ids_TK, torch.zeros_like(ids_TK), num_experts, num_groups, None)
+    K = ids_TK.shape[1]
+    B = ids_TK.shape[0] // positions_s.numel()
+    whole = plan_dispatch(
+        ids_all_TK,
+        scores_all_TK if scores_all_TK is not None else torch.zeros_like(ids_all_TK),
+        num_experts,
+        num_groups,
+        capacity_factor,
+        drop_policy,
+    )
+    keep_TK = (whole.dest_TK >= 0).view(B, -1, K)[:, positions_s].reshape(-1, K)
+    assert whole.capacity is not None
+    return plan_kept(ids_TK, keep_TK, num_experts, num_groups, whole.capacity, pad_to_capacity)
+
+
+def plan_kept(
+    ids_TK: torch.Tensor,
+    keep_TK: torch.Tensor,
+    num_experts: int,
+    num_groups: int,
+    capacity: int,
+    pad_to_capacity: bool = False,
+) -> DispatchPlan:
+    """A plan that keeps the assignments ``keep_TK`` marks (decided elsewhere, at most
+    ``capacity`` per expert and token group): rows expert-major, then group, then position;
+    with ``pad_to_capacity`` each (expert, group) segment padded to ``capacity`` rows, as
+    ``plan_dispatch`` lays them out."""
+    T, K = ids_TK.shape
+    E, G = num_experts, num_groups
+    if T % G:
+        raise ValueError(f"{T} tokens do not split into {G} token groups")
+    device = ids_TK.device
+    ids_A, keep_A = ids_TK.reshape(-1), keep_TK.reshape(-1)
+    group_A = torch.arange(T, device=device).repeat_interleave(K) // (T // G)
+    tokens_per_expert_E = torch.bincount(ids_A, minlength=E)
+    # Kept assignments by (expert, group) segment in position order; dropped ones last.
+    segment_A = torch.where(keep_A, ids_A * G + group_A, E * G)
+    order_A = torch.argsort(segment_A, stable=True)
+    seg_sorted = segment_A[order_A]
+    kept_sorted = seg_sorted < E * G
+    seg_counts = torch.bincount(seg_sorted, minlength=E * G + 1)
+    if pad_to_capacity:
+        seg_start = torch.cumsum(seg_counts, 0) - seg_counts
+        pos_sorted = torch.arange(T * K, device=device) - seg_start[seg_sorted]
+        dest_sorted = torch.where(kept_sorted, seg_sorted * capacity + pos_sorted, -1)
+        offs_E = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (G * capacity)
+        num_rows = E * G * capacity
+    else:
+        dest_sorted = torch.where(kept_sorted, torch.arange(T * K, device=device), -1)
+        offs_E = torch.cumsum(seg_counts[: E * G].view(E, G).sum(1), 0).to(torch.int32)
+        num_rows = T * K
+    dest_A = torch.empty_like(dest_sorted)
+    dest_A[order_A] = dest_sorted
+    dropped = (~keep_A).sum()
+    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, capacity)
+
+
 class Dispatcher(Protocol):
     """Moves token rows to the experts that process them and back.
 

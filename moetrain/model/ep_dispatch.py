@@ -10,7 +10,9 @@ keeps. That is what lets a single-process run reproduce drops, losses and gradie
     small ``all_to_all_single`` of per-(rank, local expert) counts (the only host sync, and
     only when shapes are dynamic), ``all_to_all_single`` of the rows with uneven splits,
     regroup by local expert; ``combine`` reverses each step. With ``moe.pad_to_capacity``
-    the splits are static and there is no count exchange at all.
+    the splits are static and there is no count exchange at all. ``dispatch_overlapped``
+    issues the row all-to-all asynchronously and runs a side computation (the shared
+    experts, ``parallel.overlap_shared_experts``) before waiting for it.
 ``AllGatherDispatcher`` all-gather tokens, combine weights and plans over the EP group;
     every rank runs its local experts on all the group's tokens; a reduce-scatter returns
     each rank's partial sums. More bytes, no count exchange: for small ``ep``.
@@ -28,6 +30,8 @@ P = ep ranks, N local buffer rows, R rows this rank's experts process.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -59,6 +63,46 @@ class AllToAllFunction(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         out_splits, in_splits = ctx.splits
         return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
+
+
+class AllToAllStartFunction(torch.autograd.Function):
+    """The forward all-to-all issued asynchronously: returns the receive buffer at once and
+    appends the work handle to ``works``; ``WaitFunction`` completes it. Backward is the
+    synchronous call with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group, works):  # type: ignore[override]
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        works.append(
+            dist.all_to_all_single(
+                out,
+                x.contiguous(),
+                output_split_sizes=out_splits,
+                input_split_sizes=in_splits,
+                group=group,
+                async_op=True,
+            )
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        out_splits, in_splits = ctx.splits
+        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None, None
+
+
+class WaitFunction(torch.autograd.Function):
+    """Identity on a buffer an asynchronous collective fills: waits for it first."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, works: list) -> torch.Tensor:  # type: ignore[override]
+        works.pop().wait()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
 
 
 class AllGatherFunction(torch.autograd.Function):
@@ -197,6 +241,17 @@ class ExpertTPDispatcher:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.inner.dispatch(CopyToTPFunction.apply(x_TD, self.group), plan, backend)
 
+    def dispatch_overlapped(
+        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str, side: Callable[[], torch.Tensor]
+    ):
+        return self.inner.dispatch_overlapped(
+            CopyToTPFunction.apply(x_TD, self.group), plan, backend, side
+        )
+
+    @property
+    def overlapped(self) -> int:
+        return getattr(self.inner, "overlapped", 0)
+
     def combine(
         self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
     ) -> torch.Tensor:
@@ -234,10 +289,37 @@ class AllToAllDispatcher(_CommCounter):
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep
         self._ctx: tuple | None = None
+        self.overlapped = 0
+        """Dispatches that ran a side computation while the rows travelled."""
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        x_RD, offs_L, _ = self._dispatch(x_TD, plan, backend, None)
+        return x_RD, offs_L
+
+    def dispatch_overlapped(
+        self,
+        x_TD: torch.Tensor,
+        plan: DispatchPlan,
+        backend: str,
+        side: Callable[[], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``dispatch``, with ``side()`` (the shared experts) computed while the row
+        all-to-all is in flight; returns its result third. The same numbers as calling
+        ``side()`` before or after."""
+        self.overlapped += 1
+        x_RD, offs_L, out = self._dispatch(x_TD, plan, backend, side)
+        assert out is not None
+        return x_RD, offs_L, out
+
+    def _dispatch(
+        self,
+        x_TD: torch.Tensor,
+        plan: DispatchPlan,
+        backend: str,
+        side: Callable[[], torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         P, L = self.ep, self.local_experts
         x_ND = permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend)
         if self.padded:
@@ -255,14 +337,21 @@ class AllToAllDispatcher(_CommCounter):
             send, recv = both
         n_kept = sum(send)
         total = sum(recv)
-        x_recv = AllToAllFunction.apply(x_ND[:n_kept], recv, send, self.group)
+        side_out = None
+        if side is None:
+            x_recv = AllToAllFunction.apply(x_ND[:n_kept], recv, send, self.group)
+        else:
+            works: list = []
+            x_recv = AllToAllStartFunction.apply(x_ND[:n_kept], recv, send, self.group, works)
+            side_out = side()  # while the rows travel
+            x_recv = WaitFunction.apply(x_recv, works)
         index_R = regroup_index(counts_PL, total)
         x_RD = x_recv.index_select(0, index_R)
         offs_L = torch.cumsum(counts_PL.sum(0), 0).to(torch.int32)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         self.bytes_sent += (n_kept - send[self.rank]) * row_bytes
         self._ctx = (send, recv, index_R, plan.num_rows, n_kept, row_bytes)
-        return x_RD, offs_L
+        return x_RD, offs_L, side_out
 
     def combine(
         self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str

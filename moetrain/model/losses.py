@@ -20,24 +20,33 @@ def balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
 
 
 def load_balancing_loss(
-    probs_TE: torch.Tensor, ids_TK: torch.Tensor, num_groups: int
+    probs_TE: torch.Tensor,
+    ids_TK: torch.Tensor,
+    num_groups: int,
+    ids_all_TK: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Switch load-balancing loss, mean over token groups of E * sum_e f_e * P_e.
 
     f_e: fraction of the group's T*K assignments that chose expert e (before capacity drops,
     no gradient); P_e: mean probability of expert e over the group's tokens. Equals 1 when
     routing is perfectly uniform, E when every token picks the same experts with certainty.
+
+    ``ids_all_TK``: when this process holds only an equal part of every group's tokens
+    (context parallelism), the choices of all of the groups' tokens: f counts them, P
+    averages this process's tokens. The loss is linear in P, so the mean of this value over
+    the processes sharing the groups is the whole groups' loss (and so is its gradient,
+    averaged over them as every gradient is).
     """
     T, E = probs_TE.shape
-    K = ids_TK.shape[1]
     G = num_groups
-    S = T // G
-    P_GE = probs_TE.view(G, S, E).mean(1)
+    P_GE = probs_TE.view(G, T // G, E).mean(1)
+    counted = ids_TK if ids_all_TK is None else ids_all_TK
+    n = counted.numel() // G  # assignments per group
     counts_GE = torch.zeros(G, E, device=probs_TE.device, dtype=probs_TE.dtype)
     counts_GE.scatter_add_(
-        1, ids_TK.reshape(G, S * K), torch.ones_like(ids_TK, dtype=probs_TE.dtype).view(G, S * K)
+        1, counted.reshape(G, n), torch.ones_like(counted, dtype=probs_TE.dtype).view(G, n)
     )
-    f_GE = counts_GE / (S * K)
+    f_GE = counts_GE / n
     return E * (f_GE * P_GE).sum(-1).mean()
 
 

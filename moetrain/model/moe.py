@@ -21,7 +21,13 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.kernels import RouteResult, resolve_backend, route
-from moetrain.model.dispatch import Dispatcher, DispatchPlan, LocalDispatcher, plan_dispatch
+from moetrain.model.dispatch import (
+    Dispatcher,
+    DispatchPlan,
+    LocalDispatcher,
+    plan_dispatch,
+    plan_dispatch_sharded,
+)
 from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.jitter import jitter_factors
 from moetrain.model.losses import (
@@ -31,6 +37,7 @@ from moetrain.model.losses import (
     router_entropy,
     z_loss,
 )
+from moetrain.model.sequence_shard import SequenceShard
 
 STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
 SCORE_HIST_BINS = 20
@@ -148,6 +155,12 @@ class MoELayer(nn.Module):
         )
         # The seam for expert parallelism: moetrain.parallel swaps in an all-to-all dispatcher.
         self.dispatcher: Dispatcher = LocalDispatcher()
+        # Shared experts computed while the dispatcher's all-to-all is in flight (set with
+        # an expert-parallel dispatcher that has ``dispatch_overlapped``).
+        self.overlap_shared = False
+        # Context parallelism: this process holds some positions of every sequence; capacity,
+        # the balancing statistics and the jitter keys are those of the whole sequences.
+        self.seq_shard: SequenceShard | None = None
         self.aux_loss_scale = 1.0
         # Where this step's tokens are in the run, for layout-independent router jitter
         # (``set_jitter_key``): (seed, optimizer step) and the global index of this rank's
@@ -176,7 +189,10 @@ class MoELayer(nn.Module):
             return None
         first = self.jitter_seq_offset + self.stat_rows.to(device)
         seq_T = (first + torch.arange(B, device=device)).repeat_interleave(S)
-        pos_T = torch.arange(S, device=device).repeat(B)
+        if self.seq_shard is not None:  # this process's positions of every sequence
+            pos_T = self.seq_shard.positions(device).repeat(B)
+        else:
+            pos_T = torch.arange(S, device=device).repeat(B)
         return (self.jitter_seed, self.jitter_step, self.layer_id), seq_T, pos_T
 
     def token_groups(self, batch: int) -> int:
@@ -193,31 +209,62 @@ class MoELayer(nn.Module):
         backend = resolve_backend(self.cfg.kernels, x_TD.device)
 
         r = self.router(x_TD, backend, self._jitter_at(B, S, x_TD.device))
-        plan = plan_dispatch(r.ids_TK, r.scores_TE.gather(1, r.ids_TK), self.num_experts,
-                             self.token_groups(B), self.cfg.capacity_factor,
-                             self.cfg.drop_policy, self.cfg.pad_to_capacity)
-        x_ND, offs_E = self.dispatcher.dispatch(x_TD, plan, backend)
+        ids_all_TK, plan = self._plan(r, B)
+        shared_TD = None
+        if self.shared_experts is not None and self.overlap_shared:
+            # The shared experts run while the routed tokens travel (same numbers).
+            x_ND, offs_E, shared_TD = self.dispatcher.dispatch_overlapped(
+                x_TD, plan, backend, lambda: self._shared(x_TD))
+        else:
+            x_ND, offs_E = self.dispatcher.dispatch(x_TD, plan, backend)
         y_ND = self.experts(x_ND, offs_E, backend)
         y_TD = self.dispatcher.combine(y_ND, plan, r.weights_TK, backend)
         if self.shared_experts is not None:
-            shared_TD = self.shared_experts(x_TD)
-            if self.shared_expert_gate is not None:
-                shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
-            y_TD = y_TD + shared_TD
+            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
 
-        y_TD = self._balance(y_TD, r, plan, B)
+        y_TD = self._balance(y_TD, r, plan, B, ids_all_TK)
         return y_TD.view(B, S, D)
 
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        assert self.shared_experts is not None
+        shared_TD = self.shared_experts(x_TD)
+        if self.shared_expert_gate is not None:
+            shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+        return shared_TD
+
+    def _plan(self, r: RouteResult, batch: int) -> tuple[torch.Tensor | None, DispatchPlan]:
+        """The dispatch plan, and under context parallelism the expert choices of the whole
+        sequences (gathered: capacity and the balancing statistics are theirs)."""
+        cfg = self.cfg
+        scores_TK = r.scores_TE.gather(1, r.ids_TK)
+        if self.seq_shard is None:
+            return None, plan_dispatch(r.ids_TK, scores_TK, self.num_experts,
+                                       self.token_groups(batch), cfg.capacity_factor,
+                                       cfg.drop_policy, cfg.pad_to_capacity)
+        K = r.ids_TK.shape[1]
+        ids_all_TK = self.seq_shard.gather(r.ids_TK.view(batch, -1, K)).reshape(-1, K)
+        scores_all_TK = None
+        if cfg.capacity_factor is not None and cfg.drop_policy == "probs":
+            scores_all_TK = self.seq_shard.gather(
+                scores_TK.detach().view(batch, -1, K)).reshape(-1, K)
+        plan = plan_dispatch_sharded(
+            r.ids_TK, ids_all_TK, scores_all_TK, self.seq_shard.positions(r.ids_TK.device),
+            self.num_experts, self.token_groups(batch), cfg.capacity_factor, cfg.drop_policy,
+            cfg.pad_to_capacity)
+        return ids_all_TK, plan
+
     def _balance(self, y_TD: torch.Tensor, r: RouteResult, plan: DispatchPlan,
-                 batch: int) -> torch.Tensor:
-        """Compute the balancing losses, inject their gradient, record their values."""
+                 batch: int, ids_all_TK: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute the balancing losses, inject their gradient, record their values.
+        ``ids_all_TK``: the choices of the whole sequences when this process holds part of
+        each (context parallelism): the assignment fractions f count them."""
         cfg = self.cfg
         probs_TE = balance_probs(r.scores_TE, cfg.score_func)
         values = {
             "aux_loss": (cfg.aux_loss_coef, lambda: load_balancing_loss(
-                probs_TE, r.ids_TK, self.token_groups(batch))),
+                probs_TE, r.ids_TK, self.token_groups(batch), ids_all_TK)),
             "seq_aux_loss": (cfg.seq_aux_loss_coef, lambda: load_balancing_loss(
-                probs_TE, r.ids_TK, batch)),
+                probs_TE, r.ids_TK, batch, ids_all_TK)),
             "z_loss": (cfg.z_loss_coef, lambda: z_loss(r.lse_T)),
             "entropy": (0.0, lambda: router_entropy(probs_TE)),
         }

@@ -21,6 +21,7 @@ from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.moe import MoELayer
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope, rope_tables
+from moetrain.model.sequence_shard import SequenceShard
 
 __all__ = [
     "Attention",
@@ -94,6 +95,9 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # Context parallelism (installed from outside): this process holds some positions of
+        # every sequence, and RoPE rotates each token by its own position.
+        self.seq_shard: SequenceShard | None = None
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -121,11 +125,17 @@ class Transformer(nn.Module):
         if cache is not None and cache.length + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{cache.length + tokens.shape[1]} positions exceed "
                              f"model.max_seq_len={self.cfg.max_seq_len}")
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.seq_shard is not None and cache is None:
+            # Each attention slices its tables [0, S): hand it the rows of this process's
+            # positions (an early and a late chunk of every sequence under context parallelism).
+            pos = self.seq_shard.positions(cos.device)
+            cos, sin = cos[pos], sin[pos]
         for layer in self.layers.values():
             if cache is None:
-                h = layer(h, self.rope_cos, self.rope_sin)
+                h = layer(h, cos, sin)
             else:
-                h = layer(h, self.rope_cos, self.rope_sin, cache)
+                h = layer(h, cos, sin, cache)
         if cache is not None:
             cache.length += tokens.shape[1]
         if self.norm is not None:

@@ -336,6 +336,110 @@ def zero_bytes_per_param(zero_stage: int, n: int, mixed_precision: bool = False)
     return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[zero_stage]
 
 
+# ----------------------------------------------------------------------------- activations
+
+
+class SavedActivations:
+    """Bytes of the tensors autograd keeps for backward (the activations), live at once,
+    while active (``with SavedActivations(parts) as a``): a tensor counts from when a
+    forward saves it until the backward that used it frees it; ``peak`` is the most held at
+    any moment. Storages are counted once however many saved tensors view them; parameters
+    (and FSDP's gathered copies of them, which are model state) are left out. Activation
+    checkpointing's own hooks take precedence inside checkpointed regions, so what they keep
+    (block inputs) is what is counted there."""
+
+    def __init__(self, parts: list[torch.nn.Module]) -> None:
+        self.params = {_storage_key(_local(p)) for part in parts for p in part.parameters()}
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[tuple[int, int], int] = {}
+        self._hooks: Any = None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+            return t
+        try:
+            key = _storage_key(_local(t))  # a DTensor's own shard
+        except (RuntimeError, NotImplementedError):  # tensors without a storage
+            return t
+        if key in self.params:
+            return t
+        if key not in self._refs:
+            self.live += key[1]
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        return _Saved(t, key, self)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.live -= key[1]
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    """A saved tensor and its place in ``SavedActivations``' count (released on collection,
+    when autograd frees the graph node holding it)."""
+
+    __slots__ = ("tensor", "key", "owner")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[int, int], owner: SavedActivations):
+        self.tensor, self.key, self.owner = tensor, key, owner
+
+    def __del__(self) -> None:
+        self.owner._release(self.key)
+
+
+def full_sequence_kv_bytes(
+    model_cfg: Any,
+    dims: Any,
+    micro_batch_size: int,
+    seq_len: int,
+    n_attention: int,
+    checkpointing: str = "none",
+    bytes_per_elem: int = 4,
+) -> int:
+    """Bytes of the keys and values of whole sequences that the attention of ``n_attention``
+    layers keeps for backward on one rank (per micro-batch in flight): what context
+    parallelism does not divide by cp (each rank attends its queries over the whole
+    sequence's K and V, kept at full length with every query head's copy, as SDPA sees
+    them), plus its (s x S) boolean causal mask. 0 when activation checkpointing recomputes
+    the attention (``checkpointing`` selective or full): only its input is kept."""
+    if checkpointing != "none":
+        return 0
+    h_local = model_cfg.n_heads // dims.tp
+    if model_cfg.attention == "mla":
+        dk = model_cfg.qk_nope_head_dim + model_cfg.qk_rope_head_dim
+        dv = model_cfg.v_head_dim
+    else:
+        dk = dv = model_cfg.attn_head_dim
+    kv = micro_batch_size * seq_len * h_local * (dk + dv) * bytes_per_elem
+    mask = (seq_len // dims.cp) * seq_len if dims.cp > 1 else 0
+    return n_attention * (kv + mask)
+
+
+def analytic_cp_activations(
+    one_rank_cp1: float, kv_bytes_cp1: float, cp: int, kv_bytes_cp: float
+) -> float:
+    """Activation bytes per rank under context parallelism: everything but the whole
+    sequence's keys and values scales with the tokens a rank holds (1/cp of every
+    sequence), those stay whole: (A_1 - KV_1)/cp + KV_cp, with A_1 measured at cp = 1 on the
+    same micro-batch and KV from ``full_sequence_kv_bytes``."""
+    return (one_rank_cp1 - kv_bytes_cp1) / cp + kv_bytes_cp
+
+
 # ----------------------------------------------------------------------------- one step
 
 
@@ -347,6 +451,8 @@ class StepReport:
     params_per_rank: int
     """Parameters this rank holds before data-parallel sharding (its TP shard, its stages)."""
     memory: dict[str, MemorySample] = field(default_factory=dict)
+    activations: int = 0
+    """Peak bytes of the tensors saved for backward during the step (``SavedActivations``)."""
     result: Any = None
     """The trainer's StepResult of the measured step."""
     sent: dict[str, float] = field(default_factory=dict)
@@ -369,6 +475,7 @@ class StepReport:
                 "memory/param_bytes": float(peak.params),
                 "memory/grad_bytes": float(peak.grads),
                 "memory/optim_bytes": float(peak.optim),
+                "memory/activation_bytes": float(self.activations),
             }
         )
         return out
@@ -417,12 +524,13 @@ def measure_step(trainer: Any) -> StepReport:
     ]
     engine.probe = probe
     try:
-        with CommCounter() as counter:
+        with CommCounter() as counter, SavedActivations(engine.parts) as saved:
             report.result = trainer.train_step()
     finally:
         engine.probe = None
         for h in hooks:
             h.remove()
+    report.activations = saved.peak
     report.sent = counter.sent_by_kind()
     by_group: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in counter.records:
@@ -449,21 +557,28 @@ def analytic_sent(
     tp:  per micro-batch (b s h (t-1)/t) x (8 per dense layer, 6 per MoE layer with SP / 4
          without, + 2 each for the vocabulary-parallel embedding and output; with expert TP
          each MoE layer adds 4 + 2 K / h for its routed experts and 4 for shared experts).
-    pp:  b s h (/t with SP) per micro-batch and stage boundary, forward and backward
-         (summed over the pp ranks: 2 m (stages - 1) b s h).
+    pp:  b s h (/t with SP) per micro-batch and stage boundary between ranks, forward and
+         backward (summed over the pp ranks: 2 m (stages - 1) b s h; 2 m (stages - 2) b s h
+         for the V placement, whose turn at the last rank stays on the rank).
+    cp:  per micro-batch and attention layer the whole sequence's K and V, (cp-1)/cp of them
+         all-gathered forward and reduce-scattered backward, plus the routing decisions of
+         every MoE layer (``context_parallel.analytic_cp_bytes``). With cp, s above is the
+         seq_len / cp positions a rank holds, and dp reduces over dp x cp ranks.
     """
     psi = params_per_rank * bytes_per_elem
-    n, r = dims.dp_shard, dims.dp_replicate
-    zero = cfg.parallel.zero_stage if dims.dp > 1 else 0
+    # Gradients are averaged over dp x cp; ZeRO shards over dp_shard x cp.
+    n, r, d = dims.dp_shard * dims.cp, dims.dp_replicate, dims.dp * dims.cp
+    zero = cfg.parallel.zero_stage if d > 1 else 0
     out: dict[str, float] = {}
-    if dims.dp > 1:
+    if d > 1:
         if zero == 0:
-            out["dp"] = 2 * psi * (dims.dp - 1) / dims.dp
+            out["dp"] = 2 * psi * (d - 1) / d
         else:
             out["dp"] = (3 if zero == 3 else 2) * psi * (n - 1) / n
             out["dp"] += 2 * (psi / n) * (r - 1) / r
     m = dims.microbatches(cfg)
-    b, s, h, t = dims.micro_batch_size(cfg), cfg.data.seq_len, cfg.model.dim, dims.tp
+    # A cp rank holds seq_len / cp positions of every sequence: tp and pp move 1/cp of it.
+    b, s, h, t = dims.micro_batch_size(cfg), cfg.data.seq_len // dims.cp, cfg.model.dim, dims.tp
     bsh = b * s * h * bytes_per_elem
     if t > 1:
         moe_factor = 6 if cfg.parallel.sequence_parallel else 4
@@ -482,21 +597,49 @@ def analytic_sent(
         out["tp"] = m * per_mb * bsh * (t - 1) / t
     if dims.pp > 1:
         act = bsh / (t if cfg.parallel.sequence_parallel else 1)
-        out["pp_all_ranks"] = 2 * m * (dims.num_stages - 1) * act
+        # The V placement (zbv, dualpipev) holds stages pp - 1 and pp on one rank: that
+        # boundary is crossed without a send.
+        local = 1 if cfg.parallel.pp_schedule in ("zbv", "dualpipev") else 0
+        out["pp_all_ranks"] = 2 * m * (dims.num_stages - 1 - local) * act
+    if dims.cp > 1:
+        from moetrain.parallel.context_parallel import analytic_cp_bytes
+
+        mc, moe = cfg.model, cfg.moe
+        if mc.attention == "mla":
+            kv = (mc.qk_nope_head_dim + mc.qk_rope_head_dim + mc.v_head_dim) * mc.n_heads
+        else:
+            kv = 2 * mc.attn_head_dim * mc.kv_heads
+        scores = moe.capacity_factor is not None and moe.drop_policy == "probs"
+        ac = cfg.parallel.activation_checkpointing
+        n_attn = n_stage_layers.get("dense", 0) + n_stage_layers.get("moe", 0)
+        n_moe = n_stage_layers.get("moe", 0)
+        out["cp"] = analytic_cp_bytes(
+            dims.micro_batch_size(cfg),
+            cfg.data.seq_len,
+            dims.cp,
+            kv // dims.tp,
+            moe.top_k * (8 + (4 if scores else 0)),
+            n_attn,
+            n_moe,
+            m,
+            recomputed_attention=n_attn if ac != "none" else 0,
+            recomputed_moe=n_moe if ac == "full" else 0,
+            bytes_per_elem=bytes_per_elem,
+        )
     return out
 
 
 def analytic_expert_flops(cfg: Any, dims: Any, n_moe_layers: int) -> float:
     """Forward FLOPs of routed experts per rank in one step if every token's top-k
     assignments are computed (no drops) and spread evenly: 6 D F per assignment, over the
-    global batch's T K assignments per MoE layer, divided among the dp ranks (each computes
+    global batch's T K assignments per MoE layer, divided among the dp x cp ranks (each computes
     its share of the tokens' experts, under expert parallelism for its EP peers) and the tp
     ranks when ``parallel.expert_tp`` splits every expert's FFN width. With experts
     replicated over tp each tp rank computes all of its dp rank's: tp x this figure.
     ``n_moe_layers``: the MoE layers this rank's pipeline stages hold."""
     tokens = cfg.train.global_batch_size * cfg.data.seq_len
     per_assignment = 6 * cfg.model.dim * cfg.moe.expert_ffn_dim
-    split = dims.dp * (dims.tp if cfg.parallel.expert_tp else 1)
+    split = dims.dp * dims.cp * (dims.tp if cfg.parallel.expert_tp else 1)
     return per_assignment * tokens * cfg.moe.top_k * n_moe_layers / split
 
 

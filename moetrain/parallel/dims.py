@@ -1,14 +1,19 @@
 """The parallel layout: degrees derived from ``parallel.*`` and the world size, every check
 that needs more than one config section, and the named ``DeviceMesh``.
 
-Rank order. The mesh is ``["pp", "dp_replicate", "dp_shard", "tp"]`` in row-major order, so
+Rank order. The mesh is ``["pp", "dp_replicate", "dp_shard", "cp", "tp"]`` in row-major
+order, so
 
-    rank = ((pp_rank * dp_replicate + replicate_rank) * dp_shard + shard_rank) * tp + tp_rank
+    rank = (((pp_rank * dp_replicate + replicate_rank) * dp_shard + shard_rank) * cp
+            + cp_rank) * tp + tp_rank
 
 tensor-parallel groups are consecutive ranks (keep them inside one node: they talk every
-layer), pipeline neighbours are ``world / pp`` ranks apart (they exchange one activation per
-micro-batch and can span nodes), and the data-parallel ranks fill the middle. One flattened
-dim is added: ``dp`` (dp_replicate x dp_shard, the ranks that see different data).
+layer), context-parallel groups next (they exchange keys and values every attention layer),
+pipeline neighbours are ``world / pp`` ranks apart (they exchange one activation per
+micro-batch and can span nodes), and the data-parallel ranks fill the middle. Flattened dims
+are added: ``dp`` (dp_replicate x dp_shard, the ranks that see different data) and, with
+cp > 1, ``dp_cp`` (dp x cp: the ranks over which gradients are averaged, since cp ranks hold
+different tokens of the same sequences) and ``dp_shard_cp`` (what ZeRO shards over).
 
 Everything here runs before any process group exists; each error names the keys and the
 numbers (``ConfigError``).
@@ -21,11 +26,13 @@ from typing import Any
 
 from moetrain.config import ConfigError, JobConfig, ParallelConfig
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 _MESHES: dict[tuple, Meshes] = {}  # build_mesh's cache: process groups are per process anyway
 
 # Schedules that keep several micro-batches in flight need at least one per stage.
-_NEEDS_MB_GE_PP = ("1f1b", "interleaved_1f1b", "zero_bubble")
+_NEEDS_MB_GE_PP = ("1f1b", "interleaved_1f1b", "zero_bubble", "zbv")
+# Schedules whose micro-batch count must be a multiple of pp (torch's interleaved runtime).
+_NEEDS_MB_MULTIPLE_OF_PP = ("interleaved_1f1b", "zero_bubble")
 
 
 @dataclass
@@ -45,6 +52,15 @@ class Meshes:
     """Expert-data-parallel group (dp ranks holding the same experts); None when ep = 1."""
     ep_root: Any = None
     """The ``(pp, edp, ep, tp)`` mesh the two above come from (None when ep = 1)."""
+    cp: Any = None
+    """Context-parallel group (the cp ranks holding parts of the same sequences); size 1
+    when parallel.cp = 1."""
+    dp_cp: Any = None
+    """The ranks gradients are averaged over: ``dp`` itself when cp = 1, else the flattened
+    (dp_replicate, dp_shard, cp)."""
+    dp_shard_cp: Any = None
+    """The ranks ZeRO shards over: ``dp_shard`` when cp = 1, else the flattened
+    (dp_shard, cp)."""
 
 
 @dataclass(frozen=True)
@@ -58,26 +74,29 @@ class ParallelDims:
     tp: int
     ep: int = 1
     virtual_stages: int = 1
+    cp: int = 1
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def from_config(cls, pcfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Derive ``dp_shard`` (when -1) from the world size and check the product."""
-        others = pcfg.pp * pcfg.dp_replicate * pcfg.tp
+        others = pcfg.pp * pcfg.dp_replicate * pcfg.cp * pcfg.tp
         dp_shard = pcfg.dp_shard
+        # parallel.cp is named only where it is set, so that the common message stays short.
+        cp_key, cp_val = (" * parallel.cp", f" * {pcfg.cp}") if pcfg.cp > 1 else ("", "")
         if dp_shard == -1:
             if world_size % others:
                 raise ConfigError(
-                    f"parallel.pp * parallel.dp_replicate * parallel.tp = {pcfg.pp} * "
-                    f"{pcfg.dp_replicate} * {pcfg.tp} = {others} does not divide the world "
-                    f"size {world_size}"
+                    f"parallel.pp * parallel.dp_replicate{cp_key} * parallel.tp = {pcfg.pp} * "
+                    f"{pcfg.dp_replicate}{cp_val} * {pcfg.tp} = {others} does not divide the "
+                    f"world size {world_size}"
                 )
             dp_shard = world_size // others
         elif others * dp_shard != world_size:
             raise ConfigError(
-                f"parallel.pp * parallel.dp_replicate * parallel.dp_shard * parallel.tp = "
-                f"{pcfg.pp} * {pcfg.dp_replicate} * {dp_shard} * {pcfg.tp} = "
+                f"parallel.pp * parallel.dp_replicate * parallel.dp_shard{cp_key} * parallel.tp"
+                f" = {pcfg.pp} * {pcfg.dp_replicate} * {dp_shard}{cp_val} * {pcfg.tp} = "
                 f"{others * dp_shard}, but the world size is {world_size}"
             )
         return cls(
@@ -88,11 +107,18 @@ class ParallelDims:
             pcfg.tp,
             pcfg.ep,
             pcfg.pp_virtual_stages,
+            pcfg.cp,
         )
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks over which gradients are averaged: dp x cp (a cp rank holds 1/cp of the
+        tokens of its dp rank's sequences)."""
+        return self.dp * self.cp
 
     @property
     def num_stages(self) -> int:
@@ -109,6 +135,21 @@ class ParallelDims:
     def micro_batch_size(self, cfg: JobConfig) -> int:
         """Sequences per forward on one rank."""
         return cfg.train.global_batch_size // (self.dp * self.microbatches(cfg))
+
+    def breadth_first(self, cfg: JobConfig) -> int:
+        """Micro-batches one pass holds in flight (``parallel.breadth_first_micro_batches``):
+        a run of the pipeline schedule, or forwards before backwards without a pipeline.
+        Fast-LLM's defaults: all of the step's micro-batches with pp > 1, one without."""
+        p, n = cfg.parallel, self.microbatches(cfg)
+        if p.breadth_first_micro_batches is not None:
+            return p.breadth_first_micro_batches
+        if p.depth_first_micro_batches is not None:
+            return max(n // p.depth_first_micro_batches, 1)
+        return n if self.pp > 1 else 1
+
+    def depth_first(self, cfg: JobConfig) -> int:
+        """Passes per optimizer step (``parallel.depth_first_micro_batches``)."""
+        return max(self.microbatches(cfg) // self.breadth_first(cfg), 1)
 
     # ------------------------------------------------------------------ validation
 
@@ -160,31 +201,43 @@ class ParallelDims:
                 raise ConfigError(
                     f"train.global_batch_size: {t.global_batch_size} is not divisible by dp * "
                     f"parallel.pp_microbatches = {self.dp} * {mb} = {self.dp * mb} "
-                    f"(dp = world size {self.world_size} / (pp * tp) = {self.dp})"
+                    f"(dp = world size {self.world_size} / (pp * cp * tp) = {self.dp})"
                 )
         elif t.global_batch_size % (self.dp * t.micro_batch_size):
             raise ConfigError(
                 f"train.global_batch_size: {t.global_batch_size} is not divisible by dp * "
                 f"train.micro_batch_size = {self.dp} * {t.micro_batch_size} = "
                 f"{self.dp * t.micro_batch_size} (dp = world size {self.world_size} / "
-                f"(pp * tp) = {self.dp})"
+                f"(pp * cp * tp) = {self.dp})"
             )
         n_mb = self.microbatches(cfg)
-        if self.pp > 1 and p.pp_schedule in _NEEDS_MB_GE_PP and n_mb < self.pp:
+        self._validate_passes(cfg, n_mb)
+        # The pipeline's checks hold for the micro-batches of one pass of the schedule.
+        n_pass = self.breadth_first(cfg)
+        what = (
+            f"{n_pass} micro-batches per pass of the schedule (parallel."
+            f"breadth_first_micro_batches)"
+            if n_pass != n_mb
+            else f"{n_mb} micro-batches per step"
+        )
+        if self.pp > 1 and p.pp_schedule in _NEEDS_MB_GE_PP and n_pass < self.pp:
             raise ConfigError(
-                f"parallel.pp_microbatches: {n_mb} micro-batches per step is fewer than "
+                f"parallel.pp_microbatches: {what} is fewer than "
                 f"parallel.pp={self.pp} stages, which parallel.pp_schedule={p.pp_schedule!r} "
                 "needs (raise train.global_batch_size or lower train.micro_batch_size)"
             )
-        if (
-            self.pp > 1
-            and p.pp_schedule in ("interleaved_1f1b", "zero_bubble")
-            and (n_mb % self.pp)
-        ):
+        if self.pp > 1 and p.pp_schedule in _NEEDS_MB_MULTIPLE_OF_PP and (n_pass % self.pp):
             raise ConfigError(
-                f"parallel.pp_microbatches: {n_mb} micro-batches per step is not a multiple of "
+                f"parallel.pp_microbatches: {what} is not a multiple of "
                 f"parallel.pp={self.pp}, which parallel.pp_schedule={p.pp_schedule!r} needs"
             )
+        if self.pp > 1 and p.pp_schedule == "dualpipev" and n_pass < self.num_stages:
+            raise ConfigError(
+                f"parallel.pp_microbatches: {what} is fewer than the {self.num_stages} "
+                f"stages (parallel.pp * parallel.pp_virtual_stages = {self.pp} * "
+                f"{self.virtual_stages}), which parallel.pp_schedule='dualpipev' needs"
+            )
+        self._validate_cp(cfg)
         mbs = self.micro_batch_size(cfg)
         groups = cfg.moe.token_group_seqs
         if cfg.moe.num_experts and groups is None and mbs != t.micro_batch_size:
@@ -221,8 +274,54 @@ class ParallelDims:
         if self.ep > 1:
             from moetrain.parallel.expert_parallel import check_ep_layout
 
-            check_ep_layout(cfg.moe.num_experts, self.ep, self.dp)
+            check_ep_layout(cfg.moe.num_experts, self.ep, self.dp, self.cp)
+        if p.overlap_shared_experts and not (moe.num_experts and moe.num_shared_experts):
+            raise ConfigError(
+                "parallel.overlap_shared_experts: overlaps the shared experts with the "
+                "expert-parallel all-to-all, but moe.num_shared_experts="
+                f"{moe.num_shared_experts} (moe.num_experts={moe.num_experts}): there is "
+                "nothing to overlap"
+            )
         return self
+
+    def _validate_passes(self, cfg: JobConfig, n_mb: int) -> None:
+        """``parallel.breadth_first_micro_batches`` x ``depth_first_micro_batches`` = the
+        step's micro-batches per data-parallel rank."""
+        p = cfg.parallel
+        bf, df = p.breadth_first_micro_batches, p.depth_first_micro_batches
+        if bf is not None and df is not None and bf * df != n_mb:
+            raise ConfigError(
+                f"parallel.breadth_first_micro_batches: {bf} * parallel."
+                f"depth_first_micro_batches={df} = {bf * df}, but a step has {n_mb} "
+                "micro-batches per data-parallel rank (train.global_batch_size / (dp * "
+                "micro-batch size))"
+            )
+        for key, value in (("breadth_first_micro_batches", bf), ("depth_first_micro_batches", df)):
+            if value is not None and n_mb % value:
+                raise ConfigError(
+                    f"parallel.{key}: {value} does not divide the {n_mb} micro-batches of a "
+                    "step per data-parallel rank"
+                )
+
+    def _validate_cp(self, cfg: JobConfig) -> None:
+        """Context parallelism: the sequence splits into 2 cp equal chunks (each rank an
+        early and a late one), and with sequence parallelism a rank's 1/cp of it splits
+        over tp."""
+        if self.cp == 1:
+            return
+        seq, cp, tp = cfg.data.seq_len, self.cp, self.tp
+        if seq % (2 * cp):
+            raise ConfigError(
+                f"data.seq_len: {seq} does not split into 2 * parallel.cp = {2 * cp} equal "
+                "chunks (context parallelism gives each cp rank an early and a late chunk of "
+                "every sequence, which balances the causal attention's work)"
+            )
+        if cfg.parallel.sequence_parallel and (seq // cp) % tp:
+            raise ConfigError(
+                f"data.seq_len: the {seq // cp} positions a cp rank holds (data.seq_len / "
+                f"parallel.cp = {seq} / {cp}) are not divisible by parallel.tp={tp} "
+                "(parallel.sequence_parallel splits them)"
+            )
 
     # ------------------------------------------------------------------ mesh
 
@@ -246,17 +345,24 @@ class ParallelDims:
 
         world = init_device_mesh(
             device_type,
-            (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+            (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp),
             mesh_dim_names=MESH_DIMS,
         )
-        # Keep the flattened mesh object: looking it up again through the root is deprecated.
+        # Keep the flattened mesh objects: looking them up again through the root is
+        # deprecated.
         dp = world["dp_replicate", "dp_shard"]._flatten("dp")
+        dp_cp, dp_shard_cp = dp, world["dp_shard"]
+        if self.cp > 1:
+            dp_cp = world["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+            dp_shard_cp = world["dp_shard", "cp"]._flatten("dp_shard_cp")
         ep = edp = ep_root = None
         if self.ep > 1:
             from moetrain.parallel.expert_parallel import build_ep_meshes
 
+            # EP groups are carved out of the dp x cp ranks (cp innermost: an EP group spans
+            # the cp ranks of a dp rank first, as in Megatron-Core).
             ep, edp, ep_root = build_ep_meshes(
-                self.pp, self.dp, self.tp, self.ep, device_type, return_root=True
+                self.pp, self.dp_cp, self.tp, self.ep, device_type, return_root=True
             )
         return Meshes(
             world=world,
@@ -268,14 +374,16 @@ class ParallelDims:
             ep=ep,
             edp=edp,
             ep_root=ep_root,
+            cp=world["cp"],
+            dp_cp=dp_cp,
+            dp_shard_cp=dp_shard_cp,
         )
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index along each mesh dim (the documented rank order)."""
         out = {}
-        for name, size in reversed(
-            list(zip(MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.tp), strict=True))
-        ):
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        for name, size in reversed(list(zip(MESH_DIMS, sizes, strict=True))):
             out[name] = rank % size
             rank //= size
         return {name: out[name] for name in MESH_DIMS}

@@ -1,11 +1,13 @@
 """Expert parallelism: place E / ep experts on each rank and swap in a cross-rank dispatcher.
 
-Layout. ``parallel.ep`` is carved out of the data-parallel ranks: the dp ranks split into
-``edp = dp / ep`` expert-data-parallel replicas of ``ep`` ranks each (ep innermost, as
-torchtitan does). EP rank r of a group owns experts ``[r * E/ep, (r+1) * E/ep)``. Ranks
-of one EP group see different data, so an EP group is also part of the data-parallel
-group; with tensor parallelism every TP rank holds the same experts (replicated) and
-dispatches over the EP group of its own TP index.
+Layout. ``parallel.ep`` is carved out of the data-parallel ranks (dp x cp under context
+parallelism, as Megatron-Core does): they split into ``edp = dp * cp / ep``
+expert-data-parallel replicas of ``ep`` ranks each (ep innermost, as torchtitan does; with
+cp the innermost are the cp ranks of one dp rank). EP rank r of a group owns experts
+``[r * E/ep, (r+1) * E/ep)``. Ranks of one EP group see different data (or other tokens of
+the same sequences), so an EP group is also part of the data-parallel group; with tensor
+parallelism every TP rank holds the same experts (replicated) and dispatches over the EP
+group of its own TP index.
 
 Gradients. A rank's expert gradient already sums the contributions of every source rank
 of its EP group (the all-to-all backward carries them home), so expert parameters need an
@@ -38,10 +40,12 @@ from moetrain.model.moe import MoELayer
 DISPATCHERS = ("all_to_all", "all_gather")
 
 
-def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
-    """Raise ``ConfigError`` naming the keys unless ep divides the experts and the dp size.
+def check_ep_layout(num_experts: int, ep: int, dp: int, cp: int = 1) -> None:
+    """Raise ``ConfigError`` naming the keys unless ep divides the experts and the dp x cp
+    size.
 
-    ``dp`` is the data-parallel degree (``parallel.dp_replicate * parallel.dp_shard``)."""
+    ``dp`` is the data-parallel degree (``parallel.dp_replicate * parallel.dp_shard``), ``cp``
+    the context-parallel one: EP groups are carved out of the dp x cp ranks."""
     if ep < 1:
         raise ConfigError(f"parallel.ep: must be >= 1, got {ep}")
     if ep == 1:
@@ -50,7 +54,12 @@ def check_ep_layout(num_experts: int, ep: int, dp: int) -> None:
         raise ConfigError(f"parallel.ep: {ep} needs MoE layers, but moe.num_experts is 0")
     if num_experts % ep:
         raise ConfigError(f"parallel.ep: {ep} does not divide moe.num_experts={num_experts}")
-    if dp % ep:
+    if (dp * cp) % ep:
+        if cp > 1:
+            raise ConfigError(
+                f"parallel.ep: {ep} does not divide the data-parallel x context-parallel size "
+                f"{dp * cp} (parallel.dp_replicate * parallel.dp_shard * parallel.cp)"
+            )
         raise ConfigError(
             f"parallel.ep: {ep} does not divide the data-parallel size "
             f"{dp} (parallel.dp_replicate * parallel.dp_shard)"
@@ -62,7 +71,8 @@ def build_ep_meshes(
 ):
     """The ``ep`` and ``edp`` 1-D meshes over the rank order of ``moetrain.parallel.dims``.
 
-    The world is ``(pp, dp, tp)`` row-major with dp = dp_replicate x dp_shard; dp splits
+    The world is ``(pp, dp, tp)`` row-major with dp = dp_replicate x dp_shard (x cp under
+    context parallelism: pass dp * cp, the cp ranks are contiguous inside it); dp splits
     into ``(edp, ep)`` with ep innermost, so EP groups are ``ep`` consecutive dp ranks of
     one pipeline stage and TP index. Every rank must call this (it creates groups).
     Returns ``(ep_mesh, edp_mesh)``, plus the 4-D ``(pp, edp, ep, tp)`` root mesh with
@@ -113,14 +123,23 @@ def apply_ep(
 
     For the engine's convenience ``ep_mesh`` may also be an object with ``ep`` (and
     optionally ``tp``) mesh attributes and ``dispatcher`` an object with ``ep_dispatcher``
-    / ``expert_tp`` attributes (a ``ParallelConfig``).
+    / ``expert_tp`` / ``overlap_shared_experts`` attributes (a ``ParallelConfig``); the last
+    makes every MoE layer with shared experts compute them while its all-to-all carries the
+    routed tokens (``AllToAllDispatcher.dispatch_overlapped``).
     """
     if hasattr(ep_mesh, "ep"):  # a Meshes-like bundle
         meshes, ep_mesh = ep_mesh, ep_mesh.ep
         if not isinstance(dispatcher, str) and getattr(dispatcher, "expert_tp", False):
             etp_mesh = meshes.tp
+    overlap = False
     if not isinstance(dispatcher, str):  # a ParallelConfig-like section
+        overlap = bool(getattr(dispatcher, "overlap_shared_experts", False))
         dispatcher = getattr(dispatcher, "ep_dispatcher", "all_to_all")
+    if overlap and dispatcher != "all_to_all":
+        raise ConfigError(
+            "parallel.overlap_shared_experts: needs parallel.ep_dispatcher=all_to_all, got "
+            f"{dispatcher}"
+        )
     if dispatcher not in DISPATCHERS:
         raise ValueError(
             f"EP dispatcher: expected one of {', '.join(DISPATCHERS)}, got {dispatcher!r}"
@@ -165,6 +184,8 @@ def apply_ep(
         layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
         if etp_group is not None:
             layer.dispatcher = ExpertTPDispatcher(layer.dispatcher, etp_group)
+        # Shared experts computed while the all-to-all is in flight (same numbers).
+        layer.overlap_shared = overlap and layer.shared_experts is not None
         for p in experts.parameters():
             p._moetrain_expert = True  # type: ignore[attr-defined]
             params.append(p)

@@ -1,7 +1,7 @@
 """The one ordering function: a single-device model in, this rank's distributed pieces out.
 
-    pipeline_split (module tree only) -> per chunk: TP/SP -> EP -> activation checkpointing
-    -> compile -> FSDP/ZeRO -> pipeline stages + schedule
+    pipeline_split (module tree only) -> per chunk: TP/SP -> CP -> EP -> activation
+    checkpointing -> compile -> FSDP/ZeRO -> pipeline stages + schedule
 
 The split of the module tree comes first because a sharded module cannot be deep-copied (as
 in torchtitan); the pipeline itself (``PipelineStage`` per chunk and the schedule) is built
@@ -20,6 +20,7 @@ from torch import nn
 
 from moetrain.config import ParallelConfig
 from moetrain.parallel.activation_checkpoint import apply_ac, apply_compile
+from moetrain.parallel.context_parallel import apply_cp
 from moetrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from moetrain.parallel.dims import Meshes, ParallelDims
 from moetrain.parallel.pipeline import build_pipeline, pipeline_split
@@ -64,27 +65,34 @@ def parallelize(
     device: torch.device | None = None,
     n_microbatches: int = 1,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    seq_len: int = 0,
 ) -> ParallelModel:
-    """Apply the layout ``dims`` to ``model`` (built identically on every rank)."""
+    """Apply the layout ``dims`` to ``model`` (built identically on every rank).
+    ``n_microbatches``: micro-batches of one pass of the pipeline schedule; ``seq_len``:
+    the sequence length context parallelism splits."""
     parts, ids = pipeline_split(model, pp_rank, cfg)
     expert_params: list[nn.Parameter] = []
     for part in parts:
         if meshes is not None:
             apply_tp(part, meshes.tp, cfg)
+            apply_cp(part, meshes.cp, seq_len)
         experts = expert_parallel_hook(part, meshes, cfg)
         expert_params += experts
         apply_ac(part, cfg.activation_checkpointing)
         apply_compile(part, compile)
-        if meshes is not None and dims.dp > 1:
+        # Gradients are averaged over dp x cp (cp ranks hold other tokens of the same
+        # sequences); ZeRO shards over dp_shard x cp.
+        if meshes is not None and dims.dp_cp > 1:
             if cfg.zero_stage >= 2:
+                shard_dim = "dp_shard_cp" if dims.cp > 1 else "dp_shard"
                 dp_mesh = (
-                    meshes.dp_shard
+                    meshes.dp_shard_cp
                     if dims.dp_replicate == 1
-                    else meshes.world["dp_replicate", "dp_shard"]
+                    else meshes.world["dp_replicate", shard_dim]
                 )
                 apply_fsdp(part, dp_mesh, cfg.zero_stage, param_dtype, ignored=experts)
             else:
-                apply_ddp(part, meshes.dp, cfg.zero_stage)
+                apply_ddp(part, meshes.dp_cp, cfg.zero_stage)
     schedule = None
     if dims.pp > 1:
         assert meshes is not None and loss_fn is not None and device is not None

@@ -2,7 +2,10 @@
 
 The model splits into ``pp * pp_virtual_stages`` stages of equal layer counts; stage s runs
 on pp rank ``s % pp`` (the looped placement the interleaved schedules expect), so a rank with
-v virtual stages holds chunks r, r + pp, r + 2 pp, ... Each chunk is a deep copy of the full
+v virtual stages holds chunks r, r + pp, r + 2 pp, ... The V-shaped schedules (``zbv``,
+``dualpipev``) place two stages per rank in a V instead: rank r holds stages r and
+2 pp - 1 - r, so the first and the last stage share rank 0 and a micro-batch turns around on
+the last rank without a hop (``stage_ids``). Each chunk is a deep copy of the full
 model with the layers it does not own deleted (torchtitan-style): names stay as in the full
 model, so checkpoints do not depend on the layout. The first stage keeps the embedding, the
 last the final norm and output.
@@ -27,14 +30,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from moetrain.config import ParallelConfig
+from moetrain.config import V_SCHEDULES, ParallelConfig
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
     "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "looped_bfs": "ScheduleLoopedBFS",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
+SINGLE_STAGE = ("gpipe", "1f1b")
+"""Schedules that take one stage per rank (torch's ``PipelineScheduleSingle``)."""
 
 
 def stage_layers(n_layers: int, num_stages: int, stage: int) -> list[int]:
@@ -43,8 +51,17 @@ def stage_layers(n_layers: int, num_stages: int, stage: int) -> list[int]:
     return list(range(stage * per, (stage + 1) * per))
 
 
-def stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """The stages pp rank ``pp_rank`` runs, in order (looped placement)."""
+def stage_ids(
+    pp_rank: int, pp: int, virtual_stages: int, schedule: str = "interleaved_1f1b"
+) -> list[int]:
+    """The stages pp rank ``pp_rank`` runs, in order: looped (r, r + pp, ...), or the V of
+    the ``zbv`` / ``dualpipev`` schedules (r, 2 pp - 1 - r)."""
+    if schedule in V_SCHEDULES:
+        if virtual_stages != 2:
+            raise ValueError(
+                f"pp_schedule={schedule!r} places 2 stages per rank, not {virtual_stages}"
+            )
+        return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(virtual_stages)]
 
 
@@ -57,7 +74,7 @@ def pipeline_split(
         return [model], [0]
     num_stages = cfg.pp * cfg.pp_virtual_stages
     n_layers = len(model.layers)
-    parts, ids = [], stage_ids(pp_rank, cfg.pp, cfg.pp_virtual_stages)
+    parts, ids = [], stage_ids(pp_rank, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
     for s in ids:
         part = copy.deepcopy(model)
         keep = {str(i) for i in stage_layers(n_layers, num_stages, s)}
@@ -92,6 +109,158 @@ def build_pipeline(
         for part, s in zip(parts, ids, strict=True)
     ]
     cls = getattr(pipelining, SCHEDULES[cfg.pp_schedule])
-    if cfg.pp_schedule in ("gpipe", "1f1b"):
+    if cfg.pp_schedule in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+# ----------------------------------------------------------------------------- bubble
+
+
+class _StageShape:
+    """What torch's schedule constructors read of a ``PipelineStage`` to lay out their
+    action lists: enough to build a schedule for any pp without processes."""
+
+    def __init__(self, index: int, num_stages: int, pp: int, rank: int) -> None:
+        self.stage_index, self.num_stages = index, num_stages
+        self.group_size, self.group_rank = pp, rank
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        self.stage_index_to_group_rank: dict[int, int] = {}
+        self.submod = nn.Identity()
+        self.has_backward = True
+
+
+def schedule_actions(schedule: str, pp: int, virtual_stages: int, n_microbatches: int):
+    """The compute actions (``pipeline_order``: rank -> actions, None for an idle slot) of
+    torch's ``schedule`` for pp ranks, ``virtual_stages`` stages each and
+    ``n_microbatches``, built without processes (the constructors only lay out the list)."""
+    from torch.distributed import pipelining
+
+    cls = getattr(pipelining, SCHEDULES[schedule])
+    num_stages = pp * virtual_stages
+    stages = [_StageShape(s, num_stages, pp, 0) for s in stage_ids(0, pp, virtual_stages, schedule)]
+    kw: dict[str, Any] = {"n_microbatches": n_microbatches, "loss_fn": lambda out, tgt: out}
+    if schedule in SINGLE_STAGE:
+        return _forwards_in_order(cls(stages[0], **kw)._get_pipeline_order())
+    return cls(stages, **kw).pipeline_order
+
+
+def _forwards_in_order(order: dict[int, list[Any]]) -> dict[int, list[Any]]:
+    """Number each rank's forwards 0, 1, ... in list order. torch 2.13's
+    ``Schedule1F1B._get_pipeline_order`` numbers the last rank's forwards from 1 (F1 .. Fm,
+    an off-by-one in a list its runtime does not execute: it runs its own loop); the
+    single-stage schedules run every micro-batch's forward in order on every rank."""
+    out = {}
+    for rank, acts in order.items():
+        seen = 0
+        fixed = []
+        for a in acts:
+            if a is not None and a.computation_type.value == "F":
+                a = a._replace(microbatch_index=seen)
+                seen += 1
+            fixed.append(a)
+        out[rank] = fixed
+    return out
+
+
+UNIT_COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+"""Cost of an action on one stage in the bubble model: forward = backward for inputs =
+backward for weights, a full backward both (the zero-bubble papers' T_F = T_B = T_W)."""
+
+
+def simulate_schedule(order: dict[int, list[Any]], num_stages: int) -> dict[str, float]:
+    """Run the action lists on an ideal machine: each rank executes its actions in order,
+    an action starts when its rank is free and its inputs exist (the previous stage's
+    forward of that micro-batch; the next stage's input gradient and its own forward for a
+    backward; its own input gradient for a weight gradient), costs ``UNIT_COST`` and
+    communication is free. An overlapped forward + backward (DualPipe-V) costs both.
+
+    Returns ``makespan``, ``busy`` (the work of one rank) and ``bubble`` = (makespan -
+    busy) / busy: idle time over useful time, the unit of the analytic (p - 1)/m."""
+    compute = ("F", "I", "W", "B", "OVERLAP_F_B")  # REDUCE_GRAD and the like cost nothing
+    pending = {
+        r: [a for a in acts if a is not None and a.computation_type.value in compute]
+        for r, acts in order.items()
+    }
+    done: dict[tuple[int, str, int], float] = {}
+    clock = dict.fromkeys(pending, 0.0)
+    busy = dict.fromkeys(pending, 0.0)
+
+    def parts(a: Any) -> list[Any]:
+        return list(a.sub_actions) if a.sub_actions is not None else [a]
+
+    def ready(a: Any) -> float | None:
+        s, kind, m = a.stage_index, a.computation_type.value, a.microbatch_index
+        needs: list[tuple[int, str, int]] = []
+        if kind == "F" and s > 0:
+            needs = [(s - 1, "F", m)]
+        elif kind in ("B", "I"):
+            needs = [(s, "F", m)] + ([(s + 1, "I", m)] if s < num_stages - 1 else [])
+        elif kind == "W":
+            needs = [(s, "I", m)]
+        times = [done.get(n) for n in needs]
+        return None if any(t is None for t in times) else max(times, default=0.0)
+
+    while any(pending.values()):
+        progressed = False
+        for rank, acts in pending.items():
+            while acts:
+                subs = parts(acts[0])
+                starts = []
+                t = clock[rank]
+                for sub in subs:  # the sub-actions of an overlapped pair run back to back
+                    r = ready(sub)
+                    if r is None:
+                        break
+                    t = max(t, r)
+                    starts.append(t)
+                    t += UNIT_COST[sub.computation_type.value]
+                    _finish(done, sub, t)
+                if len(starts) < len(subs):  # undo a partial pair: wait for its inputs
+                    for sub in subs[: len(starts)]:
+                        _unfinish(done, sub)
+                    break
+                busy[rank] += sum(UNIT_COST[sub.computation_type.value] for sub in subs)
+                clock[rank] = t
+                acts.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the schedule's action lists deadlock")
+    makespan = max(clock.values())
+    work = max(busy.values())
+    return {"makespan": makespan, "busy": work, "bubble": (makespan - work) / work}
+
+
+def _finish(done: dict, a: Any, t: float) -> None:
+    s, kind, m = a.stage_index, a.computation_type.value, a.microbatch_index
+    done[(s, kind, m)] = t
+    if kind == "B":  # a full backward is the input and the weight gradient at once
+        done[(s, "I", m)] = done[(s, "W", m)] = t
+
+
+def _unfinish(done: dict, a: Any) -> None:
+    s, kind, m = a.stage_index, a.computation_type.value, a.microbatch_index
+    for k in (kind,) if kind != "B" else ("B", "I", "W"):
+        done.pop((s, k, m), None)
+
+
+def analytic_bubble(schedule: str, pp: int, virtual_stages: int, n_microbatches: int) -> float:
+    """The textbook bubble (idle over useful time per rank) of ``schedule`` with equal
+    forward, input-gradient and weight-gradient times (``UNIT_COST``): GPipe and 1F1B
+    (p - 1)/m; interleaved 1F1B and breadth-first (p - 1)/(v m); zero-bubble H1 per chunk
+    (p - 1)/(3 v m) (Qi et al.: (p - 1)(T_F + T_B - T_W) of idle time); ZB-V 0 ((p - 1)(T_F
+    + T_B - 2 T_W)); DualPipe-V (p - 1)(F&B + B - 3W) / (6 m) per rank of 2 chunks, with
+    F&B = F + B (no overlap of computation with communication on an ideal machine):
+    (p - 1)/(3 m)."""
+    p, v, m = pp, virtual_stages, n_microbatches
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / m
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (p - 1) / (v * m)
+    if schedule == "zero_bubble":
+        return (p - 1) / (3 * v * m)
+    if schedule == "zbv":
+        return 0.0
+    if schedule == "dualpipev":
+        return (p - 1) / (3 * m)
+    raise ValueError(f"unknown schedule {schedule!r}")

@@ -40,6 +40,7 @@ from moetrain.config import JobConfig
 from moetrain.model import Transformer
 from moetrain.model.moe import SCORE_HIST_BINS, STAT_NAMES
 from moetrain.parallel.accounting import params_before_dp
+from moetrain.parallel.context_parallel import sequence_index
 from moetrain.parallel.data_parallel import GradientSync, moe_layers
 from moetrain.parallel.dims import Meshes, ParallelDims
 from moetrain.parallel.expert_parallel import (
@@ -85,11 +86,19 @@ class Engine:
         self.dtype = dtype
         pcfg = cfg.parallel
         self.n_micro = dims.microbatches(cfg)
+        # Fast-LLM's split of a step's micro-batches: passes of ``breadth`` micro-batches
+        # each (one run of the pipeline schedule, or forwards before backwards), one after
+        # the other.
+        self.breadth = dims.breadth_first(cfg)
         self.n_layers = cfg.model.n_layers
         self.coords = (
             dims.coords(dist.get_rank())
             if meshes is not None
-            else {name: 0 for name in ("pp", "dp_replicate", "dp_shard", "tp")}
+            else {name: 0 for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp")}
+        )
+        # Context parallelism: the positions of every sequence this rank holds.
+        self.seq_index = (
+            sequence_index(cfg.data.seq_len, dims.cp, self.coords["cp"]) if dims.cp > 1 else None
         )
         self.tp_enabled = dims.tp > 1
         # Aux losses are averaged over a rank's micro-batches like the LM loss (and over dp
@@ -107,8 +116,9 @@ class Engine:
             compile=cfg.train.compile,
             param_dtype=fsdp_dtype,
             device=device,
-            n_microbatches=self.n_micro,
+            n_microbatches=self.breadth,
             loss_fn=self._pipeline_loss,
+            seq_len=cfg.data.seq_len,
         )
         self.parts: list[nn.Module] = [p.to(device) for p in pm.parts]
         self.stage_ids = pm.stage_ids
@@ -134,13 +144,14 @@ class Engine:
         # step's full gradients here (``full_grad_dict``), the oracle's own tests alter them.
         self.grad_hook: Callable[[Engine], None] | None = None
 
-        # Groups of the step-level collectives.
-        self.dp_group = _group(meshes.dp) if meshes else None
+        # Groups of the step-level collectives. Losses, gradients and statistics are averaged
+        # or summed over dp x cp: cp ranks hold other tokens of the same sequences.
+        self.dp_group = _group(meshes.dp_cp) if meshes else None
         self.pp_group = _group(meshes.pp) if meshes else None
 
         # Optimizer(s): one AdamW per chunk (state dicts are per module), or for stages 0/1
         # a GradientSync and, for ZeRO-1, one AdamW over this rank's slices.
-        self.zero_stage = pcfg.zero_stage if dims.dp > 1 else 0
+        self.zero_stage = pcfg.zero_stage if dims.dp_cp > 1 else 0
         self.grad_sync: GradientSync | None = None
         if self.zero_stage <= 1 and meshes is not None:
             decay, no_decay = [], []
@@ -152,7 +163,7 @@ class Engine:
                 [decay, no_decay],
                 self.zero_stage,
                 self.dp_group,
-                _group(meshes.dp_shard),
+                _group(meshes.dp_shard_cp),
                 _group(meshes.dp_replicate),
             )
         if self.zero_stage == 1:
@@ -200,7 +211,7 @@ class Engine:
         keeps every real step exact whatever the torch version's inference does."""
         dummy = torch.zeros(mbs, seq_len, dtype=torch.long)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self._pipeline_step([{"input_ids": dummy, "labels": dummy}] * self.n_micro, train=True)
+            self._pipeline_step([{"input_ids": dummy, "labels": dummy}] * self.breadth, train=True)
         for part in self.parts:
             part.zero_grad(set_to_none=True)
         for layer in self.moe.values():
@@ -245,23 +256,37 @@ class Engine:
         global batch (the same value on every rank)."""
         self.train(True)
         self._set_jitter_keys()
-        if self.schedule is not None:
-            total = self._pipeline_step(micro_batches, train=True)
-        else:
-            total = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device)
+        n, breadth = len(micro_batches), self.breadth
+        for start in range(0, n, breadth):  # depth-first: pass after pass
+            group = micro_batches[start : start + breadth]
+            if self.schedule is not None:
+                total += self._pipeline_step(group, train=True)
+                continue
             model = self.parts[0]
-            for batch in micro_batches:
-                inputs = batch["input_ids"].to(self.device, non_blocking=True)
-                labels = batch["labels"].to(self.device, non_blocking=True)
+            pending = []  # breadth-first: every forward of the pass, then one backward
+            for batch in group:
+                inputs = self._local_tokens(batch["input_ids"]).to(self.device, non_blocking=True)
+                labels = self._local_tokens(batch["labels"]).to(self.device, non_blocking=True)
                 with self._loss_ctx():
                     loss = self._ce(model(inputs), labels)
                     if self.probe is not None:
                         self.probe("forward")
-                    (loss / len(micro_batches)).backward()
-                total += _local(loss).detach() / len(micro_batches)
+                    if breadth == 1:
+                        (loss / n).backward()
+                    else:
+                        pending.append(loss / n)
+                total += _local(loss).detach() / n
+            if pending:
+                with self._loss_ctx():
+                    sum(pending).backward()
         if self.probe is not None:
             self.probe("backward")
         return self._mean_over_dp(total)
+
+    def _local_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """This rank's positions of every sequence (context parallelism), or all of them."""
+        return tokens_BS if self.seq_index is None else tokens_BS[:, self.seq_index]
 
     def _set_jitter_keys(self) -> None:
         """Tell every MoE layer where this step's tokens are in the run (router jitter is a
@@ -275,8 +300,11 @@ class Engine:
             layer.set_jitter_key(self.cfg.train.seed, step, offset)
 
     def _pipeline_step(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
-        inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)
-        labels = torch.cat([b["labels"] for b in micro_batches]).to(self.device)
+        """One run of the schedule over ``breadth`` micro-batches; the sum of their losses,
+        each divided by the step's micro-batch count."""
+        inputs = torch.cat([self._local_tokens(b["input_ids"]) for b in micro_batches])
+        labels = torch.cat([self._local_tokens(b["labels"]) for b in micro_batches])
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.first_stage else ()
         kwargs: dict[str, Any] = {}
@@ -296,10 +324,12 @@ class Engine:
         return total
 
     def _mean_over_dp(self, value: torch.Tensor) -> float:
+        """Mean over dp x cp: every rank's value is the mean over an equal number of tokens
+        (its sequences, or its equal share of every sequence under cp)."""
         if self.dp_group is not None:
             value = value.clone()
             dist.all_reduce(value, group=self.dp_group)
-            value /= self.dims.dp
+            value /= self.dims.dp_cp
         return float(value)
 
     @torch.no_grad()
@@ -309,16 +339,18 @@ class Engine:
         try:
             if self.schedule is not None:
                 total = torch.zeros((), device=self.device)
-                n = self.n_micro
+                n = self.breadth
                 for i in range(0, len(micro_batches), n):
                     total += self._pipeline_step(micro_batches[i : i + n], train=False)
-                total /= max(len(micro_batches) // n, 1)
+                # Each loss came divided by the step's micro-batch count.
+                total *= self.n_micro / max(len(micro_batches), 1)
             else:
                 losses = []
                 for batch in micro_batches:
+                    inputs = self._local_tokens(batch["input_ids"]).to(self.device)
+                    labels = self._local_tokens(batch["labels"]).to(self.device)
                     with self._loss_ctx():
-                        logits = self.parts[0](batch["input_ids"].to(self.device))
-                        losses.append(_local(self._ce(logits, batch["labels"].to(self.device))))
+                        losses.append(_local(self._ce(self.parts[0](inputs), labels)))
                 total = torch.stack(losses).float().mean()
             return self._mean_over_dp(total)
         finally:
@@ -334,8 +366,8 @@ class Engine:
             zero1 = self.zero_stage == 1
             for grad, param in self.grad_sync.grad_pieces():
                 dims = set(_shard_dims(param))
-                if zero1:
-                    dims.add("dp_shard")
+                if zero1:  # sharded over dp_shard (x cp)
+                    dims.add("dp_shard_cp" if self.dims.cp > 1 else "dp_shard")
                 out.append((_local(grad), frozenset(dims)))
             return out
         for part in self.parts:
@@ -350,12 +382,15 @@ class Engine:
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the gradients: squares summed locally per sharding class, then
         over exactly the mesh dims each class is sharded over, then over pipeline stages."""
-        classes = [frozenset(c) for c in _subsets(_NORM_DIMS)]
+        # ZeRO shards over dp_shard x cp under context parallelism (one flattened dim).
+        norm_dims = tuple("dp_shard_cp" if d == "dp_shard" and self.dims.cp > 1 else d
+                          for d in _NORM_DIMS)  # fmt: skip
+        classes = [frozenset(c) for c in _subsets(norm_dims)]
         sq = torch.zeros(len(classes), dtype=torch.float64, device=self.device)
         for grad, dims in self._grad_pieces():
             sq[classes.index(dims)] += grad.detach().double().pow(2).sum()
         if self.meshes is not None:
-            for name in _NORM_DIMS:
+            for name in norm_dims:
                 group = _group(getattr(self.meshes, name))
                 if group is None:
                     continue
@@ -385,7 +420,7 @@ class Engine:
         if self.grad_sync is not None:
             self.grad_sync.reduce()
         if self.expert_params:
-            reduce_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp)
+            reduce_expert_grads(self.expert_params, self.edp_mesh, self.dims.dp_cp)
         if self.grad_hook is not None:
             self.grad_hook(self)
         norm = self.grad_norm()
@@ -472,9 +507,9 @@ class Engine:
                     s["expert_bias"].double(),  # last: the slice divided by dp below
                 ]
             )
-        if self.dp_group is not None:
+        if self.dp_group is not None:  # dp x cp: cp ranks count their own tokens
             dist.all_reduce(packed, group=self.dp_group)
-            packed[:, -E:] /= self.dims.dp
+            packed[:, -E:] /= self.dims.dp_cp
         if self.pp_group is not None:
             dist.all_reduce(packed, group=self.pp_group)
         out: dict[int, dict[str, torch.Tensor]] = {}

@@ -212,7 +212,7 @@ class Trainer:
         )
         # Eval: at least eval_batches * micro_batch_size sequences, rounded up to what the
         # layout runs at once (dp ranks x pipeline micro-batches).
-        unit = dims.dp * mbs * (dims.microbatches(cfg) if dims.pp > 1 else 1)
+        unit = dims.dp * mbs * (dims.breadth_first(cfg) if dims.pp > 1 else 1)
         eval_seqs = -(-tcfg.eval_batches * tcfg.micro_batch_size // unit) * unit
         self.eval_data = PackedBatches(
             cfg.data, self.tokenizer, "eval", eval_seqs, mbs, dp_rank, dims.dp
@@ -344,8 +344,8 @@ class Trainer:
 
         report = measure_step(self)
         d = self.dims
-        zero = self.cfg.parallel.zero_stage if d.dp > 1 else 0
-        formula = zero_bytes_per_param(zero, d.dp_shard) * report.params_per_rank
+        zero = self.cfg.parallel.zero_stage if d.dp_cp > 1 else 0
+        formula = zero_bytes_per_param(zero, d.dp_shard * d.cp) * report.params_per_rank
         scalars = report.as_scalars()
         scalars["memory/model_state_over_zero_formula"] = report.peak.total / formula
         self.writer.scalars(scalars, self.step)
@@ -388,12 +388,13 @@ class Trainer:
         )
         d = self.dims
         log.info(
-            "layout: world %d = pp %d x dp_replicate %d x dp_shard %d x tp %d; zero_stage "
-            "%d, sequence_parallel %s, %d micro-batches of %d per dp rank%s%s",
+            "layout: world %d = pp %d x dp_replicate %d x dp_shard %d x cp %d x tp %d; "
+            "zero_stage %d, sequence_parallel %s, %d micro-batches of %d per dp rank%s%s",
             d.world_size,
             d.pp,
             d.dp_replicate,
             d.dp_shard,
+            d.cp,
             d.tp,
             cfg.parallel.zero_stage,
             cfg.parallel.sequence_parallel,
@@ -403,7 +404,7 @@ class Trainer:
             if d.pp > 1
             else "",
             # expert parallelism (ep)
-            f", ep {d.ep} x edp {d.dp // d.ep} ({cfg.parallel.ep_dispatcher}"
+            f", ep {d.ep} x edp {d.dp_cp // d.ep} ({cfg.parallel.ep_dispatcher}"
             f"{', expert_tp' if cfg.parallel.expert_tp else ''})"
             if d.ep > 1
             else "",

@@ -1,8 +1,10 @@
 """Accounting against the analytic figures: model-state bytes per rank within 5% of the ZeRO
 formula, bytes sent within 2% of the analytic volume for DDP, ZeRO-1/2/3, TP (with and without
-SP, dense and with MoE layers) and PP. Each layout takes one warm-up step (Adam states
-exist), then one measured step; one micro-batch per data-parallel rank, as the formulas
-assume.
+SP, dense and with MoE layers), PP and CP; activation bytes per rank under CP within 5% of
+the analytic scaling (1/cp of everything but the whole sequence's keys and values, measured
+against the cp = 1 run of the same per-rank micro-batch). Each layout takes one warm-up step
+(Adam states exist), then one measured step; one micro-batch per data-parallel rank, as the
+formulas assume.
 
 The measured ratios are also the figures the docs quote: ``docs/accounting.md`` is written
 from them (``MOETRAIN_UPDATE_DOCS=1``) and ``test_accounting_page_is_current`` fails when a
@@ -40,13 +42,32 @@ TP_LAYOUTS = {
     ],
     "TP=2, MoE": ["parallel.tp=2", "train.global_batch_size=2"],
 }
-PP_LAYOUTS = {"PP=2, 1F1B, 4 micro-batches": ["parallel.pp=2", "parallel.pp_schedule=1f1b"]}
+PP_LAYOUTS = {
+    "PP=2, 1F1B, 4 micro-batches": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "PP=2, ZB-V (V placement), 4 micro-batches": [
+        "parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
+}  # fmt: skip
+# Context parallelism, each beside its cp = 1 baseline: the same world as data parallelism,
+# the same micro-batch of 2 whole sequences per rank (so twice the global batch per cp).
+CP_LAYOUTS = {
+    "CP=2": (["parallel.cp=2", "train.global_batch_size=2"], ["train.global_batch_size=4"]),
+    "CP=2, full AC": (
+        ["parallel.cp=2", "train.global_batch_size=2", "parallel.activation_checkpointing=full"],
+        ["train.global_batch_size=4", "parallel.activation_checkpointing=full"],
+    ),
+}
+CP4_LAYOUTS = {
+    "CP=4": (["parallel.cp=4", "train.global_batch_size=2"], ["train.global_batch_size=8"]),
+    "CP=2 x DP=2": (
+        ["parallel.cp=2", "train.global_batch_size=4"], ["train.global_batch_size=8"]),
+}  # fmt: skip
 
 
 def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> list[dict]:
     from moetrain.parallel.accounting import (
         analytic_expert_flops,
         analytic_sent,
+        full_sequence_kv_bytes,
         layer_counts,
         measure_step,
         zero_bytes_per_param,
@@ -59,23 +80,35 @@ def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
             trainer = Trainer(micro_config(tmp, "train.steps=2", *overrides))
             trainer.train_step()
             report = measure_step(trainer)
-            d, engine = trainer.dims, trainer.engine
-            zero = trainer.cfg.parallel.zero_stage if d.dp > 1 else 0
+            d, engine, cfg = trainer.dims, trainer.engine, trainer.cfg
+            zero = cfg.parallel.zero_stage if d.dp * d.cp > 1 else 0
             counts = layer_counts(engine.parts)
             # The same layers priced as if every one were dense: what the MoE branch of the
             # tensor-parallel formula must differ from for the comparison to mean anything.
             as_dense = {**counts, "dense": counts["dense"] + counts["moe"], "moe": 0}
             params = report.params_per_rank
+            cp_group = engine.meshes.cp.get_group().group_name if d.cp > 1 else None
             out.append(
                 {
                     "memory": report.peak.total,
-                    "formula": zero_bytes_per_param(zero, d.dp_shard) * params,
+                    "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp) * params,
                     "sent": report.sent,
-                    "analytic": analytic_sent(trainer.cfg, d, params, counts),
-                    "analytic_as_dense": analytic_sent(trainer.cfg, d, params, as_dense),
+                    "sent_cp": report.sent_by_group.get(cp_group, {}) if cp_group else {},
+                    "analytic": analytic_sent(cfg, d, params, counts),
+                    "analytic_as_dense": analytic_sent(cfg, d, params, as_dense),
                     "moe_layers": counts["moe"],
                     "expert_flops": report.expert_flops,
-                    "expert_flops_analytic": analytic_expert_flops(trainer.cfg, d, counts["moe"]),
+                    "expert_flops_analytic": analytic_expert_flops(cfg, d, counts["moe"]),
+                    "activations": report.activations,
+                    "kv": full_sequence_kv_bytes(
+                        cfg.model,
+                        d,
+                        d.micro_batch_size(cfg),
+                        cfg.data.seq_len,
+                        counts["dense"] + counts["moe"],
+                        cfg.parallel.activation_checkpointing,
+                    ),
+                    "cp": d.cp,
                 }
             )
             trainer.close()
@@ -89,14 +122,26 @@ def _tp_sent(res: dict, sequence_parallel: bool) -> float:
     return sum(res["sent"].get(k, 0.0) for k in kinds)
 
 
+def _with_baselines(layouts: dict[str, tuple[list[str], list[str]]]) -> dict[str, list[str]]:
+    out = {}
+    for name, (cp, baseline) in layouts.items():
+        out[name] = cp
+        out[f"{name} (cp=1 baseline)"] = baseline
+    return out
+
+
 @pytest.fixture(scope="module")
 def measured() -> dict[str, list[dict]]:
     """Layout name -> every rank's measurement."""
     out: dict[str, list[dict]] = {}
-    for layouts in (DP_LAYOUTS, {**TP_LAYOUTS, **PP_LAYOUTS}):
-        results = run_ranks(_measure_worker, 2, list(layouts.values()), timeout=280)
+    for world, layouts in (
+        (2, DP_LAYOUTS),
+        (2, {**TP_LAYOUTS, **PP_LAYOUTS, **_with_baselines(CP_LAYOUTS)}),
+        (4, _with_baselines(CP4_LAYOUTS)),
+    ):
+        results = run_ranks(_measure_worker, world, list(layouts.values()), timeout=280)
         for i, name in enumerate(layouts):
-            out[name] = [results[rank][i] for rank in range(2)]
+            out[name] = [results[rank][i] for rank in range(world)]
     return out
 
 
@@ -126,10 +171,42 @@ def _rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float, str]
                 "sends, both ranks",
             )
         )
+    for name in [*CP_LAYOUTS, *CP4_LAYOUTS]:
+        r = measured[name][0]
+        rows.append(
+            (
+                name,
+                r["memory"] / r["formula"],
+                _cp_sent(r) / r["analytic"]["cp"],
+                "all-gathers + reduce-scatters on the cp group",
+            )
+        )
     return rows
 
 
-def render_page(rows: list[tuple[str, float, float, str]]) -> str:
+def _cp_sent(res: dict) -> float:
+    return sum(res["sent_cp"].get(k, 0.0) for k in ("all_gather", "reduce_scatter"))
+
+
+def _activation_rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float, float]]:
+    """(layout, activations / analytic, activations / the cp=1 baseline's, 1/cp) per CP
+    layout, rank 0: analytic (A_1 - KV_1)/cp + KV_cp (``analytic_cp_activations``)."""
+    from moetrain.parallel.accounting import analytic_cp_activations
+
+    rows = []
+    for name in [*CP_LAYOUTS, *CP4_LAYOUTS]:
+        r, base = measured[name][0], measured[f"{name} (cp=1 baseline)"][0]
+        analytic = analytic_cp_activations(base["activations"], base["kv"], r["cp"], r["kv"])
+        rows.append(
+            (name, r["activations"] / analytic, r["activations"] / base["activations"], 1 / r["cp"])
+        )
+    return rows
+
+
+def render_page(
+    rows: list[tuple[str, float, float, str]],
+    activations: list[tuple[str, float, float, float]] = (),
+) -> str:
     lines = [
         "# Accounting: measured against the formulas",
         "",
@@ -149,6 +226,27 @@ def render_page(rows: list[tuple[str, float, float, str]]) -> str:
         "|---|---|---|---|",
     ]
     lines += [f"| {n} | {m:.4f} | {b:.4f} | {what} |" for n, m, b, what in rows]
+    lines += [
+        "",
+        "CP rows: 2 sequences of 32 positions per rank split over cp (2 or 4 ranks; CP=2 x DP=2",
+        "on 4), bytes against the whole sequence's keys and values gathered forward and",
+        "reduce-scattered backward per attention layer plus the MoE routing decisions",
+        "gathered per MoE layer (again when recomputed).",
+        "",
+        "## Activations under context parallelism",
+        "",
+        "Peak bytes of the tensors autograd keeps for backward on rank 0 during the measured",
+        "step (`SavedActivations`: parameters left out), against the same micro-batch of",
+        "whole sequences on one rank (the cp = 1 baseline: data parallelism over the same",
+        "world, the global batch x cp). Analytic: everything scales with the tokens a rank",
+        "holds except the whole sequence's keys and values that attention keeps (and its",
+        "causal mask): (A_1 - KV_1)/cp + KV_cp; with activation checkpointing nothing of",
+        "attention is kept, so 1/cp.",
+        "",
+        "| layout | activations / analytic | activations / cp = 1 | 1/cp |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {a:.4f} | {b:.4f} | {c:.4f} |" for n, a, b, c in activations]
     return "\n".join(lines) + "\n"
 
 
@@ -186,8 +284,27 @@ def test_pp_bytes_match_the_formula(measured) -> None:
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
+def test_cp_bytes_match_the_formula(measured) -> None:
+    for name in [*CP_LAYOUTS, *CP4_LAYOUTS]:
+        r = measured[name][0]
+        ratio = _cp_sent(r) / r["analytic"]["cp"]
+        assert abs(ratio - 1) <= BYTES_TOL, (name, ratio, r["sent_cp"], r["analytic"])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_cp_activations_scale_as_the_formula(measured) -> None:
+    """Activation bytes per rank under cp within 5% of (A_1 - KV_1)/cp + KV_cp -- and far
+    from A_1 itself, so a cp that kept whole sequences would fail."""
+    for name, vs_analytic, vs_base, inverse in _activation_rows(measured):
+        assert abs(vs_analytic - 1) <= MEMORY_TOL, (name, vs_analytic)
+        assert vs_base < 1 - 0.3 * (1 - inverse), (name, vs_base)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
 def test_accounting_page_is_current(measured) -> None:
-    page = render_page(_rows(measured))
+    page = render_page(_rows(measured), _activation_rows(measured))
     if os.environ.get("MOETRAIN_UPDATE_DOCS") == "1":
         PAGE.write_text(page)
     current = PAGE.read_text() if PAGE.exists() else ""

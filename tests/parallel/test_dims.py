@@ -129,8 +129,7 @@ INVALID = [
     (
         2,
         ["parallel.tp=2", "moe.num_shared_experts=1", "moe.shared_expert_ffn_dim=33"],
-        "moe.shared_expert_ffn_dim: the shared experts' width 33 is not divisible by "
-        "parallel.tp=2",
+        "moe.shared_expert_ffn_dim: the shared experts' width 33 is not divisible by parallel.tp=2",
     ),
     (4, ["parallel.ep=2", "parallel.ep_dispatcher=ring"], "parallel.ep_dispatcher"),
     (
@@ -139,6 +138,88 @@ INVALID = [
         "parallel.pp_microbatches: 16 pipeline micro-batches make micro-batches of 1 sequences "
         "instead of train.micro_batch_size=",
     ),
+    # context parallelism
+    (
+        6,
+        ["parallel.cp=4"],
+        "parallel.pp * parallel.dp_replicate * parallel.cp * parallel.tp = 1 * 1 * 4 * 1 = 4 "
+        "does not divide the world size 6",
+    ),
+    (
+        8,
+        ["parallel.cp=2", "parallel.dp_shard=2"],
+        "parallel.pp * parallel.dp_replicate * parallel.dp_shard * parallel.cp * parallel.tp = "
+        "1 * 1 * 2 * 2 * 1 = 4, but the world size is 8",
+    ),
+    (
+        4,
+        ["parallel.cp=4", "data.seq_len=36"],
+        "data.seq_len: 36 does not split into 2 * parallel.cp = 8 equal chunks",
+    ),
+    (
+        8,
+        [
+            "parallel.cp=2",
+            "parallel.tp=4",
+            "parallel.sequence_parallel=true",
+            "data.seq_len=36",
+            "model.n_kv_heads=4",
+        ],
+        "data.seq_len: the 18 positions a cp rank holds (data.seq_len / parallel.cp = 36 / 2) "
+        "are not divisible by parallel.tp=4",
+    ),
+    (
+        6,
+        ["parallel.cp=2", "parallel.ep=4", "train.global_batch_size=12"],
+        "parallel.ep: 4 does not divide the data-parallel x context-parallel size 6 "
+        "(parallel.dp_replicate * parallel.dp_shard * parallel.cp)",
+    ),
+    # the new schedules and the breadth-first / depth-first micro-batches
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule=zbv"],
+        "parallel.pp_virtual_stages: 1, but parallel.pp_schedule='zbv' places exactly 2 stages",
+    ),
+    (
+        4,
+        [
+            "parallel.pp=2",
+            "parallel.pp_schedule=dualpipev",
+            "parallel.pp_virtual_stages=2",
+            "train.micro_batch_size=4",
+        ],
+        "parallel.pp_microbatches: 2 micro-batches per step is fewer than the 4 stages "
+        "(parallel.pp * parallel.pp_virtual_stages = 2 * 2)",
+    ),
+    (
+        4,
+        [
+            "parallel.pp=4",
+            "parallel.pp_schedule=zbv",
+            "parallel.pp_virtual_stages=2",
+            "model.n_layers=8",
+            "train.micro_batch_size=8",
+        ],
+        "parallel.pp_microbatches: 2 micro-batches per step is fewer than parallel.pp=4",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.depth_first_micro_batches=8"],
+        "parallel.pp_microbatches: 1 micro-batches per pass of the schedule (parallel."
+        "breadth_first_micro_batches) is fewer than parallel.pp=2",
+    ),
+    (
+        1,
+        ["parallel.breadth_first_micro_batches=3"],
+        "parallel.breadth_first_micro_batches: 3 does not divide the 8 micro-batches",
+    ),
+    (
+        1,
+        ["parallel.breadth_first_micro_batches=2", "parallel.depth_first_micro_batches=2"],
+        "parallel.breadth_first_micro_batches: 2 * parallel.depth_first_micro_batches=2 = 4, "
+        "but a step has 8 micro-batches",
+    ),
+    (1, ["parallel.cp=0"], "parallel.cp: must be >= 1, got 0"),
 ]
 
 
@@ -168,6 +249,30 @@ def test_rank_order_tp_fastest_pp_slowest() -> None:
     assert [d.coords(r)["tp"] for r in range(8)] == [0, 1] * 4
     assert [d.coords(r)["dp_shard"] for r in range(8)] == [0, 0, 1, 1] * 2
     assert [d.coords(r)["pp"] for r in range(8)] == [0] * 4 + [1] * 4
+
+
+def test_cp_sits_between_dp_shard_and_tp() -> None:
+    d = dims_for(8, "parallel.cp=2", "parallel.tp=2")
+    assert (d.dp_shard, d.cp, d.dp, d.dp_cp) == (2, 2, 2, 4)
+    assert [d.coords(r)["tp"] for r in range(8)] == [0, 1] * 4
+    assert [d.coords(r)["cp"] for r in range(8)] == [0, 0, 1, 1] * 2
+    assert [d.coords(r)["dp_shard"] for r in range(8)] == [0] * 4 + [1] * 4
+
+
+def test_breadth_and_depth_first_split_the_step_like_fast_llm() -> None:
+    """Defaults: with a pipeline every micro-batch in one pass of the schedule, without one
+    every micro-batch its own pass; one key set, the other is what the step leaves."""
+    cases = [
+        ((1, []), (8, 1, 8)),
+        ((2, ["parallel.pp=2"]), (8, 8, 1)),
+        ((2, ["parallel.pp=2", "parallel.depth_first_micro_batches=2"]), (8, 4, 2)),
+        ((1, ["parallel.breadth_first_micro_batches=4"]), (8, 4, 2)),
+        ((2, ["parallel.pp=2", "parallel.breadth_first_micro_batches=2"]), (8, 2, 4)),
+    ]
+    for (world, overrides), want in cases:
+        cfg = load_config(None, [*BASE, *overrides])
+        d = ParallelDims.from_config(cfg.parallel, world).validate(cfg)
+        assert (d.microbatches(cfg), d.breadth_first(cfg), d.depth_first(cfg)) == want, overrides
 
 
 def test_trainer_refuses_a_bad_layout_before_any_process_group(monkeypatch, tmp_path) -> None:
