@@ -42,14 +42,7 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
     import torch.distributed as dist
 
     from moetrain.config import load_config
-    from moetrain.parallel.accounting import (
-        analytic_expert_flops,
-        analytic_sent,
-        full_sequence_kv_bytes,
-        layer_counts,
-        measure_step,
-        zero_bytes_per_param,
-    )
+    from moetrain.parallel.accounting import measure_step, step_figures
     from moetrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
@@ -58,34 +51,12 @@ def _measure(cfg_path: str | None, overrides: list[str]) -> dict:
         trainer.train_step()
         report = measure_step(trainer)
         d = trainer.dims
-        counts = layer_counts(trainer.engine.parts)
-        zero = cfg.parallel.zero_stage if d.dp * d.cp > 1 else 0
-        cp_group = trainer.engine.meshes.cp.get_group().group_name if d.cp > 1 else None
+        figures = step_figures(trainer, report)
+        zero = figures["zero"]
         row = {
             "rank": dist.get_rank() if dist.is_initialized() else 0,
-            "params": report.params_per_rank,
-            "memory": report.peak.total,
-            "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp) * report.params_per_rank,
-            "sent": report.sent,
-            "sent_cp": report.sent_by_group.get(cp_group, {}) if cp_group else {},
-            "activations": report.activations,
-            "kv": full_sequence_kv_bytes(
-                cfg.model,
-                d,
-                d.micro_batch_size(cfg),
-                cfg.data.seq_len,
-                counts["dense"] + counts["moe"],
-                cfg.parallel.activation_checkpointing,
-            ),
-            "cp": d.cp,
+            **figures,
             "bubble": _bubble(cfg, d),
-            "analytic": analytic_sent(
-                cfg, d, report.params_per_rank, layer_counts(trainer.engine.parts)
-            ),
-            "expert_flops": report.expert_flops,
-            "expert_flops_analytic": analytic_expert_flops(
-                cfg, d, layer_counts(trainer.engine.parts)["moe"]
-            ),
             "layout": f"pp {d.pp} x dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x "
             f"cp {d.cp} x tp {d.tp}, zero {zero}, sp {cfg.parallel.sequence_parallel}, "
             f"{d.microbatches(cfg)} micro-batches of {d.micro_batch_size(cfg)}"
@@ -117,7 +88,7 @@ def _cp1_baseline(cfg_path: str | None, overrides: list[str], cfg, dims) -> dict
     (cp folded into dp_shard) and the same per-rank micro-batch of whole sequences (the
     global batch x cp): A_1 and KV_1 of the analytic (A_1 - KV_1)/cp + KV_cp."""
     from moetrain.config import load_config
-    from moetrain.parallel.accounting import full_sequence_kv_bytes, layer_counts, measure_step
+    from moetrain.parallel.accounting import measure_step, step_figures
     from moetrain.train.trainer import Trainer
 
     p = cfg.parallel
@@ -131,16 +102,7 @@ def _cp1_baseline(cfg_path: str | None, overrides: list[str], cfg, dims) -> dict
         trainer = Trainer(base_cfg)
         trainer.train_step()
         report = measure_step(trainer)
-        d = trainer.dims
-        counts = layer_counts(trainer.engine.parts)
-        kv = full_sequence_kv_bytes(
-            base_cfg.model,
-            d,
-            d.micro_batch_size(base_cfg),
-            base_cfg.data.seq_len,
-            counts["dense"] + counts["moe"],
-            p.activation_checkpointing,
-        )
+        kv = step_figures(trainer, report)["kv"]
         trainer.close()
     return {"activations_cp1": report.activations, "kv_cp1": kv}
 

@@ -643,6 +643,42 @@ def analytic_expert_flops(cfg: Any, dims: Any, n_moe_layers: int) -> float:
     return per_assignment * tokens * cfg.moe.top_k * n_moe_layers / split
 
 
+def step_figures(trainer: Any, report: StepReport) -> dict[str, Any]:
+    """What ``measure_step`` measured on this rank beside the analytic figure for each: model
+    state against the ZeRO formula, bytes sent by kind (and over the cp group) against
+    ``analytic_sent``, saved activations with the whole-sequence K/V term cp keeps, expert
+    FLOPs against ``analytic_expert_flops``. What tools/comm_report.py prints and
+    tests/parallel/test_accounting.py asserts."""
+    cfg, d, engine = trainer.cfg, trainer.dims, trainer.engine
+    counts = layer_counts(engine.parts)
+    zero = cfg.parallel.zero_stage if d.dp * d.cp > 1 else 0
+    cp_group = engine.meshes.cp.get_group().group_name if d.cp > 1 else None
+    params = report.params_per_rank
+    return {
+        "params": params,
+        "memory": report.peak.total,
+        "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp) * params,
+        "zero": zero,
+        "sent": report.sent,
+        "sent_cp": report.sent_by_group.get(cp_group, {}) if cp_group else {},
+        "analytic": analytic_sent(cfg, d, params, counts),
+        "moe_layers": counts["moe"],
+        "dense_layers": counts["dense"],
+        "expert_flops": report.expert_flops,
+        "expert_flops_analytic": analytic_expert_flops(cfg, d, counts["moe"]),
+        "activations": report.activations,
+        "kv": full_sequence_kv_bytes(
+            cfg.model,
+            d,
+            d.micro_batch_size(cfg),
+            cfg.data.seq_len,
+            counts["dense"] + counts["moe"],
+            cfg.parallel.activation_checkpointing,
+        ),
+        "cp": d.cp,
+    }
+
+
 def layer_counts(parts: list[torch.nn.Module]) -> dict[str, int]:
     """Dense and MoE layers of this rank's chunks, and how many of the embedding and the
     output it holds (the inputs of ``analytic_sent``)."""

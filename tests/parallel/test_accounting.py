@@ -64,14 +64,7 @@ CP4_LAYOUTS = {
 
 
 def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> list[dict]:
-    from moetrain.parallel.accounting import (
-        analytic_expert_flops,
-        analytic_sent,
-        full_sequence_kv_bytes,
-        layer_counts,
-        measure_step,
-        zero_bytes_per_param,
-    )
+    from moetrain.parallel.accounting import analytic_sent, layer_counts, measure_step, step_figures
     from moetrain.train.trainer import Trainer
 
     out = []
@@ -80,37 +73,15 @@ def _measure_worker(rank: int, world_size: int, layouts: list[list[str]]) -> lis
             trainer = Trainer(micro_config(tmp, "train.steps=2", *overrides))
             trainer.train_step()
             report = measure_step(trainer)
-            d, engine, cfg = trainer.dims, trainer.engine, trainer.cfg
-            zero = cfg.parallel.zero_stage if d.dp * d.cp > 1 else 0
-            counts = layer_counts(engine.parts)
+            figures = step_figures(trainer, report)
+            counts = layer_counts(trainer.engine.parts)
             # The same layers priced as if every one were dense: what the MoE branch of the
             # tensor-parallel formula must differ from for the comparison to mean anything.
             as_dense = {**counts, "dense": counts["dense"] + counts["moe"], "moe": 0}
-            params = report.params_per_rank
-            cp_group = engine.meshes.cp.get_group().group_name if d.cp > 1 else None
-            out.append(
-                {
-                    "memory": report.peak.total,
-                    "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp) * params,
-                    "sent": report.sent,
-                    "sent_cp": report.sent_by_group.get(cp_group, {}) if cp_group else {},
-                    "analytic": analytic_sent(cfg, d, params, counts),
-                    "analytic_as_dense": analytic_sent(cfg, d, params, as_dense),
-                    "moe_layers": counts["moe"],
-                    "expert_flops": report.expert_flops,
-                    "expert_flops_analytic": analytic_expert_flops(cfg, d, counts["moe"]),
-                    "activations": report.activations,
-                    "kv": full_sequence_kv_bytes(
-                        cfg.model,
-                        d,
-                        d.micro_batch_size(cfg),
-                        cfg.data.seq_len,
-                        counts["dense"] + counts["moe"],
-                        cfg.parallel.activation_checkpointing,
-                    ),
-                    "cp": d.cp,
-                }
+            figures["analytic_as_dense"] = analytic_sent(
+                trainer.cfg, trainer.dims, report.params_per_rank, as_dense
             )
+            out.append(figures)
             trainer.close()
     return out
 
