@@ -31,7 +31,7 @@ import queue
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -581,13 +581,11 @@ TOLERANCES: dict[str, dict[str, dict[str, float]]] = {
         # reorders fp32 sums (measured <= 4e-7). "later": later steps' gradients and the
         # moments inherit the parameter differences Adam amplifies (a near-zero gradient
         # element whose last bit differs moves its parameter by a sizeable fraction of lr),
-        # measured <= 2.2e-4 over the equivalence matrix, except where a clamp sits on an
-        # element (model.clip_qkv): a parameter difference of 1e-6 moves a q/k/v element
-        # across the clip bound and its gradient jumps to zero -- measured 2.2e-3 of the
-        # tensor (norms 0.9998 apart) under cp2 and zbv. A constant factor on one tensor's
+        # measured <= 2.2e-4 over the equivalence matrix (``CLAMPED`` where
+        # model.clip_qkv clamps). A constant factor on one tensor's
         # gradient -- what Adam hides from the parameters -- is an error of the order of the
         # tensor itself: x0.5 reads 0.5.
-        "grad": {"first": 1e-5, "later": 5e-3},
+        "grad": {"first": 1e-5, "later": 1e-3},
         # Router-score histograms: the fraction of scores in another bin (measured 0).
         "hist": {"moved": 1e-3},
     },
@@ -621,6 +619,27 @@ assert them instead."""
 PER_CALL_STATS = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
 """MoE statistics summed over a step's forward calls: compared as per-call means (a layout
 may cut the step into other micro-batches; token counts and drops are sums over tokens)."""
+
+
+CLAMPED = {"grad_later": 0.05, "param": {"atol": 1e-3, "rtol": 1e-3}}
+"""Later steps' gradients and moments, and final parameters, of a run whose q/k/v are
+clamped (``model.clip_qkv``). A clamp's gradient is discontinuous: the parameter difference
+Adam leaves after the first step (1e-6) can move an element that sits on the bound across
+it, and that element's gradient jumps between zero and its full value -- measured up to 1.8e-2
+of the tensor (7.5e-3 in wq, norms equal to 4 digits) at the second step and 3.3e-4 on 4 of 2048 weights
+after it, under cp2 and zbv, both on the same side of the bound. The first step, where the
+runs see the same parameters, keeps the tight tolerance, and so do losses and statistics."""
+
+
+def tolerances(options: Sequence[str], dtype: str = "fp32") -> dict[str, dict[str, float]]:
+    """``{"param": ..., "grad": ...}``: the ``TOLERANCES`` rows of ``dtype`` for a run with
+    these overrides (loosened by ``CLAMPED`` after the first step where q/k/v are clamped)."""
+    param, grad = dict(TOLERANCES[dtype]["param"]), dict(TOLERANCES[dtype]["grad"])
+    clip = [o for o in options if o.startswith("model.clip_qkv=")]
+    if clip and clip[-1].split("=", 1)[1] not in ("null", "None", "none"):
+        grad["later"] = max(grad["later"], CLAMPED["grad_later"])
+        param = {k: max(v, CLAMPED["param"][k]) for k, v in param.items()}
+    return {"param": param, "grad": grad}
 
 
 def compare_runs(
@@ -810,7 +829,15 @@ def _cases_worker(
         ]
         errs: dict[str, float] = {}
         try:
-            errs = compare_runs(got, refs[case.options], what=f"rank {rank}")
+            errs = compare_runs(
+                got,
+                refs[case.options],
+                **{
+                    f"{k}_tol": v
+                    for k, v in tolerances(overrides, got.get("dtype", "fp32")).items()
+                },
+                what=f"rank {rank}",
+            )
         except AssertionError as exc:
             problems.append(str(exc))
         out.append({"name": case.name, "problems": problems, "errs": errs})
