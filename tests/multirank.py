@@ -559,7 +559,7 @@ LAYOUT_STATS = ("a2a_bytes", "calls")
 """MoE statistics that describe the layout rather than the training (bytes sent between
 EP ranks, forward calls = micro-batches): not compared with one process; the layout checks
 assert them instead."""
-PER_CALL_STATS = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
+PER_CALL_STATS = ("aux_loss", "seq_aux_loss", "z_loss", "entropy", "probs_sum")
 """MoE statistics summed over a step's forward calls: compared as per-call means (a layout
 may cut the step into other micro-batches; token counts and drops are sums over tokens)."""
 

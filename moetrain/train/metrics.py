@@ -41,6 +41,7 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "router_entropy": float(stats["entropy"]) / calls,
         "aux_loss": float(stats["aux_loss"]) / calls,
         "seq_aux_loss": float(stats["seq_aux_loss"]) / calls,
+        "global_aux_loss": global_aux_loss(stats),
         "z_loss": float(stats["z_loss"]) / calls,
         "dead_experts": float((load_E == 0).sum()),
         # Expert-parallel dispatch: token bytes this layer sent to other ranks, summed over
@@ -48,6 +49,18 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "a2a_bytes": float(stats["a2a_bytes"]) if "a2a_bytes" in stats else 0.0,
     }
     return out
+
+
+def global_aux_loss(stats: dict[str, torch.Tensor]) -> float:
+    """The global-batch balancing loss of one step, E * sum_e f_e * P_e: f_e from the step's
+    expert counts (every micro-batch and dp rank, before drops), P_e the mean routing
+    probability over the step's micro-batches. Computed whatever its coefficient."""
+    if "probs_sum" not in stats:
+        return float("nan")
+    load_E = stats["tokens_per_expert"].double()
+    f_E = load_E / load_E.sum().clamp_min(1)
+    probs_E = stats["probs_sum"].double() / max(float(stats["calls"]), 1.0)
+    return float(load_E.numel() * (f_E * probs_E).sum())
 
 
 def merge_stats(
@@ -104,7 +117,7 @@ def custom_scalars_layout(layers: list[int]) -> dict[str, dict[str, list]]:
             "dead experts": ["Multiline", [f"{p}/dead_experts"]],
             "aux and z losses": [
                 "Multiline",
-                [f"{p}/aux_loss", f"{p}/seq_aux_loss", f"{p}/z_loss"],
+                [f"{p}/aux_loss", f"{p}/seq_aux_loss", f"{p}/global_aux_loss", f"{p}/z_loss"],
             ],
             "expert bias": ["Multiline", [rf"{p}/expert_bias/expert\d+"]],
             "token share per expert": ["Multiline", [rf"{p}/tokens/expert\d+"]],
