@@ -130,6 +130,7 @@ class Engine:
         self.parts: list[nn.Module] = [p.to(device) for p in pm.parts]
         self.stage_ids = pm.stage_ids
         self.schedule = pm.schedule
+        self.eval_schedule = pm.eval_schedule  # forward-only passes (see ParallelModel)
         self.num_stages = dims.num_stages
         self.moe = moe_layers(self.parts)
         # Expert parallelism: this rank's E / ep experts per MoE layer. They are kept out of
@@ -210,15 +211,18 @@ class Engine:
             self._warm_up_pipeline(dims.micro_batch_size(cfg), cfg.data.seq_len)
 
     def _warm_up_pipeline(self, mbs: int, seq_len: int) -> None:
-        """One throwaway forward/backward through the schedule on a dummy batch.
+        """One throwaway step through each schedule (training, forward-only) on a dummy batch.
 
         A schedule's first step infers the shapes that travel between stages by running an
         extra forward (and backward), which would count MoE statistics of a micro-batch
         that is not in the data. Doing it here, then dropping gradients and statistics,
         keeps every real step exact whatever the torch version's inference does."""
-        dummy = torch.zeros(mbs, seq_len, dtype=torch.long)
+        dummy = [{"input_ids": torch.zeros(mbs, seq_len, dtype=torch.long)}] * self.n_micro
+        dummy = [{**b, "labels": b["input_ids"]} for b in dummy]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self._pipeline_step([{"input_ids": dummy, "labels": dummy}] * self.n_micro, train=True)
+            self._pipeline_step(dummy, train=True)
+            with torch.no_grad():  # the forward-only schedule infers its shapes once too
+                self._pipeline_step(dummy, train=False)
         for part in self.parts:
             part.zero_grad(set_to_none=True)
         for layer in self.moe.values():
@@ -397,7 +401,7 @@ class Engine:
             if train:
                 self.schedule.step(*args, **kwargs)
             else:
-                self.schedule.eval(*args, **kwargs)
+                self.eval_schedule.eval(*args, **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses:  # each already divided by the micro-batch count
             total += _local(loss).detach().float()
