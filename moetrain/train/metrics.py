@@ -125,16 +125,49 @@ def custom_scalars_layout(layers: list[int]) -> dict[str, dict[str, list]]:
     return layout
 
 
+class WarningSummary:
+    """Repeated warnings, summarised: the first warning of each kind (a kind is, e.g., "load
+    imbalance in MoE layer 3") is logged as it happens; later ones of the same kind are
+    counted and logged once per log window by ``flush()``, as one line with their count,
+    the steps they span and the last message."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.pending: dict[str, list[Any]] = {}  # kind -> [count, first step, last step, msg]
+
+    def warn(self, kind: str, step: int, msg: str, *args: Any) -> None:
+        if kind not in self.seen:
+            self.seen.add(kind)
+            log.warning(msg, *args)
+            return
+        entry = self.pending.setdefault(kind, [0, step, step, ""])
+        entry[0] += 1
+        entry[2] = step
+        entry[3] = msg % args
+
+    def flush(self) -> None:
+        """Log one line per kind that repeated since the last flush."""
+        for kind, (count, first, last, msg) in self.pending.items():
+            steps = f"step {first}" if first == last else f"steps {first}-{last}"
+            log.warning("%s: %d more time%s (%s); last: %s", kind, count,
+                        "" if count == 1 else "s", steps, msg)
+        self.pending.clear()
+
+
 class ExpertLoadMonitor:
     """Dead experts over a sliding window of steps, and imbalance warnings, per layer.
 
     An expert is dead when it received no tokens in the last ``window`` steps (counted from
-    the first step this monitor saw). A warning is logged when an expert dies and when a
+    the first step this monitor saw). A warning is raised when an expert dies and when a
     layer's max/mean load rises past ``imbalance_threshold``; each fires again only after
-    the expert has come back or the imbalance has fallen back under the threshold.
+    the expert has come back or the imbalance has fallen back under the threshold, and
+    repeats are summarised (``WarningSummary``: the first of a kind is logged, later ones
+    counted per log window).
     """
 
-    def __init__(self, window: int, imbalance_threshold: float | None):
+    def __init__(self, window: int, imbalance_threshold: float | None,
+                 warnings: WarningSummary | None = None):
+        self.warnings = warnings or WarningSummary()
         self.window = window
         self.imbalance_threshold = imbalance_threshold
         self.last_active: dict[int, torch.Tensor] = {}  # layer -> step each expert last had tokens
@@ -152,7 +185,9 @@ class ExpertLoadMonitor:
         last[load_E.cpu() > 0] = step
         dead_now = set(torch.nonzero(step - last >= self.window).flatten().tolist())
         for e in sorted(dead_now - self.dead[layer]):
-            log.warning(
+            self.warnings.warn(
+                f"moe layer {layer}: dead experts",
+                step,
                 "moe layer %d: expert %d is dead (no tokens in the last %d steps) at step %d",
                 layer,
                 e,
@@ -166,7 +201,9 @@ class ExpertLoadMonitor:
         if t is not None:
             over = max_over_mean > t
             if over and not self.over[layer]:
-                log.warning(
+                self.warnings.warn(
+                    f"moe layer {layer}: load imbalance past log.imbalance_warn_threshold",
+                    step,
                     "moe layer %d: load imbalance max/mean %.2f passed "
                     "log.imbalance_warn_threshold=%g at step %d",
                     layer,
@@ -223,7 +260,10 @@ class MetricsWriter:
         cfg = log_cfg or LogConfig()
         self.heatmap_every = cfg.heatmap_every
         self.histogram_every = cfg.histogram_every
-        self.monitor = ExpertLoadMonitor(cfg.dead_expert_window, cfg.imbalance_warn_threshold)
+        self.warnings = WarningSummary()
+        self.monitor = ExpertLoadMonitor(
+            cfg.dead_expert_window, cfg.imbalance_warn_threshold, self.warnings
+        )
         self._layout_written = False
         # Sums since the last heatmap image / score histogram, per layer.
         self._heat_tokens: dict[int, torch.Tensor] = {}
