@@ -98,13 +98,14 @@ def summarize(sweep: Sweep, rows: dict[str, dict[str, str]]) -> list[dict[str, A
 
 
 def _summary_rows(sweep: Sweep, summary: list[dict[str, Any]]) -> tuple[list[str], list[dict]]:
-    cols = ["run", *sweep.varied_keys, "n", "seeds", *COST]
+    cols = ["run", *sweep.varied_keys, "baseline", "n", "seeds", *COST]
     for fig in FIGURES:
         cols += [f"{fig}_{k}" for k in ("mean", "std", "lo", "hi")]
         cols += [f"{fig}_diff_{k}" for k in ("mean", "lo", "hi", "kind", "within_noise")]
     out = []
     for e in summary:
         row: dict[str, Any] = {"run": e["run"], "n": e["n"],
+                               "baseline": str(e["run"] == sweep.baseline).lower(),
                                "seeds": " ".join(map(str, e["seeds"]))}
         row.update({k: _fmt_value(v) for k, v in e["varied"].items()})
         row.update({k: repr(e[k]) for k in COST})

@@ -374,6 +374,7 @@ class MetricsWriter:
             self.writer.flush()
 
     def close(self) -> None:
+        self.warnings.flush()  # repeats since the last log window are not lost
         if self.writer is not None:
             self.writer.close()
 
