@@ -256,7 +256,7 @@ def sweep_section(sweep_dir: Path, index: int) -> tuple[str, dict[str, bytes]]:
             ax = fig.add_subplot(1, len(SWEEP_PANELS), i + 1)
             draw_differences(ax, [_interval(r, f"{key}_diff") for r in others],
                              [r["run"] for r in others])
-            ax.set_title(f"{title}: minus {baseline}", fontsize=9)
+            ax.set_title(f"{title}: minus baseline", fontsize=9)
         fig.tight_layout()
         pngs[f"sweep_{index}_diff.png"] = _png_plain(fig)
 
