@@ -1,10 +1,11 @@
-"""Router ablation sweeps: a grid of router variants, each a short run on the same data order
-and seeds, collected into one table.
+"""Router ablation sweeps: a grid of router variants, each trained on the same data order
+over one or more seeds, collected into one table with means, intervals and differences.
 
     moetrain ablate configs/sweeps/router.yaml [--parallel N] [--out DIR] [key=value ...]
 
-A sweep file names a base experiment, overrides shared by every run, and the runs: the
-cartesian product of ``grid`` and/or a list of named ``variants``::
+A sweep file names a base experiment, overrides shared by every run, and the variants: the
+cartesian product of ``grid`` and/or a list of named ``variants``; optionally the seeds every
+variant runs with and the variant the others are compared with::
 
     base: ../tiny.yaml            # relative to the sweep file
     output_dir: outputs/sweeps/router
@@ -15,13 +16,20 @@ cartesian product of ``grid`` and/or a list of named ``variants``::
       moe.top_k: [1, 2]
     variants:
       - {name: cf1-position, moe.capacity_factor: 1.0, moe.drop_policy: position}
+    seeds: [0, 1, 2]              # train.seed of each run: init and router jitter vary,
+                                  # the data order (data.seed) does not
+    baseline: score_func=softmax,top_k=2   # default: the first variant
 
-Each run trains in ``<output_dir>/runs/<name>``. Finished runs are rows of
-``<output_dir>/results.csv``; with the table come ``results.md`` and two plots
-(``results.png``: the figures per run, ``curves.png``: loss and imbalance over steps).
-Running the sweep again skips runs that have a row and re-runs the others, which resume
-from their own checkpoints. ``--parallel N`` trains N runs at once in subprocesses (their
-tokens/s then share the machine).
+Each run trains in ``<output_dir>/runs/<name>`` (``runs/<name>/seed_<s>`` with seeds).
+Finished runs are rows of ``<output_dir>/results.csv``; ``summary.csv`` has each variant's
+mean, standard deviation and 95% interval over its seeds and its difference from the
+baseline with that difference's interval (``moetrain.stats``); ``results.md`` shows them,
+with ``results.png`` (means with error bars), ``differences.png`` and ``curves.png``
+(``moetrain.ablate_report``). Every run must train the same number of tokens: variants are
+compared at equal tokens, and the table states each one's active parameters and FLOPs per
+token. Running the sweep again skips runs that have a row and re-runs the others, which
+resume from their own checkpoints. ``--parallel N`` trains N runs at once in subprocesses
+(their tokens/s then share the machine).
 
 This lives in the package rather than ``tools/`` so that the installed ``moetrain`` command
 can run it; it uses only the public API (``load_config``, ``Trainer``, the metrics
@@ -35,7 +43,6 @@ import csv
 import itertools
 import json
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -46,24 +53,30 @@ from typing import Any
 
 import yaml
 
+from moetrain.ablate_report import COST, FIGURES, write_results
 from moetrain.config import ConfigError, JobConfig, config_to_yaml, load_config
 
 log = logging.getLogger("moetrain")
 
-FIGURES = ("eval_loss", "max_over_mean", "cv", "dropped_fraction", "router_entropy",
-           "dead_experts", "tokens_per_s")
-"""Result columns after the varied keys; see ``moetrain.train.metrics.run_summary``."""
-# Every run of a sweep shares the data order and the seeds; the runner owns the output.
+# Every run of a sweep shares the data order; the runner owns the seeds and the output.
 FIXED_KEYS = ("data.seed", "train.seed", "train.output_dir", "train.resume")
-SWEEP_KEYS = ("base", "output_dir", "overrides", "grid", "variants")
+SWEEP_KEYS = ("base", "output_dir", "overrides", "grid", "variants", "seeds", "baseline")
 
 
 @dataclass
 class RunSpec:
     name: str
+    """The variant's name."""
     varied: dict[str, Any]
     """The keys this run sets beyond the sweep's shared overrides."""
     cfg: JobConfig
+    seed: int | None = None
+    """train.seed of this run; None when the sweep has no ``seeds`` (the base config's)."""
+
+    @property
+    def key(self) -> str:
+        """The run's id: its name, and its seed when the sweep has seeds."""
+        return self.name if self.seed is None else f"{self.name}/seed_{self.seed}"
 
 
 @dataclass
@@ -71,6 +84,9 @@ class Sweep:
     path: Path
     out_dir: Path
     runs: list[RunSpec]
+    seeds: list[int] | None = None
+    baseline: str = ""
+    """The variant the others are compared with (default: the first)."""
 
     @property
     def varied_keys(self) -> list[str]:
@@ -78,6 +94,11 @@ class Sweep:
         for run in self.runs:
             keys += [k for k in run.varied if k not in keys]
         return keys
+
+    @property
+    def variants(self) -> list[str]:
+        """Variant names in sweep order."""
+        return list(dict.fromkeys(r.name for r in self.runs))
 
 
 def _dotted(mapping: Any, where: str) -> dict[str, Any]:
@@ -162,25 +183,64 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None,
     if not variants:
         raise ConfigError("sweep: no runs; give a grid and/or variants")
 
+    seeds = _seeds(spec.get("seeds"))
     root = Path(out_dir or spec.get("output_dir") or Path("outputs/sweeps") / path.stem)
     runs, seen = [], set()
     for name, varied in variants:
         bad = [k for k in (*varied, *shared) if k in FIXED_KEYS]
         if bad:
             raise ConfigError(f"sweep: {bad[0]} is set by the sweep runner (every run shares "
-                              "the data order and seeds and gets its own output_dir)")
+                              "the data order, takes its seed from sweep.seeds and gets its "
+                              "own output_dir)")
         if name in seen or "/" in name or name in ("", ".", ".."):
             raise ConfigError(f"sweep: run name {name!r} is empty, repeated or has a '/'")
         seen.add(name)
-        over = [_as_override(k, v) for k, v in {**shared, **varied}.items()]
-        over += [f"train.output_dir={root / 'runs' / name}", "train.resume=auto",
-                 "log.tensorboard=true"]
-        try:
-            cfg = load_config(base_path, over)
-        except ConfigError as exc:
-            raise ConfigError(f"sweep run {name!r}: {exc}") from None
-        runs.append(RunSpec(name, varied, cfg))
-    return Sweep(path, root, runs)
+        for seed in seeds or [None]:
+            run_dir = root / "runs" / name
+            run_dir = run_dir if seed is None else run_dir / f"seed_{seed}"
+            over = [_as_override(k, v) for k, v in {**shared, **varied}.items()]
+            over += [f"train.output_dir={run_dir}", "train.resume=auto", "log.tensorboard=true"]
+            if seed is not None:
+                over.append(f"train.seed={seed}")
+            try:
+                cfg = load_config(base_path, over)
+            except ConfigError as exc:
+                raise ConfigError(f"sweep run {name!r}: {exc}") from None
+            runs.append(RunSpec(name, varied, cfg, seed))
+    baseline = spec.get("baseline", variants[0][0])
+    if baseline not in seen:
+        raise ConfigError(f"sweep.baseline: {baseline!r} is not a variant of the sweep; it has "
+                          f"{', '.join(sorted(seen))}")
+    _check_equal_tokens(runs)
+    return Sweep(path, root, runs, seeds, str(baseline))
+
+
+def run_tokens(cfg: JobConfig) -> int:
+    """Tokens a run trains: steps x global batch x sequence length."""
+    return cfg.train.steps * cfg.train.global_batch_size * cfg.data.seq_len
+
+
+def _check_equal_tokens(runs: list[RunSpec]) -> None:
+    """Variants are compared at equal tokens: refuse a sweep whose runs train different
+    numbers of tokens (a variant that wins by training more would look better)."""
+    counts = {r.name: run_tokens(r.cfg) for r in runs}
+    if len(set(counts.values())) > 1:
+        (a, ta), (b, tb) = sorted(counts.items(), key=lambda kv: kv[1])[:: len(counts) - 1]
+        raise ConfigError(f"sweep: runs train different numbers of tokens ({a!r}: {ta:,}, "
+                          f"{b!r}: {tb:,}); variants are compared at equal tokens: keep "
+                          "train.steps x train.global_batch_size x data.seq_len the same")
+
+
+def _seeds(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not value
+            or any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in value)):
+        raise ConfigError(f"sweep.seeds: expected a non-empty list of seeds (integers >= 0), "
+                          f"got {value!r}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"sweep.seeds: {value} repeats a seed")
+    return list(value)
 
 
 # ----------------------------------------------------------------------------- one run
@@ -193,9 +253,13 @@ def run_one(cfg: JobConfig) -> dict[str, float]:
     from moetrain.train.trainer import Trainer
 
     start = time.perf_counter()
-    summary = Trainer(cfg).fit()
+    trainer = Trainer(cfg)
+    summary = trainer.fit()
     out = run_summary(read_scalars(cfg.train.output_dir))
     out["eval_loss"] = float(summary["eval_loss"])
+    out["active_params"] = float(trainer.n_active)
+    out["flops_per_token"] = float(trainer.flops_per_token)
+    out["tokens"] = float(run_tokens(cfg))
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -220,118 +284,21 @@ def _child_main(config_path: str, result_path: str) -> int:
 
 
 def read_results(path: Path) -> dict[str, dict[str, str]]:
+    """Rows of a results.csv by run key (``RunSpec.key``)."""
     if not path.exists():
         return {}
     with path.open(newline="") as f:
-        return {row["run"]: row for row in csv.DictReader(f)}
-
-
-def _columns(sweep: Sweep) -> list[str]:
-    return ["run", *sweep.varied_keys, *FIGURES, "steps", "seconds"]
+        rows = list(csv.DictReader(f))
+    return {(r["run"] if not r.get("seed") else f"{r['run']}/seed_{r['seed']}"): r for r in rows}
 
 
 def _row(run: RunSpec, result: dict[str, float]) -> dict[str, str]:
-    row = {"run": run.name, **{k: _fmt_value(v) for k, v in run.varied.items()}}
-    for key in (*FIGURES, "steps", "seconds"):
+    row = {"run": run.name, "seed": "" if run.seed is None else str(run.seed),
+           **{k: _fmt_value(v) for k, v in run.varied.items()}}
+    for key in (*FIGURES, *COST, "steps", "seconds"):
         value = result.get(key, float("nan"))
         row[key] = str(int(value)) if key == "steps" else repr(float(value))
     return row
-
-
-def write_results(sweep: Sweep, rows: dict[str, dict[str, str]]) -> None:
-    """results.csv (one row per finished run, in sweep order), results.md and the plots."""
-    cols = _columns(sweep)
-    ordered = [rows[r.name] for r in sweep.runs if r.name in rows]
-    path = sweep.out_dir / "results.csv"
-    tmp = path.with_name("results.csv.tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore", restval="")
-        writer.writeheader()
-        writer.writerows(ordered)
-    os.replace(tmp, path)
-    _write_atomic(sweep.out_dir / "results.md", markdown_table(sweep, ordered))
-    if ordered:
-        plot_results(sweep, ordered)
-
-
-def markdown_table(sweep: Sweep, rows: list[dict[str, str]]) -> str:
-    heads = {"eval_loss": "eval loss", "max_over_mean": "max/mean", "cv": "CV",
-             "dropped_fraction": "dropped", "router_entropy": "router entropy",
-             "dead_experts": "dead experts", "tokens_per_s": "tokens/s"}
-    fmts = {"eval_loss": "{:.4f}", "max_over_mean": "{:.3f}", "cv": "{:.3f}",
-            "dropped_fraction": "{:.2%}", "router_entropy": "{:.3f}", "dead_experts": "{:.2f}",
-            "tokens_per_s": "{:,.0f}"}
-    keys = sweep.varied_keys
-    lines = [f"# Router ablation: {sweep.path.name}", "",
-             f"{len(rows)} of {len(sweep.runs)} runs finished. Figures: final eval loss; "
-             "imbalance, drops, entropy and dead experts averaged over the MoE layers and the "
-             "second half of training; median tokens/s.", "",
-             "| run | " + " | ".join([*keys, *(heads[f] for f in FIGURES)]) + " |",
-             "|" + "---|" * (1 + len(keys)) + "---:|" * len(FIGURES)]
-    best = min((float(r["eval_loss"]) for r in rows), default=math.nan)
-    for row in rows:
-        cells = [row["run"], *(row.get(k, "") for k in keys)]
-        for fig in FIGURES:
-            value = float(row[fig])
-            text = fmts[fig].format(value) if math.isfinite(value) else "n/a"
-            cells.append(f"**{text}**" if fig == "eval_loss" and value == best else text)
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot_results(sweep: Sweep, rows: list[dict[str, str]]) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from moetrain.train.metrics import moe_layer_ids, read_scalars
-
-    names = [r["run"] for r in rows]
-    panels = [("eval_loss", "final eval loss (nats/token)"), ("max_over_mean", "load max/mean"),
-              ("dropped_fraction", "dropped fraction"), ("tokens_per_s", "tokens/s")]
-    fig = Figure(figsize=(12, 3.2 + 0.12 * max(len(n) for n in names)), dpi=110)
-    FigureCanvasAgg(fig)
-    for i, (key, title) in enumerate(panels):
-        ax = fig.add_subplot(1, len(panels), i + 1)
-        values = [float(r[key]) for r in rows]
-        ax.bar(range(len(rows)), values, color=[f"C{j % 10}" for j in range(len(rows))])
-        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=7)
-        ax.set_title(title, fontsize=9)
-        finite = [v for v in values if math.isfinite(v)]
-        if key == "eval_loss" and finite:
-            lo, hi = min(finite), max(finite)
-            pad = max(hi - lo, 1e-3) * 0.5
-            ax.set_ylim(lo - pad, hi + pad)
-    fig.tight_layout()
-    fig.savefig(sweep.out_dir / "results.png")
-
-    fig = Figure(figsize=(12, 3.6), dpi=110)
-    FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(1, 3, i + 1) for i in range(3)]
-    for j, run in enumerate(r for r in sweep.runs if r.name in set(names)):
-        scalars = read_scalars(run.cfg.train.output_dir)
-        color = f"C{j % 10}"
-        if scalars.get("train/loss"):
-            axes[0].plot(*zip(*scalars["train/loss"], strict=True), color=color, lw=1,
-                         label=run.name)
-        if scalars.get("eval/loss"):
-            axes[1].plot(*zip(*scalars["eval/loss"], strict=True), color=color, marker=".",
-                         label=run.name)
-        layers = moe_layer_ids(scalars)
-        if layers:
-            per_step: dict[int, list[float]] = {}
-            for layer in layers:
-                for s, v in scalars[f"moe/layer{layer}/max_over_mean"]:
-                    per_step.setdefault(s, []).append(v)
-            steps = sorted(per_step)
-            axes[2].plot(steps, [sum(per_step[s]) / len(per_step[s]) for s in steps],
-                         color=color, lw=1, label=run.name)
-    for ax, title in zip(axes, ("train loss", "eval loss", "load max/mean (layer mean)"),
-                         strict=True):
-        ax.set_title(title, fontsize=9)
-        ax.set_xlabel("step")
-    axes[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(sweep.out_dir / "curves.png")
 
 
 def run_sweep(sweep: Sweep, parallel: int = 1) -> dict[str, dict[str, str]]:
@@ -339,15 +306,15 @@ def run_sweep(sweep: Sweep, parallel: int = 1) -> dict[str, dict[str, str]]:
     sweep.out_dir.mkdir(parents=True, exist_ok=True)
     (sweep.out_dir / "sweep.yaml").write_text(sweep.path.read_text())
     results_path = sweep.out_dir / "results.csv"
-    known = {r.name for r in sweep.runs}
-    rows = {name: row for name, row in read_results(results_path).items() if name in known}
-    todo = [r for r in sweep.runs if r.name not in rows]
+    known = {r.key for r in sweep.runs}
+    rows = {key: row for key, row in read_results(results_path).items() if key in known}
+    todo = [r for r in sweep.runs if r.key not in rows]
     log.info("sweep %s: %d runs, %d finished, %d to run%s", sweep.path.name, len(sweep.runs),
              len(rows), len(todo), f" ({parallel} at once)" if parallel > 1 and todo else "")
     if parallel <= 1:
         for run in todo:
-            log.info("sweep: run %s (%s)", run.name, run.cfg.train.output_dir)
-            rows[run.name] = _row(run, run_one(run.cfg))
+            log.info("sweep: run %s (%s)", run.key, run.cfg.train.output_dir)
+            rows[run.key] = _row(run, run_one(run.cfg))
             write_results(sweep, rows)
     else:
         _run_parallel(sweep, todo, parallel, rows)
@@ -376,8 +343,8 @@ def _run_parallel(sweep: Sweep, todo: list[RunSpec], parallel: int,
                     proc = subprocess.Popen(
                         [sys.executable, "-m", "moetrain.ablate", "--run-one", str(cfg_path),
                          str(result_path)], stdout=out, stderr=subprocess.STDOUT, env=env)
-                log.info("sweep: started %s (pid %d)", run.name, proc.pid)
-                running[run.name] = (run, proc, result_path)
+                log.info("sweep: started %s (pid %d)", run.key, proc.pid)
+                running[run.key] = (run, proc, result_path)
             time.sleep(0.2)
             for name, (run, proc, result_path) in list(running.items()):
                 if proc.poll() is None:

@@ -245,6 +245,13 @@ class MoEConfig:
     """Coefficient of the switch load-balancing loss E * sum_e f_e * P_e (per token group)."""
     seq_aux_loss_coef: float = 0.0
     """Coefficient of the sequence-level balancing loss (the same statistic per sequence)."""
+    global_aux_loss_coef: float = 0.0
+    """Coefficient of the global-batch balancing loss (Qwen's "Demons in the Detail",
+    Megatron-Core's global_aux_loss): E * sum_e f_e * P_e with f_e counted over every
+    micro-batch and data-parallel rank of the optimizer step (no gradient through f) and P_e
+    the micro-batch's mean probability. Exact under every layout: with more than one forward
+    per rank and step (gradient accumulation, pipelines) the step's counts come from a
+    no-grad counting pass over its micro-batches first (one extra forward); docs/moe.md."""
     z_loss_coef: float = 0.001
     """Coefficient of the router z-loss mean(logsumexp(logits)^2)."""
     expert_bias_rate: float = 0.0
@@ -318,7 +325,8 @@ class MoEConfig:
             _fail("moe.num_shared_experts", f"must be >= 0, got {self.num_shared_experts}")
         if not 0 <= self.jitter_eps < 1:
             _fail("moe.jitter_eps", f"must be in [0, 1), got {self.jitter_eps}")
-        for name in ("aux_loss_coef", "seq_aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+        for name in ("aux_loss_coef", "seq_aux_loss_coef", "global_aux_loss_coef", "z_loss_coef",
+                     "expert_bias_rate"):
             if getattr(self, name) < 0:
                 _fail(f"moe.{name}", f"must be >= 0, got {getattr(self, name)}")
 
@@ -345,6 +353,11 @@ class DataConfig:
     with the default corpus, which has its own eval split)."""
     text_column: str = "text"
     """Column holding the text."""
+    domain_column: str | None = None
+    """Column naming each document's domain (e.g. "web", "code"), for the expert-
+    specialization view: each expert's share of every domain's eval tokens. null: "domain"
+    for the embedded corpus (prose and code), none for other datasets. Not available with
+    prepared datasets, mixtures or streaming (their documents keep only the text)."""
     streaming: bool = False
     """Stream the dataset instead of downloading/materialising it. Every rank reads and
     tokenizes the whole stream (in a background thread); for large corpora use
@@ -404,6 +417,12 @@ class DataConfig:
             _fail("data.eval_fraction", f"must be in (0, 1), got {self.eval_fraction}")
         if not self.text_column:
             _fail("data.text_column", "must be a non-empty column name")
+        if self.domain_column is not None:
+            if not self.domain_column:
+                _fail("data.domain_column", "must be a non-empty column name or null")
+            if self.mix is not None or self.streaming:
+                _fail("data.domain_column", "needs a map-style dataset: not available with "
+                      "data.mix or data.streaming (their documents keep only the text)")
         tok = self.tokenizer
         if tok != "default" and not Path(tok).expanduser().exists():
             _fail("data.tokenizer", f"{tok!r} does not exist; use 'default', a tokenizer.json "
@@ -488,6 +507,17 @@ class TrainConfig:
     """Halt anyway once more than this many steps have been skipped."""
     collective_timeout_s: int = 600
     """Seconds a collective may wait for a rank before failing the job (dead-rank bound)."""
+    routing_replay: str | None = None
+    """Routing replay (reinforcement-learning fine-tuning: train the policy that generated the
+    rollouts): a directory of per-step files ``step_<8-digit step>.pt`` in the routing-trace
+    format (docs/dashboards.md) holding each token's expert ids per MoE layer for the step's
+    global batch (and its input_ids, checked against the data). Those ids replace the
+    router's top-k in the training forward; combine weights and balancing losses still come
+    from the router's scores. null: the router chooses."""
+    record_routing: bool = False
+    """Write every training step's routing (the global batch's expert ids per MoE layer) to
+    ``<output_dir>/routing/train/step_<8-digit step>.pt``, the format ``routing_replay``
+    reads."""
 
     def validate(self) -> None:
         _positive("train", self, "steps", "global_batch_size", "micro_batch_size",
@@ -497,6 +527,9 @@ class TrainConfig:
         for name in ("eval_every", "checkpoint_every"):
             if getattr(self, name) < 0:
                 _fail(f"train.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if self.routing_replay is not None and not Path(self.routing_replay).expanduser().is_dir():
+            _fail("train.routing_replay", f"{self.routing_replay!r} is not a directory of "
+                  "per-step routing files (step_00000001.pt, ...)")
         if self.global_batch_size % self.micro_batch_size:
             _fail("train.global_batch_size", f"{self.global_batch_size} is not divisible by "
                   f"train.micro_batch_size={self.micro_batch_size}")
@@ -526,9 +559,18 @@ class LogConfig:
     the tokens for ``collapse_steps`` consecutive steps. null: never warn."""
     collapse_steps: int = 10
     """Consecutive steps of collapse before the warning."""
+    specialization: bool = True
+    """At every evaluation, record which experts each eval token is routed to: per MoE layer
+    and expert the most frequent tokens and the share of each data domain, expert
+    co-activation (TensorBoard text and images), saved to ``<output_dir>/routing/``; at the
+    end of training, routing stability (per layer, the fraction of eval tokens whose top-1
+    expert at each evaluation equals the final one's)."""
+    specialization_top_tokens: int = 8
+    """Tokens listed per expert in the specialization view."""
 
     def validate(self) -> None:
-        _positive("log", self, "log_every", "dead_expert_window", "collapse_steps")
+        _positive("log", self, "log_every", "dead_expert_window", "collapse_steps",
+                  "specialization_top_tokens")
         if self.collapse_fraction is not None and not 0 < self.collapse_fraction <= 1:
             _fail("log.collapse_fraction", f"must be in (0, 1] or null, got "
                   f"{self.collapse_fraction}")

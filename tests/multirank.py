@@ -616,7 +616,7 @@ LAYOUT_STATS = ("a2a_bytes", "calls")
 """MoE statistics that describe the layout rather than the training (bytes sent between
 EP ranks, forward calls = micro-batches): not compared with one process; the layout checks
 assert them instead."""
-PER_CALL_STATS = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
+PER_CALL_STATS = ("aux_loss", "seq_aux_loss", "z_loss", "entropy", "probs_sum")
 """MoE statistics summed over a step's forward calls: compared as per-call means (a layout
 may cut the step into other micro-batches; token counts and drops are sums over tokens)."""
 
@@ -625,10 +625,11 @@ CLAMPED = {"grad_later": 0.05, "param": {"atol": 1e-3, "rtol": 1e-3}}
 """Later steps' gradients and moments, and final parameters, of a run whose q/k/v are
 clamped (``model.clip_qkv``). A clamp's gradient is discontinuous: the parameter difference
 Adam leaves after the first step (1e-6) can move an element that sits on the bound across
-it, and that element's gradient jumps between zero and its full value -- measured up to 1.8e-2
-of the tensor (7.5e-3 in wq, norms equal to 4 digits) at the second step and 3.3e-4 on 4 of 2048 weights
-after it, under cp2 and zbv, both on the same side of the bound. The first step, where the
-runs see the same parameters, keeps the tight tolerance, and so do losses and statistics."""
+it, and that element's gradient jumps between zero and its full value -- measured up to
+1.8e-2 of the tensor (7.5e-3 in wq, norms equal to 4 digits) at the second step and 3.3e-4
+on 4 of 2048 weights after it, under cp2 and zbv, both on the same side of the bound. The
+first step, where the runs see the same parameters, keeps the tight tolerance, and so do
+losses and statistics."""
 
 
 def tolerances(options: Sequence[str], dtype: str = "fp32") -> dict[str, dict[str, float]]:

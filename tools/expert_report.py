@@ -5,11 +5,22 @@
     python tools/expert_report.py runA runB --png-dir plots/              # also keep the PNGs
 
 A run is a directory with a ``tb/`` folder (``train.output_dir``); a sweep directory stands
-for its ``runs/*``. The page holds a summary table (the figures of
-``moetrain.train.metrics.run_summary``), loss curves, per-layer imbalance, drop, entropy and
-dead-expert curves with the runs overlaid, and per run and layer a heatmap of each expert's
-token share over the steps, the runs side by side. Plots are PNGs embedded as base64 data
-URIs: the file can be mailed or attached as it is.
+for its ``runs/*`` (``runs/*/seed_*`` for a multi-seed sweep). The page holds:
+
+- for a ``moetrain ablate`` sweep with seeds: each variant's mean and 95% interval per
+  figure (bars with error bars, each seed a dot) and its difference from the baseline with
+  that difference's interval, "within noise" where it spans zero (the sweep's
+  ``summary.csv``);
+- a summary table (the figures of ``moetrain.train.metrics.run_summary``), loss curves,
+  per-layer imbalance, drop, entropy and dead-expert curves with the runs overlaid, and per
+  run and layer a heatmap of each expert's token share over the steps;
+- expert specialization (``moetrain.train.specialization``, from the eval routing the
+  trainer saved at each evaluation): per run its last evaluation's share of each data
+  domain per expert and expert co-activation (images), the tokens each expert receives
+  most often (tables, decoded with the run's tokenizer), and routing stability per layer
+  over the evaluations.
+
+Plots are PNGs embedded as base64 data URIs: the file can be mailed or attached as it is.
 """
 
 from __future__ import annotations
@@ -30,7 +41,18 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from moetrain.ablate_report import CONFIDENCE, FIGURES, HEADS, draw_bars, draw_differences
+from moetrain.config import load_config
+from moetrain.data import load_tokenizer
+from moetrain.stats import Interval
 from moetrain.train.metrics import moe_layer_ids, read_scalars, run_summary
+from moetrain.train.specialization import (
+    load_eval_routing,
+    render_specialization,
+    stability_over_steps,
+    token_label,
+    trace_specialization,
+)
 
 Scalars = dict[str, list[tuple[int, float]]]
 
@@ -58,6 +80,7 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
             found = [p]
         else:
             found = sorted(d.parent for d in p.glob("runs/*/tb") if d.is_dir())
+            found += sorted(d.parent for d in p.glob("runs/*/seed_*/tb") if d.is_dir())
             found = found or sorted(d.parent for d in p.glob("*/tb") if d.is_dir())
             found.sort(key=_sweep_order(p))
         if not found:
@@ -71,8 +94,14 @@ def _sweep_order(sweep_dir: Path):
     order: list[str] = []
     if (sweep_dir / "results.csv").is_file():
         with (sweep_dir / "results.csv").open(newline="") as f:
-            order = [row.get("run", "") for row in csv.DictReader(f)]
-    return lambda run: (order.index(run.name) if run.name in order else len(order), run.name)
+            order = [row.get("run", "") + (f"/seed_{row['seed']}" if row.get("seed") else "")
+                     for row in csv.DictReader(f)]
+
+    def key(run: Path) -> tuple[int, str]:
+        name = run.name if not run.name.startswith("seed_") else f"{run.parent.name}/{run.name}"
+        return (order.index(name) if name in order else len(order), name)
+
+    return key
 
 
 def run_labels(runs: list[Path]) -> list[str]:
@@ -176,7 +205,169 @@ def _img(png: bytes, alt: str) -> str:
 
 def _cell(value: float, fmt: str) -> str:
     text = fmt.format(value) if math.isfinite(value) else "n/a"
-    return f'<td data-value="{value!r}">{text}</td>'
+    return f'<td data-value="{float(value)!r}">{text}</td>'
+
+
+# ----------------------------------------------------------------------------- a sweep's seeds
+
+SWEEP_PANELS = (("eval_loss", "final eval loss"), ("max_over_mean", "load max/mean"),
+                ("dropped_fraction", "dropped fraction"), ("router_entropy", "router entropy"))
+DIFF_FMT = {"eval_loss": "{:+.4f}", "max_over_mean": "{:+.3f}", "cv": "{:+.3f}",
+            "dropped_fraction": "{:+.2%}", "router_entropy": "{:+.3f}",
+            "dead_experts": "{:+.2f}", "tokens_per_s": "{:+,.0f}"}
+VALUE_FMT = {k: f.replace("+", "") for k, f in DIFF_FMT.items()}
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _interval(row: dict[str, str], prefix: str) -> Interval:
+    get = lambda k: float(row.get(f"{prefix}_{k}") or "nan")  # noqa: E731
+    return Interval(int(row.get("n") or 0), get("mean"), get("std"), get("lo"), get("hi"),
+                    row.get(f"{prefix}_kind", ""))
+
+
+def sweep_section(sweep_dir: Path, index: int) -> tuple[str, dict[str, bytes]]:
+    """A multi-seed sweep (its ``summary.csv``): bars of each variant's mean with its
+    interval and each seed's value, the differences from the baseline with theirs, and the
+    same as tables. Empty for a sweep without seeds."""
+    summary = _read_csv(sweep_dir / "summary.csv")
+    if not summary or all(r["n"] in ("", "0", "1") for r in summary):
+        return "", {}
+    per_seed: dict[str, list[dict[str, str]]] = {}
+    for row in _read_csv(sweep_dir / "results.csv"):
+        per_seed.setdefault(row["run"], []).append(row)
+    names = [r["run"] for r in summary]
+    baseline = next((r["run"] for r in summary if r.get("baseline") == "true"), names[0])
+    fig = Figure(figsize=(12, 3.4 + 0.1 * max(len(n) for n in names)), dpi=100)
+    for i, (key, title) in enumerate(SWEEP_PANELS):
+        ax = fig.add_subplot(1, len(SWEEP_PANELS), i + 1)
+        draw_bars(ax, [_interval(r, key) for r in summary],
+                  [[float(x[key]) for x in per_seed.get(n, [])] for n in names], names)
+        ax.set_title(f"{title}: mean, {CONFIDENCE:.0%} CI", fontsize=9)
+    fig.tight_layout()
+    pngs = {f"sweep_{index}.png": _png_plain(fig)}
+    others = [r for r in summary if r["run"] != baseline]
+    if others:
+        fig = Figure(figsize=(12, 3.4 + 0.1 * max(len(n) for n in names)), dpi=100)
+        for i, (key, title) in enumerate(SWEEP_PANELS):
+            ax = fig.add_subplot(1, len(SWEEP_PANELS), i + 1)
+            draw_differences(ax, [_interval(r, f"{key}_diff") for r in others],
+                             [r["run"] for r in others])
+            ax.set_title(f"{title}: minus baseline", fontsize=9)
+        fig.tight_layout()
+        pngs[f"sweep_{index}_diff.png"] = _png_plain(fig)
+
+    def fmt(key: str, iv: Interval, diff: bool = False) -> str:
+        f = (DIFF_FMT if diff else VALUE_FMT)[key]
+        if not math.isfinite(iv.mean):
+            return "<td>n/a</td>"
+        text = f.format(iv.mean)
+        if math.isfinite(iv.lo):
+            text += f" [{f.format(iv.lo)}, {f.format(iv.hi)}]"
+        noise = diff and iv.within_noise
+        return (f'<td data-mean="{iv.mean!r}" data-lo="{iv.lo!r}" data-hi="{iv.hi!r}">'
+                f'{html.escape(text)}{" <em>within noise</em>" if noise else ""}</td>')
+
+    heads = "".join(f"<th>{html.escape(HEADS[k])}</th>" for k in FIGURES)
+    rows = "".join(f'<tr data-variant="{html.escape(r["run"])}"><th>{html.escape(r["run"])}'
+                   f'</th><td>{r["n"]}</td>{"".join(fmt(k, _interval(r, k)) for k in FIGURES)}'
+                   "</tr>" for r in summary)
+    diffs = "".join(f'<tr data-variant="{html.escape(r["run"])}"><th>{html.escape(r["run"])}'
+                    f'</th>{"".join(fmt(k, _interval(r, f"{k}_diff"), True) for k in FIGURES)}'
+                    "</tr>" for r in others)
+    kinds = {r.get(f"{k}_diff_kind") for r in others for k in FIGURES} - {None, ""}
+    how = "paired by seed" if kinds == {"paired"} else "paired by seed where possible, else Welch"
+    imgs = "".join(_img(png, name) for name, png in pngs.items())
+    page = (f'<h2>Sweep {html.escape(sweep_dir.name)}: {len(summary)} variants over seeds</h2>'
+            f'<p class="meta">Mean [{CONFIDENCE:.0%} t interval] over each variant\'s seeds; '
+            f"differences from the baseline <b>{html.escape(baseline)}</b> {how}, "
+            '"within noise" where the interval spans zero.</p>'
+            f'<table class="sweep"><thead><tr><th>variant</th><th>seeds</th>{heads}</tr>'
+            f"</thead><tbody>{rows}</tbody></table>"
+            f'<table class="sweep-diff"><thead><tr><th>minus {html.escape(baseline)}</th>'
+            f"{heads}</tr></thead><tbody>{diffs}</tbody></table>{imgs}")
+    return page, pngs
+
+
+# ----------------------------------------------------------------------------- specialization
+
+
+def _png_plain(fig: Figure) -> bytes:
+    FigureCanvasAgg(fig)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _png_array(image: np.ndarray) -> bytes:
+    from matplotlib.image import imsave
+
+    buf = io.BytesIO()
+    imsave(buf, image, format="png")
+    return buf.getvalue()
+
+
+def stability_figure(label: str, stab: dict[int, dict[int, float]]) -> bytes:
+    fig = Figure(figsize=(5.2, 3.0), dpi=100)
+    ax = fig.add_subplot()
+    steps = sorted(stab)
+    for j, layer in enumerate(sorted(stab[steps[-1]])):
+        ax.plot(steps, [stab[s][layer] for s in steps], marker=".", color=f"C{j % 10}",
+                label=f"layer {layer}")
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("step of the evaluation")
+    ax.set_ylabel("top-1 = final top-1")
+    ax.set_title(f"{label}: routing stability", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _png(fig)
+
+
+def specialization_section(label: str, run_dir: Path, index: int, top_n: int = 8
+                           ) -> tuple[str, dict[str, bytes]]:
+    """A run's last saved eval routing: domain shares and co-activation (image), the top
+    tokens per expert (tables), and routing stability over the evaluations."""
+    records = load_eval_routing(run_dir)
+    if not records:
+        return "", {}
+    step = max(records)
+    last = records[step]
+    specs = trace_specialization(last, top_n)
+    names = list(last.get("domain_names") or [])
+    data = load_config(run_dir / "config.yaml").data
+    decode = load_tokenizer(data.tokenizer, data.cache_dir).decode
+    pngs = {f"specialization_{index}.png": _png_array(
+        render_specialization(specs, names, f"{label}: eval routing at step {step}"))}
+    stab = stability_over_steps(records)
+    if len(stab) > 1:
+        pngs[f"stability_{index}.png"] = stability_figure(label, stab)
+    tables = []
+    for layer, spec in specs.items():
+        shares = spec.domain_shares()
+        heads = "".join(f"<th>share of {html.escape(d)}</th>" for d in names)
+        rows = []
+        for e, top in enumerate(spec.top_tokens):
+            cells = f"<td>{int(spec.assignments_E[e])}</td>"
+            if shares is not None:
+                cells += "".join(_cell(float(shares[e, d]), "{:.3f}") for d in range(len(names)))
+            toks = ", ".join(f"<code>{html.escape(token_label(decode, t))}</code>&nbsp;{n}"
+                             for t, n in top)
+            rows.append(f'<tr data-expert="{e}"><th>{e}</th>{cells}'
+                        f'<td class="tokens" style="text-align:left">{toks}</td></tr>')
+        tables.append(f'<table class="spec" data-run="{html.escape(label)}" '
+                      f'data-layer="{layer}"><caption>layer {layer}</caption><thead><tr>'
+                      f"<th>expert</th><th>tokens</th>{heads}<th>most frequent tokens</th>"
+                      f'</tr></thead><tbody>{"".join(rows)}</tbody></table>')
+    imgs = "".join(_img(png, f"{name} of {label}") for name, png in pngs.items())
+    experts = last["num_experts"]
+    page = (f'<h3>{html.escape(label)}</h3><p class="meta">{last["input_ids"].numel()} eval '
+            f"tokens at step {step}; uniform share 1/{experts}.</p>{imgs}"
+            f'<details><summary>tokens per expert</summary>{"".join(tables)}</details>')
+    return page, pngs
 
 
 def build_report(paths: list[str | Path], title: str = "Expert-load report"
@@ -193,6 +384,17 @@ def build_report(paths: list[str | Path], title: str = "Expert-load report"
         pngs["curves.png"] = curves_figure(runs, layers)
         for i, (label, scalars) in enumerate(runs.items()):
             pngs[f"heatmap_{i}.png"] = heatmap_figure(label, scalars, moe_layer_ids(scalars))
+
+    sweeps, spec_pages = [], []
+    for i, p in enumerate(Path(p) for p in paths):
+        if (p / "summary.csv").is_file() and (p / "results.csv").is_file():
+            page, more = sweep_section(p, i)
+            sweeps.append(page)
+            pngs.update(more)
+    for i, (label, d) in enumerate(zip(labels, run_dirs, strict=True)):
+        page, more = specialization_section(label, d, i)
+        spec_pages.append(page)
+        pngs.update(more)
 
     rows = []
     for label, d in zip(labels, run_dirs, strict=True):
@@ -223,6 +425,7 @@ figure {{ margin: 0; }} figcaption {{ text-align: center; font-size: 12px; color
 <div class="meta">{len(run_dirs)} run(s), {len(layers)} MoE layer(s); generated {now}.
 Imbalance, drops, entropy and dead experts: mean over MoE layers and the second half of
 training; tokens/s: median over steps after the first.</div>
+{"".join(sweeps)}
 <h2>Summary</h2>
 <table id="summary"><thead><tr><th>run</th>{heads}</tr></thead>
 <tbody>{"".join(rows)}</tbody></table>
@@ -231,6 +434,8 @@ training; tokens/s: median over steps after the first.</div>
  f'{_img(pngs["curves.png"], "per-layer curves")}' if layers else ""}
 {f'<h2>Token share per expert over steps</h2><div class="runs">{heatmaps}</div>'
  if layers else ""}
+{'<h2>Expert specialization and routing stability (eval tokens)</h2>' + "".join(spec_pages)
+ if any(spec_pages) else ""}
 </body></html>
 """
     return page, pngs, summaries

@@ -8,6 +8,7 @@ Public API::
     PackedBatches(cfg, tokenizer, split, global_batch_size, micro_batch_size,
                   dp_rank=0, dp_size=1)  # .next_step(), .reset(), .state_dict() ...
     unigram_entropy(tokenizer, cfg)      # nats/token of the training tokens
+    eval_token_domains(cfg, tokenizer, n) # the data domain of each eval token (or None)
     prepare_dataset(cfg, out, workers)   # what `moetrain prepare-data` runs
 
 docs/data.md describes the default corpus, local/hub data, prepared datasets, mixtures,
@@ -31,6 +32,7 @@ _EXPORTS = {
     "build_doc_source": "moetrain.data.sources",
     "check_data": "moetrain.data.check",
     "corpus_files": "moetrain.data.corpus",
+    "eval_token_domains": "moetrain.data.domains",
     "is_prepared": "moetrain.data.prepared",
     "load_local_files": "moetrain.data.dataset",
     "load_split": "moetrain.data.dataset",
@@ -50,6 +52,7 @@ __all__ = [
     "build_doc_source",
     "check_data",
     "corpus_files",
+    "eval_token_domains",
     "is_prepared",
     "load_local_files",
     "load_split",
@@ -65,6 +68,7 @@ if TYPE_CHECKING:
     from moetrain.data.check import check_data
     from moetrain.data.corpus import corpus_files
     from moetrain.data.dataset import Source, load_local_files, load_split, resolve_source
+    from moetrain.data.domains import eval_token_domains
     from moetrain.data.errors import DataError
     from moetrain.data.packing import PackedBatches, token_entropy, unigram_entropy
     from moetrain.data.prepare import prepare_dataset, verify_dataset

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moetrain.config import DataConfig
 from moetrain.data.dataset import load_split
+from moetrain.data.domains import check_domain_column
 from moetrain.data.prepared import is_prepared
 from moetrain.data.tokenizer import load_tokenizer
 from moetrain.data.verify import check_prepared
@@ -17,9 +18,11 @@ def check_data(cfg: DataConfig) -> None:
     checksums of shards this machine has not verified since they were written (see
     docs/data.md); nothing else is read, so this takes about a second at any size. Other
     data: both splits are loaded, and the path, splits, text column, row types and that
-    there is text are checked. The default corpus and tokenizer are built here on first use.
+    there is text are checked, and ``data.domain_column`` when it is set. The default corpus
+    and tokenizer are built here on first use.
     """
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
+    check_domain_column(cfg)
     prepared = [(path, "data.mix") for path, _ in cfg.mix_entries()]
     if not prepared and is_prepared(cfg.dataset):
         prepared = [(cfg.dataset, "data.dataset")]

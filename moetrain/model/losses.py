@@ -61,6 +61,27 @@ def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
     return -(p * p.log()).sum(-1).mean()
 
 
+class DeferredBalanceLoss(torch.autograd.Function):
+    """The global-batch balancing loss ``E * sum_e f_e * P_e`` of one micro-batch, for its
+    gradient only: ``f`` (expert frequencies over the whole step) is read when backward runs.
+
+    ``f`` carries no gradient, so d/dP_e = E * f_e and nothing else of the loss is needed:
+    ``read_Ef()`` returns E * f, and the engine makes it the step's global frequencies before
+    any backward of the step, which may be after this forward (a step of one forward per
+    rank: no pre-pass). The forward value is 0 -- the loss's value is computed from the
+    statistics once the step's counts are known (``moetrain.train.metrics.layer_summary``).
+    """
+
+    @staticmethod
+    def forward(ctx, probs_E: torch.Tensor, read_Ef) -> torch.Tensor:  # type: ignore[override]
+        ctx.read_Ef = read_Ef
+        return probs_E.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad * ctx.read_Ef(), None
+
+
 class AuxLossInjector(torch.autograd.Function):
     """Identity on ``x`` in forward; in backward, gives ``aux`` the gradient ``scale``.
 

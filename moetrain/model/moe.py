@@ -6,7 +6,11 @@
 Aux losses reach the optimizer through ``AuxLossInjector`` (their gradient rides on the
 layer output) and their values, token counts and drop counts accumulate in this module's
 buffers until the trainer reads them with ``pop_stats()``: nothing goes through globals.
-Offline ablation changes routing at eval time through ``Router.routing_override``.
+The global-batch balancing loss reads the step's expert counts, which the engine hands over
+before any backward (``set_global_counts``); the routing of a training step can be replayed
+(``replay_BSK``) and recorded (``record_BSK``), both indexed by the layout-independent
+sequence index of the step. Offline ablation changes routing at eval time through
+``Router.routing_override``.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, E experts, K top-k,
 N buffer rows.
@@ -14,6 +18,7 @@ N buffer rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +37,7 @@ from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.jitter import jitter_factors
 from moetrain.model.losses import (
     AuxLossInjector,
+    DeferredBalanceLoss,
     balance_probs,
     load_balancing_loss,
     router_entropy,
@@ -71,20 +77,27 @@ class RoutingOverride:
         if self.top1:
             ids_TK = ids_TK[:, :1]
         if ids_TK is not r.ids_TK:
-            # The same ops as the router's own combine weights: replaying the recorded
-            # routing of this model reproduces its outputs bit for bit.
-            weights_TK = r.scores_TE.gather(1, ids_TK)
-            if renormalize:
-                denom_T1 = weights_TK.sum(-1, keepdim=True)
-                if score_func == "sigmoid":
-                    denom_T1 = denom_T1.clamp_min(1e-20)
-                weights_TK = weights_TK / denom_T1
+            weights_TK = replayed_weights(r.scores_TE, ids_TK, renormalize, score_func)
         if self.zero_experts:
             zero_E = torch.zeros(r.scores_TE.shape[1], dtype=torch.bool, device=ids_TK.device)
             zero_E[list(self.zero_experts)] = True
             weights_TK = weights_TK.masked_fill(zero_E[ids_TK], 0.0)
         counts_E = torch.bincount(ids_TK.flatten(), minlength=r.scores_TE.shape[1])
         return RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
+
+
+def replayed_weights(scores_TE: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool,
+                     score_func: str) -> torch.Tensor:
+    """Combine weights of the given expert choices from the router's scores: the same ops as
+    the router's own combine weights (the torch router), so that replaying the routing a
+    model chose reproduces its outputs bit for bit."""
+    weights_TK = scores_TE.gather(1, ids_TK)
+    if renormalize:
+        denom_T1 = weights_TK.sum(-1, keepdim=True)
+        if score_func == "sigmoid":
+            denom_T1 = denom_T1.clamp_min(1e-20)
+        weights_TK = weights_TK / denom_T1
+    return weights_TK
 
 
 class Router(nn.Module):
@@ -105,10 +118,15 @@ class Router(nn.Module):
         x_TD: torch.Tensor,
         backend: str,
         jitter_at: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None,
+        replay_ids_TK: torch.Tensor | None = None,
     ) -> RouteResult:
         """``jitter_at``: (key, seq_T, pos_T) of ``jitter_factors`` -- where these tokens are
         in the run, so that the jitter does not depend on the layout. None: key (0, 0, 0) and
-        the local row as the sequence index (a router used on its own)."""
+        the local row as the sequence index (a router used on its own).
+
+        ``replay_ids_TK`` (routing replay in training): the expert ids to use instead of the
+        router's top-k; the combine weights are the router's scores of those experts
+        (renormalised as configured), so the router keeps its gradient."""
         if self.training and self.cfg.jitter_eps > 0:
             if jitter_at is None:
                 rows_T = torch.arange(x_TD.shape[0], device=x_TD.device)
@@ -128,6 +146,11 @@ class Router(nn.Module):
         r = route(logits_TE, cfg.top_k, score_func=cfg.score_func, expert_bias_E=bias,
                   renormalize=cfg.renormalize, backend=route_backend, n_groups=cfg.n_groups,
                   topk_groups=cfg.topk_groups)
+        if replay_ids_TK is not None:
+            ids_TK = replay_ids_TK.to(r.ids_TK.device, torch.int64)
+            weights_TK = replayed_weights(r.scores_TE, ids_TK, cfg.renormalize, cfg.score_func)
+            counts_E = torch.bincount(ids_TK.flatten(), minlength=cfg.num_experts)
+            r = RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
         if self.routing_override is not None:
             if self.training:
                 raise RuntimeError("Router.routing_override is eval-only: call model.eval()")
@@ -177,6 +200,29 @@ class MoELayer(nn.Module):
         # calls, assignments, dropped
         self.register_buffer("stat_counts", torch.zeros(3), persistent=False)
         self.register_buffer("stat_score_hist", torch.zeros(SCORE_HIST_BINS), persistent=False)
+        # Sum over training forwards of the mean routing probability of each expert (the P of
+        # the balancing losses): with the step's global counts it gives the global-batch
+        # balancing loss's value (``moetrain.train.metrics.layer_summary``).
+        self.register_buffer("stat_probs_sum", torch.zeros(E), persistent=False)
+
+        # Global-batch balancing (``moe.global_aux_loss_coef``). ``route_counts``: the expert
+        # choices of this step's training forwards on this rank (the engine reads and reduces
+        # them); ``global_counts``: the step's choices over every micro-batch and
+        # data-parallel rank, which the engine sets before any backward of the step.
+        self.register_buffer("route_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.register_buffer("global_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.global_counts_ready = False
+        # The engine's counting pre-pass: route and compute as in training, count the choices,
+        # record nothing else.
+        self.counting = False
+        # Routing replay in training: the step's expert ids, (global batch, S, K), indexed by
+        # the global sequence index of the step (``moetrain.train.replay``). None: the router
+        # chooses.
+        self.replay_BSK: torch.Tensor | None = None
+        # Routing record of a training step: the same shape, filled by training forwards.
+        self.record_BSK: torch.Tensor | None = None
+        # Eval-time routing record: each eval forward appends its ids (T, K) on the CPU.
+        self.eval_record: list[torch.Tensor] | None = None
 
     def set_jitter_key(self, seed: int, step: int, seq_offset: int) -> None:
         """Before a step's forwards: the run's seed, the optimizer step, and the global index
@@ -184,10 +230,33 @@ class MoELayer(nn.Module):
         self.jitter_seed, self.jitter_step, self.jitter_seq_offset = seed, step, seq_offset
         self.stat_rows.zero_()
 
+    def begin_step(self) -> None:
+        """Before a step's first forward: forget the previous step's routing counts."""
+        self.route_counts.zero_()
+        self.global_counts_ready = False
+
+    def set_global_counts(self, counts_E: torch.Tensor) -> None:
+        """The step's expert choices over every micro-batch and data-parallel rank (the
+        global-batch balancing loss's f); set by the engine before the step's backward."""
+        self.global_counts.copy_(counts_E)
+        self.global_counts_ready = True
+
+    def _global_f(self, local_f_E: torch.Tensor) -> torch.Tensor:
+        """E * f for the global-batch loss's gradient, read when backward runs: the step's
+        global frequencies, or (a layer used outside the engine) the forward's own."""
+        if not self.global_counts_ready:
+            return self.num_experts * local_f_E
+        counts = self.global_counts.to(local_f_E.device, torch.float64)
+        return (self.num_experts * counts / counts.sum().clamp_min(1)).to(local_f_E.dtype)
+
+    def _first_row(self, device: torch.device) -> torch.Tensor:
+        """Global index, in the step's global batch, of this forward's first sequence."""
+        return self.jitter_seq_offset + self.stat_rows.to(device)
+
     def _jitter_at(self, B: int, S: int, device: torch.device):
         if not (self.training and self.cfg.jitter_eps > 0):
             return None
-        first = self.jitter_seq_offset + self.stat_rows.to(device)
+        first = self._first_row(device)
         seq_T = (first + torch.arange(B, device=device)).repeat_interleave(S)
         if self.seq_shard is not None:  # this process's positions of every sequence
             pos_T = self.seq_shard.positions(device).repeat(B)
@@ -208,7 +277,22 @@ class MoELayer(nn.Module):
         x_TD = x_BSD.reshape(B * S, D)
         backend = resolve_backend(self.cfg.kernels, x_TD.device)
 
-        r = self.router(x_TD, backend, self._jitter_at(B, S, x_TD.device))
+        replay_TK = None
+        if self.training and self.replay_BSK is not None:
+            dev = self.replay_BSK.device
+            rows_B = self._first_row(dev) + torch.arange(B, device=dev)
+            replay_BSK = self.replay_BSK.index_select(0, rows_B)
+            if self.seq_shard is not None:  # this process's positions of every sequence
+                replay_BSK = replay_BSK[:, self.seq_shard.positions(dev)]
+            replay_TK = replay_BSK.reshape(B * S, -1)
+        r = self.router(x_TD, backend, self._jitter_at(B, S, x_TD.device), replay_TK)
+        if self.training and self.record_BSK is not None and not self.counting:
+            dev = self.record_BSK.device
+            rows_B = self._first_row(dev) + torch.arange(B, device=dev)
+            self.record_BSK.index_copy_(0, rows_B, self._whole_sequences(r.ids_TK, B).to(dev))
+        if not self.training and self.eval_record is not None:
+            ids_BSK = self._whole_sequences(r.ids_TK.detach(), B)
+            self.eval_record.append(ids_BSK.flatten(0, 1).to("cpu", torch.int16))
         ids_all_TK, plan = self._plan(r, B)
         shared_TD = None
         if self.shared_experts is not None and self.overlap_shared:
@@ -222,8 +306,21 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
 
+        if self.training:
+            with torch.no_grad():
+                self.route_counts += plan.tokens_per_expert_E
+        if self.counting:  # the engine's pre-pass: counted, nothing else recorded
+            with torch.no_grad():
+                self.stat_rows += B
+            return y_TD.view(B, S, D)
         y_TD = self._balance(y_TD, r, plan, B, ids_all_TK)
         return y_TD.view(B, S, D)
+
+    def _whole_sequences(self, ids_TK: torch.Tensor, batch: int) -> torch.Tensor:
+        """(batch, S, K) expert ids of the whole sequences: gathered over the processes that
+        hold other positions of them (context parallelism), in position order."""
+        ids_BsK = ids_TK.view(batch, -1, ids_TK.shape[1])
+        return ids_BsK if self.seq_shard is None else self.seq_shard.gather(ids_BsK)
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         assert self.shared_experts is not None
@@ -278,6 +375,15 @@ class MoELayer(nn.Module):
             if track_grad:
                 total = coef * value if total is None else total + coef * value
             stats.append(value.detach().float())
+        if cfg.global_aux_loss_coef > 0 and torch.is_grad_enabled() and self.training:
+            # E * sum_e f_e * P_e with f over the whole step (every micro-batch and dp rank):
+            # f has no gradient, so only d/dP = E * f is needed, read at backward time.
+            counts_E = plan.tokens_per_expert_E.float()
+            local_f_E = counts_E / counts_E.sum().clamp_min(1)
+            term = DeferredBalanceLoss.apply(probs_TE.mean(0),
+                                             functools.partial(self._global_f, local_f_E))
+            term = cfg.global_aux_loss_coef * term
+            total = term if total is None else total + term
         if total is not None:
             y_TD = AuxLossInjector.apply(y_TD, total, self.aux_loss_scale)
         if self.training:
@@ -293,6 +399,7 @@ class MoELayer(nn.Module):
                 # All T*E router scores, binned: the TensorBoard score histograms.
                 self.stat_score_hist += torch.histc(r.scores_TE.detach().float(),
                                                     bins=SCORE_HIST_BINS, min=0.0, max=1.0)
+                self.stat_probs_sum += probs_TE.detach().float().mean(0)
         return y_TD
 
     @torch.no_grad()
@@ -310,6 +417,8 @@ class MoELayer(nn.Module):
         out["a2a_bytes"] = torch.tensor(self.dispatcher.pop_comm_bytes(),
                                         device=self.stat_sums.device)
         out["score_hist"] = self.stat_score_hist.clone()
+        out["probs_sum"] = self.stat_probs_sum.clone()
+        self.stat_probs_sum.zero_()
         self.stat_score_hist.zero_()
         self.stat_rows.zero_()
         self.stat_sums.zero_()

@@ -34,6 +34,12 @@ class ParallelModel:
     parts: list[nn.Module]
     stage_ids: list[int]
     schedule: Any = None
+    eval_schedule: Any = None
+    """A second schedule around the same chunks for forward-only passes (evaluation, the
+    global balancing loss's counting pass): a schedule switched between training and
+    forward-only steps infers its stages' shapes again at every switch, with an extra forward
+    of each stage (torch 2.13) that MoE layers would count; one schedule per mode never
+    switches."""
     expert_params: list[nn.Parameter] = field(default_factory=list)
     """This rank's expert parameters (ep > 1): kept out of the dp reduction, reduced over
     the expert-data-parallel group by the engine (``reduce_expert_grads``)."""
@@ -93,10 +99,11 @@ def parallelize(
                 apply_fsdp(part, dp_mesh, cfg.zero_stage, param_dtype, ignored=experts)
             else:
                 apply_ddp(part, meshes.dp_cp, cfg.zero_stage)
-    schedule = None
+    schedule = eval_schedule = None
     if dims.pp > 1:
         assert meshes is not None and loss_fn is not None and device is not None
-        schedule = build_pipeline(
-            parts, ids, meshes.pp.get_group(), device, cfg, n_microbatches, loss_fn
+        schedule, eval_schedule = (
+            build_pipeline(parts, ids, meshes.pp.get_group(), device, cfg, n_microbatches, loss_fn)
+            for _ in range(2)
         )
-    return ParallelModel(parts, ids, schedule, expert_params)
+    return ParallelModel(parts, ids, schedule, eval_schedule, expert_params)

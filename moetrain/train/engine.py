@@ -3,7 +3,8 @@ clipping, the optimizer step, and MoE statistics, under any parallel layout.
 
 The trainer sees one object whatever the layout:
 
-    engine.forward_backward(micro_batches) -> mean loss of the step (same on every rank)
+    engine.forward_backward(micro_batches, replay=None, record=False)
+                                           -> mean loss of the step (same on every rank)
     engine.optimizer_step(grad_clip)       -> global gradient norm
     engine.moe_stats()                     -> per-layer router statistics summed over dp and
                                               pp (never tp: tp ranks hold identical copies)
@@ -12,8 +13,16 @@ The trainer sees one object whatever the layout:
 A local engine runs micro-batches one after the other (gradient accumulation); a pipeline
 engine hands them to the ``torch.distributed.pipelining`` schedule. Everything
 layout-specific was applied by ``moetrain.parallel.parallelize``; the collectives here are
-the step-level ones: the stage-0/1 gradient reduction, the gradient norm, the loss and the
-statistics.
+the step-level ones: the stage-0/1 gradient reduction, the gradient norm, the loss, the
+statistics, the global-batch balancing loss's expert counts and the routing records.
+
+Global-batch balancing (``moe.global_aux_loss_coef``): the loss of every micro-batch needs
+the expert counts of the whole step (every micro-batch, every data-parallel rank) before its
+backward. With one forward per rank and step and no pipeline, the counts of that forward are
+summed over dp between forward and backward; otherwise a no-grad counting pass over the
+step's micro-batches (routing exactly as the training forward will: same parameters, jitter
+keys and replayed ids) runs first. Either way every layout uses the same counts as one
+process on the whole global batch.
 """
 
 from __future__ import annotations
@@ -64,6 +73,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _group(mesh: Any) -> Any:
     return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+
+
+def reduce_route_counts(counts_LE: torch.Tensor, dp_group: Any) -> None:
+    """Sum the expert choices of a step over the data-parallel ranks (dp x cp), in place.
+    Each rank counted its own tokens over all experts (on the source rank under expert
+    parallelism; its own positions of every sequence under cp), and tensor-parallel ranks
+    route the same tokens: dp x cp is exactly the dimension to sum over."""
+    if dp_group is not None:
+        dist.all_reduce(counts_LE, group=dp_group)
 
 
 class Engine:
@@ -123,6 +141,7 @@ class Engine:
         self.parts: list[nn.Module] = [p.to(device) for p in pm.parts]
         self.stage_ids = pm.stage_ids
         self.schedule = pm.schedule
+        self.eval_schedule = pm.eval_schedule  # forward-only passes (see ParallelModel)
         self.num_stages = dims.num_stages
         self.moe = moe_layers(self.parts)
         # Expert parallelism: this rank's E / ep experts per MoE layer. They are kept out of
@@ -137,6 +156,7 @@ class Engine:
             else None
         )
         self.params_at_rest = params_before_dp(self.parts)
+        self._record_inputs: torch.Tensor | None = None  # forward_backward(record=True)
         # Accounting hook: called with "forward", "backward" and "step" (memory probes).
         self.probe: Callable[[str], None] | None = None
         # Called once per optimizer step with the engine, after the gradients are reduced
@@ -147,6 +167,9 @@ class Engine:
         # Groups of the step-level collectives. Losses, gradients and statistics are averaged
         # or summed over dp x cp: cp ranks hold other tokens of the same sequences.
         self.dp_group = _group(meshes.dp_cp) if meshes else None
+        # The ranks holding other sequences (dp alone): what gathers whole sequences' records
+        # (routing records, eval routing) run over, after the MoE layers gathered them over cp.
+        self.seq_group = _group(meshes.dp) if meshes else None
         self.pp_group = _group(meshes.pp) if meshes else None
 
         # Optimizer(s): one AdamW per chunk (state dicts are per module), or for stages 0/1
@@ -203,15 +226,18 @@ class Engine:
             self._warm_up_pipeline(dims.micro_batch_size(cfg), cfg.data.seq_len)
 
     def _warm_up_pipeline(self, mbs: int, seq_len: int) -> None:
-        """One throwaway forward/backward through the schedule on a dummy batch.
+        """One throwaway step through each schedule (training, forward-only) on a dummy batch.
 
         A schedule's first step infers the shapes that travel between stages by running an
         extra forward (and backward), which would count MoE statistics of a micro-batch
         that is not in the data. Doing it here, then dropping gradients and statistics,
         keeps every real step exact whatever the torch version's inference does."""
-        dummy = torch.zeros(mbs, seq_len, dtype=torch.long)
+        dummy = [{"input_ids": torch.zeros(mbs, seq_len, dtype=torch.long)}] * self.n_micro
+        dummy = [{**b, "labels": b["input_ids"]} for b in dummy]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self._pipeline_step([{"input_ids": dummy, "labels": dummy}] * self.breadth, train=True)
+            self._pipeline_step(dummy[: self.breadth], train=True)
+            with torch.no_grad():  # the forward-only schedule infers its shapes once too
+                self._pipeline_step(dummy[: self.breadth], train=False)
         for part in self.parts:
             part.zero_grad(set_to_none=True)
         for layer in self.moe.values():
@@ -251,13 +277,40 @@ class Engine:
         for part in self.parts:
             part.train(mode)
 
-    def forward_backward(self, micro_batches: list[Batch]) -> float:
+    def forward_backward(
+        self,
+        micro_batches: list[Batch],
+        replay: dict[int, torch.Tensor] | None = None,
+        record: bool = False,
+    ) -> float:
         """Forward and backward of this rank's micro-batches; the step's mean loss over the
-        global batch (the same value on every rank)."""
+        global batch (the same value on every rank).
+
+        ``replay``: per MoE layer the step's expert ids, (global batch, S, K), replacing the
+        router's choice (``moetrain.train.replay``). ``record``: keep the routing of the step
+        for ``routing_record()``."""
         self.train(True)
         self._set_jitter_keys()
-        total = torch.zeros((), device=self.device)
+        for i, layer in self.moe.items():
+            layer.begin_step()
+            layer.replay_BSK = None if replay is None else replay[i].to(self.device)
+            layer.record_BSK = None
+            if record:
+                gbs, seq = self.cfg.train.global_batch_size, self.cfg.data.seq_len
+                K = self.cfg.moe.top_k
+                layer.record_BSK = torch.full((gbs, seq, K), -1, dtype=torch.int64,
+                                              device=self.device)
+        self._record_inputs = (
+            torch.cat([b["input_ids"] for b in micro_batches]) if record else None
+        )
         n, breadth = len(micro_batches), self.breadth
+        needs_counts = self.cfg.moe.global_aux_loss_coef > 0 and bool(self.moe)
+        # One forward per step on this rank (no pipeline, one micro-batch or one
+        # breadth-first pass): its counts are the step's, summed between forward and backward.
+        counted_in_forward = needs_counts and self.schedule is None and n <= breadth
+        if needs_counts and not counted_in_forward:
+            self._counting_pass(micro_batches)
+        total = torch.zeros((), device=self.device)
         for start in range(0, n, breadth):  # depth-first: pass after pass
             group = micro_batches[start : start + breadth]
             if self.schedule is not None:
@@ -273,13 +326,19 @@ class Engine:
                     if self.probe is not None:
                         self.probe("forward")
                     if breadth == 1:
+                        if counted_in_forward:  # the step's only forward
+                            self._set_global_counts()
                         (loss / n).backward()
                     else:
                         pending.append(loss / n)
                 total += _local(loss).detach() / n
             if pending:
                 with self._loss_ctx():
+                    if counted_in_forward:  # every forward of the step has run
+                        self._set_global_counts()
                     sum(pending).backward()
+        for layer in self.moe.values():
+            layer.replay_BSK = None
         if self.probe is not None:
             self.probe("backward")
         return self._mean_over_dp(total)
@@ -287,6 +346,73 @@ class Engine:
     def _local_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """This rank's positions of every sequence (context parallelism), or all of them."""
         return tokens_BS if self.seq_index is None else tokens_BS[:, self.seq_index]
+
+    @torch.no_grad()
+    def _counting_pass(self, micro_batches: list[Batch]) -> None:
+        """The step's expert counts before any backward: a no-grad forward of this rank's
+        micro-batches in training mode (the same routing as the training forward: same
+        parameters, jitter keys and replayed ids), counted by the MoE layers and summed over
+        dp. Nothing else of it is kept: statistics, byte counters and the sequence counter
+        are left as they were."""
+        sent = {i: layer.dispatcher.bytes_sent for i, layer in self.moe.items()}
+        for layer in self.moe.values():
+            layer.counting = True
+        try:
+            for start in range(0, len(micro_batches), self.breadth):
+                group = micro_batches[start : start + self.breadth]
+                if self.schedule is not None:
+                    self._pipeline_step(group, train=False)
+                    continue
+                for batch in group:
+                    inputs = self._local_tokens(batch["input_ids"])
+                    with self._loss_ctx():
+                        self.parts[0](inputs.to(self.device, non_blocking=True))
+        finally:
+            for i, layer in self.moe.items():
+                layer.counting = False
+                layer.dispatcher.bytes_sent = sent[i]
+        self._set_global_counts()
+        self._set_jitter_keys()  # the training forwards start from the first sequence again
+        for layer in self.moe.values():
+            layer.route_counts.zero_()
+
+    def _set_global_counts(self) -> None:
+        """Sum every MoE layer's counted choices over dp and hand them to the layers."""
+        ids = sorted(self.moe)
+        if not ids:
+            return
+        counts = torch.stack([self.moe[i].route_counts for i in ids])
+        reduce_route_counts(counts, self.dp_group)
+        for i, c in zip(ids, counts, strict=True):
+            self.moe[i].set_global_counts(c)
+
+    @torch.no_grad()
+    def routing_record(self) -> dict[str, Any] | None:
+        """The routing of the last ``forward_backward(..., record=True)`` (collective): on
+        every rank ``{"input_ids": (global batch, S), "ids": {layer: (global batch, S, K)}}``
+        with every MoE layer of the model, gathered over dp and pp; None if not recorded."""
+        if self._record_inputs is None:
+            return None
+        layers = {i: layer.record_BSK for i, layer in self.moe.items()}
+        for rec in layers.values():  # each dp rank wrote its own rows; the others hold -1
+            if self.seq_group is not None:
+                rec.add_(1)
+                dist.all_reduce(rec, group=self.seq_group)
+                rec.sub_(1)
+        inputs = self._gather_dp(self._record_inputs.to(self.device))
+        ids = self._merge_stages({i: r.to("cpu", torch.int16) for i, r in layers.items()})
+        for layer in self.moe.values():
+            layer.record_BSK = None
+        self._record_inputs = None
+        return {"input_ids": inputs.cpu(), "ids": dict(sorted(ids.items()))}
+
+    def _gather_dp(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenate equal-shaped per-rank tensors over dp in rank order (collective)."""
+        if self.seq_group is None:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.dims.dp)]
+        dist.all_gather(parts, t.contiguous(), group=self.seq_group)
+        return torch.cat(parts)
 
     def _set_jitter_keys(self) -> None:
         """Tell every MoE layer where this step's tokens are in the run (router jitter is a
@@ -314,7 +440,7 @@ class Engine:
             if train:
                 self.schedule.step(*args, **kwargs)
             else:
-                self.schedule.eval(*args, **kwargs)
+                self.eval_schedule.eval(*args, **kwargs)
         total = torch.zeros((), device=self.device)
         for loss in losses:  # each already divided by the micro-batch count
             total += _local(loss).detach().float()
@@ -333,28 +459,57 @@ class Engine:
         return float(value)
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: list[Batch]) -> float:
-        """Mean loss over this rank's eval micro-batches, averaged over dp."""
+    def eval_loss(
+        self, micro_batches: list[Batch], routing: dict[str, Any] | None = None
+    ) -> float:
+        """Mean loss over this rank's eval micro-batches, averaged over dp.
+
+        ``routing``: a dict to fill (collective) with the eval tokens' routing, gathered over
+        dp and pp on every rank: ``input_ids`` (sequences, S) in the eval split's order and
+        ``ids`` {layer: (sequences * S, K)} for every MoE layer of the model."""
         self.train(False)
+        if routing is not None:
+            for layer in self.moe.values():
+                layer.eval_record = []
         try:
-            if self.schedule is not None:
-                total = torch.zeros((), device=self.device)
-                n = self.breadth
-                for i in range(0, len(micro_batches), n):
-                    total += self._pipeline_step(micro_batches[i : i + n], train=False)
-                # Each loss came divided by the step's micro-batch count.
-                total *= self.n_micro / max(len(micro_batches), 1)
-            else:
-                losses = []
-                for batch in micro_batches:
-                    inputs = self._local_tokens(batch["input_ids"]).to(self.device)
-                    labels = self._local_tokens(batch["labels"]).to(self.device)
-                    with self._loss_ctx():
-                        losses.append(_local(self._ce(self.parts[0](inputs), labels)))
-                total = torch.stack(losses).float().mean()
-            return self._mean_over_dp(total)
+            loss = self._eval_loss(micro_batches)
+            if routing is not None:
+                routing.update(self._eval_routing(micro_batches))
+            return loss
         finally:
+            for layer in self.moe.values():
+                layer.eval_record = None
             self.train(True)
+
+    def _eval_routing(self, micro_batches: list[Batch]) -> dict[str, Any]:
+        mine = {
+            i: torch.cat(layer.eval_record or []).to(self.device, torch.int64)
+            for i, layer in self.moe.items()
+        }
+        ids = {i: self._gather_dp(t).to("cpu", torch.int16) for i, t in sorted(mine.items())}
+        inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)
+        return {
+            "input_ids": self._gather_dp(inputs).cpu(),
+            "ids": dict(sorted(self._merge_stages(ids).items())),
+        }
+
+    def _eval_loss(self, micro_batches: list[Batch]) -> float:
+        if self.schedule is not None:
+            total = torch.zeros((), device=self.device)
+            n = self.breadth
+            for i in range(0, len(micro_batches), n):
+                total += self._pipeline_step(micro_batches[i : i + n], train=False)
+            # Each loss came divided by the step's micro-batch count.
+            total *= self.n_micro / max(len(micro_batches), 1)
+        else:
+            losses = []
+            for batch in micro_batches:
+                inputs = self._local_tokens(batch["input_ids"]).to(self.device)
+                labels = self._local_tokens(batch["labels"]).to(self.device)
+                with self._loss_ctx():
+                    losses.append(_local(self._ce(self.parts[0](inputs), labels)))
+            total = torch.stack(losses).float().mean()
+        return self._mean_over_dp(total)
 
     # ------------------------------------------------------------------ optimizer
 
@@ -490,7 +645,7 @@ class Engine:
             return {}
         E = self.cfg.moe.num_experts
         H = SCORE_HIST_BINS  # router-score histogram (metrics: TensorBoard histograms)
-        width = len(STAT_NAMES) + 4 + 2 * E + H
+        width = len(STAT_NAMES) + 4 + 3 * E + H
         packed = torch.zeros(len(moe_ids), width, dtype=torch.float64, device=self.device)
         for row, i in enumerate(moe_ids):
             if i not in self.moe:
@@ -504,6 +659,7 @@ class Engine:
                         [s["calls"], s["assignments"], s["dropped"], s["a2a_bytes"]]
                     ).double(),
                     s["score_hist"].double(),
+                    s["probs_sum"].double(),
                     s["expert_bias"].double(),  # last: the slice divided by dp below
                 ]
             )
@@ -522,7 +678,8 @@ class Engine:
                 k + E : k + E + 4
             ].unbind()
             d["score_hist"] = v[k + E + 4 : k + E + 4 + H]
-            d["expert_bias"] = v[k + E + 4 + H :]
+            d["probs_sum"] = v[k + E + 4 + H : k + 2 * E + 4 + H]
+            d["expert_bias"] = v[k + 2 * E + 4 + H :]
             out[i] = d
         return out
 

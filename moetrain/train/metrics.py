@@ -41,6 +41,7 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "router_entropy": float(stats["entropy"]) / calls,
         "aux_loss": float(stats["aux_loss"]) / calls,
         "seq_aux_loss": float(stats["seq_aux_loss"]) / calls,
+        "global_aux_loss": global_aux_loss(stats),
         "z_loss": float(stats["z_loss"]) / calls,
         "dead_experts": float((load_E == 0).sum()),
         # Expert-parallel dispatch: token bytes this layer sent to other ranks, summed over
@@ -48,6 +49,18 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         "a2a_bytes": float(stats["a2a_bytes"]) if "a2a_bytes" in stats else 0.0,
     }
     return out
+
+
+def global_aux_loss(stats: dict[str, torch.Tensor]) -> float:
+    """The global-batch balancing loss of one step, E * sum_e f_e * P_e: f_e from the step's
+    expert counts (every micro-batch and dp rank, before drops), P_e the mean routing
+    probability over the step's micro-batches. Computed whatever its coefficient."""
+    if "probs_sum" not in stats:
+        return float("nan")
+    load_E = stats["tokens_per_expert"].double()
+    f_E = load_E / load_E.sum().clamp_min(1)
+    probs_E = stats["probs_sum"].double() / max(float(stats["calls"]), 1.0)
+    return float(load_E.numel() * (f_E * probs_E).sum())
 
 
 def merge_stats(
@@ -104,7 +117,7 @@ def custom_scalars_layout(layers: list[int]) -> dict[str, dict[str, list]]:
             "dead experts": ["Multiline", [f"{p}/dead_experts"]],
             "aux and z losses": [
                 "Multiline",
-                [f"{p}/aux_loss", f"{p}/seq_aux_loss", f"{p}/z_loss"],
+                [f"{p}/aux_loss", f"{p}/seq_aux_loss", f"{p}/global_aux_loss", f"{p}/z_loss"],
             ],
             "expert bias": ["Multiline", [rf"{p}/expert_bias/expert\d+"]],
             "token share per expert": ["Multiline", [rf"{p}/tokens/expert\d+"]],
@@ -112,16 +125,49 @@ def custom_scalars_layout(layers: list[int]) -> dict[str, dict[str, list]]:
     return layout
 
 
+class WarningSummary:
+    """Repeated warnings, summarised: the first warning of each kind (a kind is, e.g., "load
+    imbalance in MoE layer 3") is logged as it happens; later ones of the same kind are
+    counted and logged once per log window by ``flush()``, as one line with their count,
+    the steps they span and the last message."""
+
+    def __init__(self) -> None:
+        self.seen: set[str] = set()
+        self.pending: dict[str, list[Any]] = {}  # kind -> [count, first step, last step, msg]
+
+    def warn(self, kind: str, step: int, msg: str, *args: Any) -> None:
+        if kind not in self.seen:
+            self.seen.add(kind)
+            log.warning(msg, *args)
+            return
+        entry = self.pending.setdefault(kind, [0, step, step, ""])
+        entry[0] += 1
+        entry[2] = step
+        entry[3] = msg % args
+
+    def flush(self) -> None:
+        """Log one line per kind that repeated since the last flush."""
+        for kind, (count, first, last, msg) in self.pending.items():
+            steps = f"step {first}" if first == last else f"steps {first}-{last}"
+            log.warning("%s: %d more time%s (%s); last: %s", kind, count,
+                        "" if count == 1 else "s", steps, msg)
+        self.pending.clear()
+
+
 class ExpertLoadMonitor:
     """Dead experts over a sliding window of steps, and imbalance warnings, per layer.
 
     An expert is dead when it received no tokens in the last ``window`` steps (counted from
-    the first step this monitor saw). A warning is logged when an expert dies and when a
+    the first step this monitor saw). A warning is raised when an expert dies and when a
     layer's max/mean load rises past ``imbalance_threshold``; each fires again only after
-    the expert has come back or the imbalance has fallen back under the threshold.
+    the expert has come back or the imbalance has fallen back under the threshold, and
+    repeats are summarised (``WarningSummary``: the first of a kind is logged, later ones
+    counted per log window).
     """
 
-    def __init__(self, window: int, imbalance_threshold: float | None):
+    def __init__(self, window: int, imbalance_threshold: float | None,
+                 warnings: WarningSummary | None = None):
+        self.warnings = warnings or WarningSummary()
         self.window = window
         self.imbalance_threshold = imbalance_threshold
         self.last_active: dict[int, torch.Tensor] = {}  # layer -> step each expert last had tokens
@@ -139,7 +185,9 @@ class ExpertLoadMonitor:
         last[load_E.cpu() > 0] = step
         dead_now = set(torch.nonzero(step - last >= self.window).flatten().tolist())
         for e in sorted(dead_now - self.dead[layer]):
-            log.warning(
+            self.warnings.warn(
+                f"moe layer {layer}: dead experts",
+                step,
                 "moe layer %d: expert %d is dead (no tokens in the last %d steps) at step %d",
                 layer,
                 e,
@@ -153,7 +201,9 @@ class ExpertLoadMonitor:
         if t is not None:
             over = max_over_mean > t
             if over and not self.over[layer]:
-                log.warning(
+                self.warnings.warn(
+                    f"moe layer {layer}: load imbalance past log.imbalance_warn_threshold",
+                    step,
                     "moe layer %d: load imbalance max/mean %.2f passed "
                     "log.imbalance_warn_threshold=%g at step %d",
                     layer,
@@ -210,7 +260,10 @@ class MetricsWriter:
         cfg = log_cfg or LogConfig()
         self.heatmap_every = cfg.heatmap_every
         self.histogram_every = cfg.histogram_every
-        self.monitor = ExpertLoadMonitor(cfg.dead_expert_window, cfg.imbalance_warn_threshold)
+        self.warnings = WarningSummary()
+        self.monitor = ExpertLoadMonitor(
+            cfg.dead_expert_window, cfg.imbalance_warn_threshold, self.warnings
+        )
         self._layout_written = False
         # Sums since the last heatmap image / score histogram, per layer.
         self._heat_tokens: dict[int, torch.Tensor] = {}
@@ -321,6 +374,7 @@ class MetricsWriter:
             self.writer.flush()
 
     def close(self) -> None:
+        self.warnings.flush()  # repeats since the last log window are not lost
         if self.writer is not None:
             self.writer.close()
 

@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -146,7 +147,8 @@ class CollapseMonitor:
     ``fraction`` of the tokens for ``steps`` consecutive steps. Warns once per episode (again
     only after the layer recovered)."""
 
-    def __init__(self, fraction: float | None, steps: int, top_k: int):
+    def __init__(self, fraction: float | None, steps: int, top_k: int, warnings: Any = None):
+        self.warnings = warnings  # a metrics.WarningSummary: repeats summarised per window
         self.fraction = fraction
         self.steps = steps
         self.top_k = top_k
@@ -165,11 +167,15 @@ class CollapseMonitor:
                 self.streak[layer] = self.streak.get(layer, 0) + 1
                 if self.streak[layer] == self.steps:
                     warned.append(layer)
-                    log.warning(
-                        "router collapse in moe layer %d: expert %d has received %.0f%% of the "
-                        "tokens for %d steps (step %d); consider a larger moe.aux_loss_coef, "
-                        "moe.expert_bias_rate or moe.z_loss_coef", layer, int(load_E.argmax()),
-                        100 * top_share, self.steps, step)
+                    args = ("router collapse in moe layer %d: expert %d has received %.0f%% of "
+                            "the tokens for %d steps (step %d); consider a larger "
+                            "moe.aux_loss_coef, moe.global_aux_loss_coef, moe.expert_bias_rate "
+                            "or moe.z_loss_coef", layer, int(load_E.argmax()), 100 * top_share,
+                            self.steps, step)
+                    if self.warnings is None:
+                        log.warning(*args)
+                    else:
+                        self.warnings.warn(f"moe layer {layer}: router collapse", step, *args)
             else:
                 self.streak[layer] = 0
         return warned

@@ -24,7 +24,13 @@ import torch
 import torch.distributed as dist
 
 from moetrain.config import ConfigError, JobConfig, config_to_yaml
-from moetrain.data import PackedBatches, check_data, load_tokenizer, unigram_entropy
+from moetrain.data import (
+    PackedBatches,
+    check_data,
+    eval_token_domains,
+    load_tokenizer,
+    unigram_entropy,
+)
 from moetrain.model import Transformer, build_model
 from moetrain.parallel.dims import ParallelDims
 from moetrain.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
@@ -36,6 +42,7 @@ from moetrain.train.metrics import (
     merge_stats,
     peak_flops,
 )
+from moetrain.train.replay import load_replay_step, save_record
 from moetrain.train.resilience import (
     CollapseMonitor,
     FaultInjector,
@@ -43,6 +50,7 @@ from moetrain.train.resilience import (
     NonFiniteGuard,
     PreemptionGuard,
 )
+from moetrain.train.specialization import SpecializationLog
 
 log = logging.getLogger("moetrain")
 
@@ -206,6 +214,7 @@ class Trainer:
         meshes = dims.build_mesh(self.device.type) if dist.is_initialized() else None
         coords = dims.coords(self.rank)
         dp_rank = coords["dp_replicate"] * dims.dp_shard + coords["dp_shard"]
+        self.dp_rank = dp_rank
         mbs = dims.micro_batch_size(cfg)
         self.train_data = PackedBatches(
             cfg.data, self.tokenizer, "train", tcfg.global_batch_size, mbs, dp_rank, dims.dp
@@ -214,6 +223,7 @@ class Trainer:
         # layout runs at once (dp ranks x pipeline micro-batches).
         unit = dims.dp * mbs * (dims.breadth_first(cfg) if dims.pp > 1 else 1)
         eval_seqs = -(-tcfg.eval_batches * tcfg.micro_batch_size // unit) * unit
+        self.eval_seqs = eval_seqs
         self.eval_data = PackedBatches(
             cfg.data, self.tokenizer, "eval", eval_seqs, mbs, dp_rank, dims.dp
         )
@@ -222,7 +232,8 @@ class Trainer:
         # layout starts from the same parameters.
         model: Transformer = build_model(cfg.model, cfg.moe, seed=tcfg.seed, device=self.device)
         self.n_params, self.n_active = model.num_params(), model.num_params(active=True)
-        self.n_moe_layers = len(model.moe_layers())
+        self.moe_layer_ids = sorted(model.moe_layers())
+        self.n_moe_layers = len(self.moe_layer_ids)
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
         self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype)
         del model
@@ -242,8 +253,12 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(tcfg.nonfinite_policy, tcfg.max_nonfinite_skips)
         self.faults = FaultInjector(self.rank)
         self.collapse = CollapseMonitor(
-            cfg.log.collapse_fraction, cfg.log.collapse_steps, cfg.moe.top_k
+            cfg.log.collapse_fraction, cfg.log.collapse_steps, cfg.moe.top_k, self.writer.warnings
         )
+        # Expert specialization: every evaluation records the eval tokens' routing (a
+        # collective, so every rank knows); rank 0 saves and shows it (``_open_run_dir``).
+        self.record_eval_routing = cfg.log.specialization and self.n_moe_layers > 0
+        self.specialization: SpecializationLog | None = None
 
     def _measure_peak(self, seconds: float = 0.2) -> None:
         """The MFU denominator: a GPU's datasheet peak, or on CPU a matmul measured now."""
@@ -322,9 +337,19 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         start = time.perf_counter()
+        tcfg = self.cfg.train
         micro_batches = self.train_data.next_step()
-        loss = self.engine.forward_backward(micro_batches)
+        replay = self._replay(micro_batches) if tcfg.routing_replay is not None else None
+        loss = self.engine.forward_backward(
+            micro_batches, replay=replay, record=tcfg.record_routing
+        )
         lr = self.engine.lr
+        if tcfg.record_routing:
+            record = self.engine.routing_record()
+            if self.is_main and record is not None:
+                moe = self.cfg.moe
+                save_record(self.out_dir / "routing" / "train", self.step + 1, record,
+                            moe.num_experts, moe.top_k, loss)  # fmt: skip
         # A non-finite loss or norm leaves the parameters untouched (see NonFiniteGuard).
         grad_norm = self.engine.optimizer_step(self.cfg.optim.grad_clip, loss=loss)
         moe = self.engine.moe_stats()
@@ -335,6 +360,27 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe)
+
+    def _replay(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """The routing ``train.routing_replay`` gives the next step, checked against the step's
+        data on every rank (a mismatch anywhere stops every rank with the same error)."""
+        cfg = self.cfg
+        inputs, ids = load_replay_step(
+            cfg.train.routing_replay, self.step + 1, self.moe_layer_ids,
+            cfg.train.global_batch_size, cfg.data.seq_len, cfg.moe.num_experts, cfg.moe.top_k,
+        )  # fmt: skip
+        mine = torch.cat([b["input_ids"] for b in micro_batches])
+        lo = self.dp_rank * mine.shape[0]
+        bad = torch.tensor([0.0 if torch.equal(inputs[lo : lo + mine.shape[0]], mine) else 1.0])
+        if dist.is_initialized():
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item():
+            raise ConfigError(
+                f"train.routing_replay: the input_ids of step {self.step + 1}'s routing file are "
+                "not the step's global batch; the replay and the data stream are not aligned "
+                "(data.dataset, data.seed, data.seq_len, the step a resumed run starts from)"
+            )
+        return ids
 
     def _measured_step(self) -> StepResult:
         """A training step under the accounting probes (``moetrain.parallel.accounting``):
@@ -362,9 +408,15 @@ class Trainer:
         return report.result
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, record_routing: bool = False) -> float:
+        """The held-out loss; with ``record_routing`` (every rank), the eval tokens' routing
+        too, saved and shown by rank 0 (``moetrain.train.specialization``)."""
         self.eval_data.reset()
-        return self.engine.eval_loss(self.eval_data.next_step())
+        routing: dict[str, Any] | None = {} if record_routing else None
+        loss = self.engine.eval_loss(self.eval_data.next_step(), routing)
+        if routing is not None and self.specialization is not None:
+            self.specialization.on_eval(self.step, routing, loss)
+        return loss
 
     # ------------------------------------------------------------------ loop
 
@@ -431,6 +483,9 @@ class Trainer:
             eval_loss = self._loop(end, window, bar, preempt)
         if bar is not None:
             bar.close()
+        self.writer.warnings.flush()
+        if self.specialization is not None and self.step == tcfg.steps:
+            self.specialization.finish()
         self.writer.flush()
         self.writer.close()
         if preempt.signum is not None:
@@ -462,6 +517,13 @@ class Trainer:
         (self.out_dir / "config.yaml").write_text(config_to_yaml(self.cfg))
         if self.cfg.log.tensorboard:
             self.writer.open(self.out_dir / "tb")
+        if self.record_eval_routing:
+            moe = self.cfg.moe
+            domains = eval_token_domains(self.cfg.data, self.tokenizer, self.eval_seqs)
+            self.specialization = SpecializationLog(
+                self.out_dir, self.writer, self.tokenizer.decode, domains, moe.num_experts,
+                moe.top_k, self.cfg.log.specialization_top_tokens,
+            )  # fmt: skip
 
     def _loop(
         self, end: int, window: list[StepResult], bar: Any, preempt: PreemptionGuard
@@ -501,7 +563,7 @@ class Trainer:
                 bar.set_postfix(loss=f"{res.loss:.3f}", tok_s=f"{tok_s:,.0f}")
             last = self.step == end
             if (tcfg.eval_every and self.step % tcfg.eval_every == 0) or last:
-                eval_loss = self.evaluate()
+                eval_loss = self.evaluate(record_routing=self.record_eval_routing)
                 self.writer.scalars({"eval/loss": eval_loss}, self.step)
             if self.step % cfg.log.log_every == 0 or last:
                 self._log_window(
@@ -520,6 +582,7 @@ class Trainer:
         return eval_loss
 
     def _log_window(self, window: list[StepResult], eval_loss: float | None, bar) -> None:
+        self.writer.warnings.flush()  # repeated warnings of the window: one line per kind
         if self.peak_source.startswith("measured"):
             self._measure_peak(0.05)  # the CPU is shared: MFU against its speed right now
         tokens = sum(r.tokens for r in window)

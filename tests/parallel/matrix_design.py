@@ -24,7 +24,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from matrix_options import FACTORS, FORBIDDEN
+from matrix_options import FACTORS, FORBIDDEN, STEPS  # noqa: F401 - md.STEPS for the tests
 from multirank import MICRO
 
 BASE = (
@@ -35,9 +35,9 @@ BASE = (
     "moe.expert_ffn_dim=32",
     "data.seq_len=16",
 )
-STEPS = 2
-"""Two optimizer steps: gradients of both, AdamW's moments after the second, the expert
-bias moved by the first step's counts and used by the second's routing."""
+# STEPS (matrix_options.py): two optimizer steps: gradients of both, AdamW's moments after
+# the second, the expert bias moved by the first step's counts and used by the second's
+# routing (and two steps of routing-replay files).
 VOCAB = 4096  # the default tokenizer's vocabulary (validation checks it divides tp)
 
 

@@ -8,6 +8,53 @@ code refuses goes in ``forbidden`` with the reason, and validation must refuse i
 
 from __future__ import annotations
 
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+STEPS = 2  # tests/parallel/matrix_design.py: the optimizer steps of every cell
+
+
+def replay_dir() -> str:
+    """A directory of routing-replay files (``train.routing_replay``) for the cells: the
+    first ``STEPS`` global batches of the micro config (its data: data.seq_len 16, batches
+    of 8) with a fixed random routing -- two distinct experts of 4 per token in each of the 4
+    layers, drawn from a seeded generator. Made once per machine and data (the default
+    corpus depends on the Python version), published atomically."""
+    import sys
+
+    import torch
+
+    key = hashlib.sha1(f"{sys.version_info[:3]}:{STEPS}:v1".encode()).hexdigest()[:12]
+    root = Path(tempfile.gettempdir()) / f"moetrain-matrix-replay-{key}"
+    if (root / f"step_{STEPS:08d}.pt").is_file():
+        return str(root)
+    from moetrain.config import load_config
+    from moetrain.data import PackedBatches, load_tokenizer
+    from moetrain.train.replay import save_record
+
+    cfg = load_config(None, ["data.seq_len=16"])
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
+    data = PackedBatches(cfg.data, tok, "train", 8, 8)
+    gen = torch.Generator().manual_seed(14)
+    staging = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
+    for step in range(1, STEPS + 1):
+        inputs = data.next_step()[0]["input_ids"]
+        ids = {layer: torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(8 * 16)])
+               for layer in range(4)}  # fmt: skip
+        record = {"input_ids": inputs, "ids": {k: v.view(8, 16, 2) for k, v in ids.items()}}
+        save_record(staging, step, record, num_experts=4, top_k=2, loss=float("nan"))
+    try:
+        os.rename(staging, root)
+    except OSError:  # another process published it first
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(root)
+
+
+REPLAY = replay_dir()
+
 # name -> [(value label, overrides)]; the first value of each factor is the baseline (the
 # micro MoE of tests/multirank.py). Factors are kept to two or three values each -- a
 # four-valued factor alone would need 16 rows per layout for its pairs with another one --
@@ -72,6 +119,11 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
     "seq_aux_loss": [("seq aux", ["moe.seq_aux_loss_coef=0.001"]),
                      ("no seq aux", ["moe.seq_aux_loss_coef=0.0"])],
     "z_loss": [("z-loss", ["moe.z_loss_coef=0.001"]), ("no z-loss", ["moe.z_loss_coef=0.0"])],
+    "global_aux_loss": [("no global aux", ["moe.global_aux_loss_coef=0.0"]),
+                        ("global-batch aux 0.05", ["moe.global_aux_loss_coef=0.05"])],
+    "routing_replay": [("router's routing", ["train.routing_replay=null"]),
+                       ("replayed routing (train.routing_replay)",
+                        [f"train.routing_replay={REPLAY}"])],
     "expert_bias": [("bias rate 0.01", ["moe.expert_bias_rate=0.01", "moe.route_with_bias=false"]),
                     ("no bias", ["moe.expert_bias_rate=0.0", "moe.route_with_bias=false"]),
                     ("score-correction bias, frozen (DeepSeek-V3 inference)",

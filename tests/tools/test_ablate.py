@@ -138,8 +138,17 @@ def test_sweep_file_errors_name_the_key(tmp_path: Path) -> None:
         load_sweep(write_sweep(tmp_path / "b.yaml", grid={"moe.top_k": [1, 5]}))
     with pytest.raises(ConfigError, match="sweep.grid.moe.top_k: expected a non-empty list"):
         load_sweep(write_sweep(tmp_path / "c.yaml", grid={"moe.top_k": 2}))
-    with pytest.raises(ConfigError, match="sweep.seeds: unknown key"):
-        load_sweep(write_sweep(tmp_path / "d.yaml", seeds=[1, 2]))
+    with pytest.raises(ConfigError, match="sweep.color: unknown key"):
+        load_sweep(write_sweep(tmp_path / "d.yaml", color="red"))
+    with pytest.raises(ConfigError, match=r"sweep.seeds: \[1, 1\] repeats a seed"):
+        load_sweep(write_sweep(tmp_path / "d.yaml", seeds=[1, 1]))
+    with pytest.raises(ConfigError, match="sweep.seeds: expected a non-empty list"):
+        load_sweep(write_sweep(tmp_path / "d.yaml", seeds=[]))
+    with pytest.raises(ConfigError, match="sweep.baseline: 'nope' is not a variant"):
+        load_sweep(write_sweep(tmp_path / "d.yaml", baseline="nope"))
+    with pytest.raises(ConfigError, match="runs train different numbers of tokens.*equal tokens"):
+        load_sweep(write_sweep(tmp_path / "d.yaml",
+                               variants=[{"name": "longer", "train.steps": 6}]))
     named = load_sweep(write_sweep(tmp_path / "e.yaml", grid={},
                                    variants=[{"name": "dropless", "moe.capacity_factor": None}]))
     assert [r.name for r in named.runs] == ["dropless"]

@@ -165,7 +165,8 @@ def test_dead_experts_window_and_warnings_rearm(tmp_path: Path, caplog) -> None:
         ("INFO", "moe layer 0: expert 2 receives tokens again at step 5"),
     ]
     over = [r.getMessage() for r in caplog.records if "imbalance" in r.getMessage()]
-    # max/mean at steps 7-10: 2.67 (warns), 3.0 (still over), 1.0 (re-arms), 3.0 (warns).
+    # max/mean at steps 7-10: 2.67 (warns), 3.0 (still over), 1.0 (re-arms), 3.0 (warns again:
+    # a repeat of its kind, summarised in the line close() flushes).
     assert [m.split("max/mean ")[1].split(" ")[0] for m in over] == ["2.67", "3.00"]
     assert [int(m.rsplit(" ", 1)[1]) for m in over] == [7, 10]
     dead_scalar = [v for _, v in read_scalars(tmp_path)["moe/layer0/dead_experts"]]

@@ -27,13 +27,15 @@ def test_report_embeds_pngs_and_prints_the_event_files_numbers(sweep_dir: Path,
 
     # Self-contained: every image is a data URI holding a PNG; nothing is fetched.
     srcs = re.findall(r'<img[^>]* src="([^"]+)"', page)
-    assert len(srcs) == 2 + 2  # loss, per-layer curves, one heatmap per run
+    # loss, per-layer curves, and per run a heatmap, its specialization and its stability
+    assert len(srcs) == 2 + 2 * 3
     for src in srcs:
         assert src.startswith("data:image/png;base64,")
         assert base64.b64decode(src.split(",", 1)[1]).startswith(PNG)
     assert not re.search(r'(src|href)="(https?:|file:|/)', page)
     assert sorted(p.name for p in (tmp_path / "png").iterdir()) == [
-        "curves.png", "heatmap_0.png", "heatmap_1.png", "loss.png"]
+        "curves.png", "heatmap_0.png", "heatmap_1.png", "loss.png", "specialization_0.png",
+        "specialization_1.png", "stability_0.png", "stability_1.png"]
 
     # The summary table: one row per run, each cell the event files' figure.
     rows = dict(re.findall(r'<tr data-run="([^"]+)">(.*?)</tr>', page))
