@@ -23,7 +23,7 @@ from moetrain.parallel.activation_checkpoint import apply_ac, apply_compile
 from moetrain.parallel.context_parallel import apply_cp
 from moetrain.parallel.data_parallel import apply_ddp, apply_fsdp
 from moetrain.parallel.dims import Meshes, ParallelDims
-from moetrain.parallel.pipeline import build_pipeline, pipeline_split
+from moetrain.parallel.pipeline import build_pipeline, forward_only, pipeline_split
 from moetrain.parallel.tensor_parallel import apply_tp
 
 
@@ -106,4 +106,5 @@ def parallelize(
             build_pipeline(parts, ids, meshes.pp.get_group(), device, cfg, n_microbatches, loss_fn)
             for _ in range(2)
         )
+        forward_only(eval_schedule)
     return ParallelModel(parts, ids, schedule, eval_schedule, expert_params)

@@ -264,3 +264,32 @@ def analytic_bubble(schedule: str, pp: int, virtual_stages: int, n_microbatches:
     if schedule == "dualpipev":
         return (p - 1) / (3 * m)
     raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def forward_only(schedule: Any) -> None:
+    """Make ``schedule`` run forwards only, in place (the evaluation schedule).
+
+    ``eval()`` of torch's multi-stage schedules that run an action list still performs the
+    list's backward actions on stages without backward; where two adjacent stages share a
+    rank (the V placement of ``zbv`` and ``dualpipev``) the backward hand-off between them
+    raises. The lowered list (compute and p2p actions) without its backward actions and
+    backward p2p, overlapped forward-backward pairs reduced to their forward, is a valid
+    forward-only list: the forwards and their sends and receives keep their order per rank,
+    and forwards only wait on earlier forwards. Single-stage schedules skip backward
+    themselves and are left as they are."""
+    from torch.distributed.pipelining import schedules as S
+
+    if not isinstance(schedule, S._PipelineScheduleRuntime):
+        return
+    dropped = {S.FULL_BACKWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT, S.SEND_B, S.RECV_B,
+               S.REDUCE_GRAD}  # fmt: skip
+
+    def forwards(action: Any) -> list[Any]:
+        if action.computation_type == S.OVERLAP_F_B and action.sub_actions is not None:
+            return [a for a in action.sub_actions if a.computation_type == S.FORWARD]
+        return [] if action.computation_type in dropped else [action]
+
+    schedule.pipeline_order_with_comms = {
+        rank: [f for a in actions for f in forwards(a)]
+        for rank, actions in schedule.pipeline_order_with_comms.items()
+    }
