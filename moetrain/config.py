@@ -555,8 +555,10 @@ class LogConfig:
     rises past this value; again only after it has come back under. null: never warn."""
 
     collapse_fraction: float | None = 0.9
-    """Warn of router collapse when one expert of a layer receives at least this fraction of
-    the tokens for ``collapse_steps`` consecutive steps. null: never warn."""
+    """Warn of router collapse when the same expert of a layer receives at least this
+    fraction of the tokens for ``collapse_steps`` consecutive steps, and of one expert per
+    batch when in each of those steps some expert does, not always the same one (the router
+    does not tell tokens apart yet). null: never warn."""
     collapse_steps: int = 10
     """Consecutive steps of collapse before the warning."""
     specialization: bool = True

@@ -143,16 +143,24 @@ class FaultInjector:
 
 
 class CollapseMonitor:
-    """Warns when a router collapses: in some MoE layer one expert receives at least
-    ``fraction`` of the tokens for ``steps`` consecutive steps. Warns once per episode (again
-    only after the layer recovered)."""
+    """Watches each MoE layer's busiest expert of every step, and warns of two patterns:
+
+    - **router collapse**: the *same* expert receives at least ``fraction`` of the layer's
+      tokens for ``steps`` consecutive steps (the other experts starve);
+    - **one expert per batch**: in each of ``steps`` consecutive steps one expert receives at
+      least ``fraction`` of the tokens, but not always the same one. The router does not
+      tell the tokens apart yet (its input is dominated by a direction every token shares)
+      and the balancing losses and bias only rotate which expert takes the batch; capacity
+      drops the rest.
+
+    Each warns once per episode (again only after the layer recovered)."""
 
     def __init__(self, fraction: float | None, steps: int, top_k: int, warnings: Any = None):
         self.warnings = warnings  # a metrics.WarningSummary: repeats summarised per window
         self.fraction = fraction
         self.steps = steps
         self.top_k = top_k
-        self.streak: dict[int, int] = {}
+        self.tops: dict[int, list[int]] = {}  # per layer: the streak's busiest experts
 
     def update(self, step: int, per_layer: dict[int, dict[str, torch.Tensor]]) -> list[int]:
         """Feed one step's per-layer ``pop_stats`` sums; returns the layers warned about."""
@@ -163,19 +171,31 @@ class CollapseMonitor:
             load_E = stats["tokens_per_expert"].double()
             tokens = float(stats["assignments"]) / self.top_k
             top_share = float(load_E.max()) / max(tokens, 1.0)
-            if top_share >= self.fraction:
-                self.streak[layer] = self.streak.get(layer, 0) + 1
-                if self.streak[layer] == self.steps:
-                    warned.append(layer)
-                    args = ("router collapse in moe layer %d: expert %d has received %.0f%% of "
-                            "the tokens for %d steps (step %d); consider a larger "
-                            "moe.aux_loss_coef, moe.global_aux_loss_coef, moe.expert_bias_rate "
-                            "or moe.z_loss_coef", layer, int(load_E.argmax()), 100 * top_share,
-                            self.steps, step)
-                    if self.warnings is None:
-                        log.warning(*args)
-                    else:
-                        self.warnings.warn(f"moe layer {layer}: router collapse", step, *args)
+            if top_share < self.fraction:
+                self.tops[layer] = []
+                continue
+            tops = self.tops.setdefault(layer, [])
+            tops.append(int(load_E.argmax()))
+            if len(tops) != self.steps:
+                continue
+            warned.append(layer)
+            if len(set(tops)) == 1:
+                kind = "router collapse"
+                args = ("router collapse in moe layer %d: expert %d has received >= %.0f%% of "
+                        "the tokens for %d steps (step %d); consider a larger "
+                        "moe.aux_loss_coef, moe.global_aux_loss_coef, moe.expert_bias_rate or "
+                        "moe.z_loss_coef", layer, tops[0], 100 * self.fraction, self.steps,
+                        step)  # fmt: skip
             else:
-                self.streak[layer] = 0
+                kind = "one expert per batch"
+                args = ("moe layer %d routes each batch to one expert: in each of %d steps "
+                        "one expert received >= %.0f%% of the tokens, %d different experts in "
+                        "turn (experts %s; step %d): the router does not yet tell tokens "
+                        "apart, and capacity drops the rest", layer, self.steps,
+                        100 * self.fraction, len(set(tops)), " ".join(map(str, tops)),
+                        step)  # fmt: skip
+            if self.warnings is None:
+                log.warning(*args)
+            else:
+                self.warnings.warn(f"moe layer {layer}: {kind}", step, *args)
         return warned

@@ -188,6 +188,31 @@ def test_router_collapse_is_warned_once(caplog: pytest.LogCaptureFixture) -> Non
     assert len(messages) == 2 and "router collapse in moe layer 0: expert 0" in messages[0]
 
 
+def test_one_expert_per_batch_is_not_called_collapse(caplog: pytest.LogCaptureFixture) -> None:
+    """The busiest expert takes the batch in every step but changes from step to step: a
+    warning of its own naming the experts in turn, never "router collapse"; a streak broken
+    by a balanced step starts over."""
+    mon = CollapseMonitor(fraction=0.9, steps=3, top_k=1)
+
+    def batch_on(e: int) -> dict[int, dict[str, torch.Tensor]]:
+        load = torch.full((4,), 1.0)
+        load[e] = 97.0
+        return {2: {"tokens_per_expert": load, "assignments": torch.tensor(100.0)}}
+
+    balanced = {2: {"tokens_per_expert": torch.full((4,), 25.0),
+                    "assignments": torch.tensor(100.0)}}
+    with caplog.at_level(logging.WARNING, logger="moetrain"):
+        warned = [mon.update(1, batch_on(0)), mon.update(2, batch_on(1)),
+                  mon.update(3, balanced), mon.update(4, batch_on(3)),
+                  mon.update(5, batch_on(1)), mon.update(6, batch_on(3))]
+    assert warned == [[], [], [], [], [], [2]]
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1
+    assert "routes each batch to one expert" in messages[0]
+    assert "2 different experts in turn (experts 3 1 3; step 6)" in messages[0]
+    assert "collapse" not in messages[0]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
