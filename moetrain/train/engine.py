@@ -304,7 +304,9 @@ class Engine:
             torch.cat([b["input_ids"] for b in micro_batches]) if record else None
         )
         n, breadth = len(micro_batches), self.breadth
-        needs_counts = self.cfg.moe.global_aux_loss_coef > 0 and bool(self.moe)
+        # Decided from the whole model, not this rank's layers: under a pipeline every stage
+        # runs the counting pass, including stages without an MoE layer (it is a schedule run).
+        needs_counts = self.cfg.moe.global_aux_loss_coef > 0 and self._model_has_moe()
         # One forward per step on this rank (no pipeline, one micro-batch or one
         # breadth-first pass): its counts are the step's, summed between forward and backward.
         counted_in_forward = needs_counts and self.schedule is None and n <= breadth
@@ -342,6 +344,11 @@ class Engine:
         if self.probe is not None:
             self.probe("backward")
         return self._mean_over_dp(total)
+
+    def _model_has_moe(self) -> bool:
+        from moetrain.model import is_moe_layer
+
+        return any(is_moe_layer(i, self.cfg.moe) for i in range(self.n_layers))
 
     def _local_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """This rank's positions of every sequence (context parallelism), or all of them."""

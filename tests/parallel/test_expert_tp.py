@@ -96,8 +96,9 @@ def _record_stage_inputs(rank: int, world_size: int) -> dict | None:
 
     transformer.TransformerBlock.forward = recording
     with tempfile.TemporaryDirectory() as out:
-        # The engine's start-up step (a dummy batch of zeros, 4 micro-batches) is the
-        # schedule's first step: it runs the metadata inference.
+        # The engine's start-up steps (a dummy batch of zeros, 4 micro-batches, through the
+        # training and the forward-only schedule) are each schedule's first step: they run
+        # the metadata inference.
         Trainer(micro_config(out, "parallel.pp=2", "parallel.pp_schedule=gpipe"))
     return {"inputs": seen} if rank == 1 else None
 
@@ -110,7 +111,10 @@ def test_pipeline_first_step_runs_stages_on_uninitialised_inputs() -> None:
     not the activation the previous stage sends (materialised from metadata). The four real
     micro-batches of the start-up step are identical (zeros), so their activations are."""
     inputs = run_ranks(_record_stage_inputs, 2, timeout=100)[1]["inputs"]
-    assert len(inputs) == 5, len(inputs)  # 1 metadata inference + 4 micro-batches
-    first, real = inputs[0], inputs[1:]
-    assert all(torch.equal(r, real[0]) for r in real)
-    assert first.shape == real[0].shape and not torch.equal(first, real[0])
+    # The training schedule, then the forward-only one (evaluation): each 1 metadata
+    # inference + 4 micro-batches.
+    assert len(inputs) == 10, len(inputs)
+    for start in (0, 5):
+        first, real = inputs[start], inputs[start + 1 : start + 5]
+        assert all(torch.equal(r, real[0]) for r in real)
+        assert first.shape == real[0].shape and not torch.equal(first, real[0])
