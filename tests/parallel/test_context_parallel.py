@@ -229,21 +229,14 @@ def test_cp2_alone_and_resharded_to_dp2() -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_cp4_and_cp2_with_dp_ep_pp_on_four_ranks() -> None:
-    """cp=4; cp=2 x dp=2 (ZeRO-3 over dp_shard x cp); cp=2 x ep=2 (each EP group is the cp
-    ranks of a dp rank) with ZeRO-1; cp=2 x pp=2 under 1F1B and under ZB-V. A checkpoint
-    saved under cp=4 resumes under cp=2 x dp=2."""
+    """cp=2 x dp=2 (ZeRO-3 over dp_shard x cp) and cp=2 x pp=2 under ZB-V; a checkpoint
+    saved under cp=4 resumes under cp=2 x dp=2. (cp=4, cp x ep x dp and cp x pp under
+    interleaved 1F1B are layouts of the equivalence matrix, tests/parallel/test_matrix.py.)"""
     check_cases(
         4,
         _cases(
             {
-                "cp=4": ["parallel.cp=4"],
                 "cp=2 x dp=2 zero3": ["parallel.cp=2", "parallel.zero_stage=3"],
-                "cp=2 x ep=2 x dp=2 zero1": [
-                    "parallel.cp=2",
-                    "parallel.ep=2",
-                    "parallel.zero_stage=1",
-                ],
-                "cp=2 x pp=2 1f1b": ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=1f1b"],
                 "cp=2 x pp=2 zbv": [
                     "parallel.cp=2",
                     "parallel.pp=2",
@@ -271,10 +264,14 @@ def test_cp4_and_cp2_with_dp_ep_pp_on_four_ranks() -> None:
 
 
 @pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.exhaustive
 @pytest.mark.timeout(400)
 def test_cp2_dp2_tp2_on_eight_ranks() -> None:
     """cp x dp x tp = 2 x 2 x 2 with sequence parallelism (each cp rank's half of the
-    sequence split again over tp) and ZeRO-2 over dp_shard x cp."""
+    sequence split again over tp) and ZeRO-2 over dp_shard x cp. The same layout is in the
+    equivalence matrix's CI part; this run (the micro model itself) is under -m exhaustive
+    for the suite's budget."""
     check_cases(
         8,
         _cases(

@@ -17,6 +17,7 @@ step, AdamW's moments, final parameters, and the layout facts), within ``TOLERAN
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -132,6 +133,10 @@ def test_every_parallel_key_is_exercised_and_observable() -> None:
 
 
 VALUE_ROWS_IN_CI = frozenset({
+    "dp2 zero1",
+    "dp2 zero2",
+    "tp2 SP replicated experts",
+    "pp2 gpipe",
     "ep2 shared experts overlapped with the all-to-all",
     "cp2 zero3, breadth-first passes of 2",
     "pp2 looped_bfs v2, 2 depth-first passes",
@@ -139,15 +144,43 @@ VALUE_ROWS_IN_CI = frozenset({
     "pp2 dualpipev, 4 micro-batches",
 })
 """Two-rank layouts that vary an axis the CI part already crosses pairwise with every option
-(a schedule beside 1F1B / interleaved / zero-bubble, an overlap beside the plain all-to-all,
-ZeRO-3 and breadth-first beside cp2): in CI they run the rows holding every option value, the
-rest of their pairwise rows under ``-m exhaustive`` -- the suite's budget (342 two-rank cells
-took 7 min on two cores)."""
+(ZeRO-1/2 between ZeRO-0 and ZeRO-3, replicated experts beside expert TP, a schedule beside
+1F1B / interleaved / zero-bubble, an overlap beside the plain all-to-all, ZeRO-3 and
+breadth-first beside cp2): in CI they run the rows holding every option value, the rest of
+their pairwise rows under ``-m exhaustive`` -- the suite's budget (342 two-rank cells took
+7 min on two cores, the whole suite 24 min)."""
+
+
+@functools.cache
+def shared_value_rows(world: int) -> dict[str, tuple]:
+    """The CI rows of the compositions on ``world`` ranks: every option value valid under
+    some composition meets at least one of them, and every composition runs at least one
+    row (its most covering one first). Chosen greedily over (layout, row) pairs of the
+    layouts' ``value_rows``; the rest of each layout's pairwise rows runs under
+    ``-m exhaustive``. (Every value under every composition took 5.5 min on two cores.)"""
+    layouts = [layout for layout in md.LAYOUTS if layout.world == world]
+    pairs = [(layout, row) for layout in layouts for row in md.value_rows(layout)]
+
+    def values(row):
+        return {(k, row[k]) for k in range(len(md.LEVELS))}
+
+    left = set().union(*(values(row) for _, row in pairs))
+    chosen: dict[str, list] = {layout.name: [] for layout in layouts}
+    for layout in layouts:  # one row each, the most covering
+        row = max(md.value_rows(layout), key=lambda r: len(values(r) & left))
+        chosen[layout.name].append(row)
+        left -= values(row)
+    while left:
+        layout, row = max(pairs, key=lambda p: len(values(p[1]) & left))
+        chosen[layout.name].append(row)
+        left -= values(row)
+    return {name: tuple(rows) for name, rows in chosen.items()}
 
 
 def _ci_rows(layout):
-    design = md.design()
-    return md.value_rows(layout) if layout.name in VALUE_ROWS_IN_CI else design[layout]
+    if layout.world > 2:
+        return shared_value_rows(layout.world)[layout.name]
+    return md.value_rows(layout) if layout.name in VALUE_ROWS_IN_CI else md.design()[layout]
 
 
 @pytest.mark.multirank
@@ -164,12 +197,12 @@ def test_pairwise_design_under_every_two_rank_layout() -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", (4, 8), ids=["4 ranks", "8 ranks"])
 def test_every_option_value_under_every_composition(world: int) -> None:
-    """Every option value meets every composition of axes (HSDP, dp x tp, pp x dp, pp x tp,
-    ep x tp, ep x edp, pp x dp x tp, ep x tp, pp x ep x tp): the fewest of the layout's
-    pairwise rows that hold all the values. The rest of the pairwise design runs under
-    ``-m slow`` (``test_pairwise_design_under_every_composition``): 16 rows a layout cost
-    3-8 s each on two cores, beyond the suite's budget."""
-    check_cases(world, _cases(world, md.value_rows), md.STEPS, timeout=880)
+    """Every option value meets some composition of axes on ``world`` ranks (HSDP, dp x tp,
+    pp x dp, pp x tp, ep x tp, ep x edp, cp with tp / ep / pp, pp x dp x tp, pp x ep x tp,
+    cp x dp x tp) and every composition runs (``shared_value_rows``). The rest of the pairwise
+    design runs under ``-m exhaustive`` (``test_pairwise_design_under_every_composition``):
+    16 rows a layout cost 3-11 s each on two cores, beyond the suite's budget."""
+    check_cases(world, _cases(world, _ci_rows), md.STEPS, timeout=880)
 
 
 @pytest.mark.multirank
@@ -245,16 +278,18 @@ def render_page() -> str:
         f"{len(md.all_rows())} distinct option rows. CI runs, for every layout of one axis,",
         "a pairwise covering design (every pair of option values that validation accepts",
         "together meets the layout at least once) -- for the variants of an axis that CI",
-        "already crosses pairwise (`VALUE_ROWS_IN_CI`: the later schedules, the overlapped",
-        "all-to-all, cp with ZeRO-3 and breadth-first passes) and for every composition of",
-        "axes, the fewest of its pairwise rows that hold every option value; `-m slow` runs the rest of",
-        "the pairwise designs and every row under every layout where it is valid.",
+        "already crosses pairwise (`VALUE_ROWS_IN_CI`: ZeRO-1/2, replicated experts, the",
+        "later schedules, the overlapped all-to-all, cp with ZeRO-3 and breadth-first",
+        "passes), the fewest of its pairwise rows that hold every option value; the",
+        "compositions of axes share such rows (`shared_value_rows`: every option value meets",
+        "some composition on 4 and on 8 ranks, every composition runs); `-m slow` runs",
+        "the rest of the pairwise designs and every row under every layout where it is valid.",
         "",
         "| layout | ranks | overrides | cells in CI | cells under `-m slow` |",
         "|---|---|---|---|---|",
     ]
     for layout in md.LAYOUTS:
-        ci = len(_ci_rows(layout)) if layout.world == 2 else len(md.value_rows(layout))
+        ci = len(_ci_rows(layout))
         valid = sum(md.refusal(r, layout) is None for r in md.all_rows())
         overrides = " ".join(f"`{o.removeprefix('parallel.')}`" for o in layout.overrides)
         lines.append(f"| {layout.name} | {layout.world} | {overrides} | {ci} | {valid - ci} |")
