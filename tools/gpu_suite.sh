@@ -43,7 +43,7 @@ setup() {
     local shim="$WORK/shim/moetrain" f
     mkdir -p "$shim"
     for f in "$REPO"/moetrain/*; do ln -s "$f" "$shim/"; done
-    ln -s "$REPO/kernels" "$shim/kernels"
+    ln -sfn "$REPO/kernels" "$shim/kernels"
     export PYTHONPATH="$WORK/shim${PYTHONPATH:+:$PYTHONPATH}"
 
     local site=/tmp/moetrain_site
