@@ -60,28 +60,52 @@ def load_replay_step(
     inputs = trace.get("input_ids")
     ids = trace.get("ids")
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 3 or not isinstance(ids, dict):
-        raise ConfigError(f"{key}: {path} needs input_ids (N, B, S) and ids {{layer: (N, B*S, "
-                          "K)}}")
+        raise ConfigError(
+            f"{key}: {path} needs input_ids (N, B, S) and ids {{layer: (N, B*S, K)}}}}"
+        )
     N, B, S = inputs.shape
     if N * B != global_batch_size or S != seq_len:
-        raise ConfigError(f"{key}: {path} holds {N * B} sequences of {S} tokens; the step has "
-                          f"train.global_batch_size={global_batch_size} of data.seq_len="
-                          f"{seq_len}")
+        raise ConfigError(
+            f"{key}: {path} holds {N * B} sequences of {S} tokens; the step has "
+            f"train.global_batch_size={global_batch_size} of data.seq_len="
+            f"{seq_len}"
+        )
     out = {}
     for layer in moe_layers:
         if layer not in ids:
-            raise ConfigError(f"{key}: {path} has no routing for MoE layer {layer} (it has "
-                              f"layers {sorted(ids)})")
+            raise ConfigError(
+                f"{key}: {path} has no routing for MoE layer {layer} (it has layers {sorted(ids)})"
+            )
         t = ids[layer]
         if tuple(t.shape) != (N, B * S, top_k):
-            raise ConfigError(f"{key}: {path} layer {layer}: ids of shape {tuple(t.shape)}, "
-                              f"expected {(N, B * S, top_k)} (moe.top_k={top_k})")
+            raise ConfigError(
+                f"{key}: {path} layer {layer}: ids of shape {tuple(t.shape)}, "
+                f"expected {(N, B * S, top_k)} (moe.top_k={top_k})"
+            )
         t = t.to(torch.int64)
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
-            raise ConfigError(f"{key}: {path} layer {layer}: expert ids outside "
-                              f"[0, moe.num_experts={num_experts})")
+            raise ConfigError(
+                f"{key}: {path} layer {layer}: expert ids outside "
+                f"[0, moe.num_experts={num_experts})"
+            )
         out[layer] = t.reshape(N * B, S, top_k)
     return inputs.reshape(N * B, S).to(torch.int64), out
+
+
+def routing_trace(
+    step: int, record: dict[str, Any], num_experts: int, top_k: int, loss: float
+) -> dict[str, Any]:
+    """A routing trace (the format of ``tools/routing_trace.py``) holding ``record``
+    (``input_ids`` (sequences, S), ``ids`` {layer: (sequences * S, K)}) as one micro-batch."""
+    inputs = record["input_ids"]
+    G, S = inputs.shape
+    return {
+        "format": FORMAT, "checkpoint": "", "step": int(step), "num_experts": num_experts,
+        "top_k": top_k, "layers": sorted(record["ids"]),
+        "input_ids": inputs.reshape(1, G, S).to(torch.int64),
+        "losses": torch.tensor([loss], dtype=torch.float64),
+        "ids": {i: t.reshape(1, G * S, -1).to(torch.int16) for i, t in record["ids"].items()},
+    }  # fmt: skip
 
 
 def save_record(
@@ -93,15 +117,7 @@ def save_record(
     loss: float,
 ) -> Path:
     """Write a step's routing (``Engine.routing_record()``) as ``step_<step>.pt``."""
-    inputs = record["input_ids"]
-    G, S = inputs.shape
-    trace = {
-        "format": FORMAT, "checkpoint": "", "step": int(step), "num_experts": num_experts,
-        "top_k": top_k, "layers": sorted(record["ids"]),
-        "input_ids": inputs.reshape(1, G, S).to(torch.int64),
-        "losses": torch.tensor([loss], dtype=torch.float64),
-        "ids": {i: t.reshape(1, G * S, -1).to(torch.int16) for i, t in record["ids"].items()},
-    }  # fmt: skip
+    trace = routing_trace(step, record, num_experts, top_k, loss)
     path = step_file(directory, step)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -35,9 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from moetrain.train.replay import FORMAT, routing_trace
+
 log = logging.getLogger("moetrain")
 
-FORMAT = "moetrain.routing_trace/1"
 EVAL_DIR = Path("routing") / "eval"
 """Where, under a run's output directory, the eval routing records live."""
 
@@ -123,18 +124,12 @@ def save_eval_routing(
 ) -> Path:
     """Write one evaluation's routing as a routing trace (one "micro-batch" holding every
     eval sequence) with each token's domain: ``<out_dir>/routing/eval/step_<step>.pt``."""
-    inputs = routing["input_ids"]
-    N, S = inputs.shape
-    trace: dict[str, Any] = {
-        "format": FORMAT, "checkpoint": "", "step": int(step), "num_experts": num_experts,
-        "top_k": top_k, "layers": sorted(routing["ids"]),
-        "input_ids": inputs.reshape(1, N, S).to(torch.int64),
-        "losses": torch.tensor([loss], dtype=torch.float64),
-        "ids": {i: t.reshape(1, N * S, -1).to(torch.int16) for i, t in routing["ids"].items()},
-    }  # fmt: skip
+    trace = routing_trace(step, routing, num_experts, top_k, loss)
     if domains is not None:
         trace["domain_names"] = list(domains[0])
-        trace["domain"] = torch.as_tensor(domains[1], dtype=torch.int64).reshape(1, N, S)
+        trace["domain"] = torch.as_tensor(domains[1], dtype=torch.int64).reshape(
+            trace["input_ids"].shape
+        )
     path = Path(out_dir) / EVAL_DIR / f"step_{step:08d}.pt"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -272,8 +267,11 @@ class SpecializationLog:
         specs = trace_specialization(torch.load(path, weights_only=True), self.top_n)
         names = domains[0] if domains is not None else []
         for layer, spec in specs.items():
-            self.writer.text(f"moe/specialization/layer{layer}",
-                             specialization_markdown(layer, spec, self.decode, names), step)
+            self.writer.text(
+                f"moe/specialization/layer{layer}",
+                specialization_markdown(layer, spec, self.decode, names),
+                step,
+            )
         if self.writer.writer is not None:
             image = render_specialization(specs, names, f"eval routing at step {step}")
             self.writer.writer.add_image("moe/specialization", image, step, dataformats="HWC")
@@ -288,6 +286,10 @@ class SpecializationLog:
             )
         if stab:
             first = min(stab)
-            log.info("routing stability (top-1 at step %d = top-1 at step %d): %s", first,
-                     max(stab), ", ".join(f"layer {k} {v:.1%}" for k, v in stab[first].items()))
+            log.info(
+                "routing stability (top-1 at step %d = top-1 at step %d): %s",
+                first,
+                max(stab),
+                ", ".join(f"layer {k} {v:.1%}" for k, v in stab[first].items()),
+            )
         return stab
