@@ -2,7 +2,8 @@
 
 - ``results.csv``: one row per finished run (variant and seed): the varied keys, the
   figures of ``moetrain.train.metrics.run_summary`` (final eval loss; imbalance, drops,
-  entropy, dead experts over the second half of training; median tokens/s), active
+  entropy, dead experts over the second half of training; the worst step's imbalance and
+  drops; median tokens/s), active
   parameters, FLOPs per token, tokens, steps, seconds.
 - ``summary.csv``: per variant and figure, over its seeds: n, mean, sample std, the 95%
   t interval, and the difference from the baseline variant with its 95% interval, paired
@@ -29,20 +30,24 @@ if TYPE_CHECKING:
     from moetrain.ablate import Sweep
 
 FIGURES = ("eval_loss", "max_over_mean", "cv", "dropped_fraction", "router_entropy",
-           "dead_experts", "tokens_per_s")  # fmt: skip
+           "dead_experts", "peak_max_over_mean", "peak_dropped_fraction",
+           "tokens_per_s")  # fmt: skip
 """Result columns after the varied keys; see ``moetrain.train.metrics.run_summary``."""
 COST = ("active_params", "flops_per_token", "tokens")
 """What each run computes: active parameters per token, training FLOPs per token
 (``Transformer.flops_per_token``) and tokens trained."""
 HEADS = {"eval_loss": "eval loss", "max_over_mean": "max/mean", "cv": "CV",
          "dropped_fraction": "dropped", "router_entropy": "router entropy",
-         "dead_experts": "dead experts", "tokens_per_s": "tokens/s"}  # fmt: skip
+         "dead_experts": "dead experts", "peak_max_over_mean": "peak max/mean",
+         "peak_dropped_fraction": "peak dropped", "tokens_per_s": "tokens/s"}  # fmt: skip
 FMTS = {"eval_loss": "{:.4f}", "max_over_mean": "{:.3f}", "cv": "{:.3f}",
         "dropped_fraction": "{:.2%}", "router_entropy": "{:.3f}", "dead_experts": "{:.2f}",
+        "peak_max_over_mean": "{:.3f}", "peak_dropped_fraction": "{:.2%}",
         "tokens_per_s": "{:,.0f}"}  # fmt: skip
 DIFF_FMTS = {"eval_loss": "{:+.4f}", "max_over_mean": "{:+.3f}", "cv": "{:+.3f}",
              "dropped_fraction": "{:+.2%}", "router_entropy": "{:+.3f}",
-             "dead_experts": "{:+.2f}", "tokens_per_s": "{:+,.0f}"}  # fmt: skip
+             "dead_experts": "{:+.2f}", "peak_max_over_mean": "{:+.3f}",
+             "peak_dropped_fraction": "{:+.2%}", "tokens_per_s": "{:+,.0f}"}  # fmt: skip
 CONFIDENCE = 0.95
 
 

@@ -41,7 +41,15 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from moetrain.ablate_report import CONFIDENCE, FIGURES, HEADS, draw_bars, draw_differences
+from moetrain.ablate_report import (
+    CONFIDENCE,
+    DIFF_FMTS,
+    FIGURES,
+    FMTS,
+    HEADS,
+    draw_bars,
+    draw_differences,
+)
 from moetrain.config import load_config
 from moetrain.data import load_tokenizer
 from moetrain.stats import Interval
@@ -64,6 +72,8 @@ TABLE = (  # key, heading, format
     ("dropped_fraction", "dropped", "{:.3%}"),
     ("router_entropy", "router entropy", "{:.3f}"),
     ("dead_experts", "dead experts", "{:.2f}"),
+    ("peak_max_over_mean", "peak max/mean", "{:.3f}"),
+    ("peak_dropped_fraction", "peak dropped", "{:.2%}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("steps", "steps", "{:.0f}"),
 )
@@ -212,10 +222,6 @@ def _cell(value: float, fmt: str) -> str:
 
 SWEEP_PANELS = (("eval_loss", "final eval loss"), ("max_over_mean", "load max/mean"),
                 ("dropped_fraction", "dropped fraction"), ("router_entropy", "router entropy"))
-DIFF_FMT = {"eval_loss": "{:+.4f}", "max_over_mean": "{:+.3f}", "cv": "{:+.3f}",
-            "dropped_fraction": "{:+.2%}", "router_entropy": "{:+.3f}",
-            "dead_experts": "{:+.2f}", "tokens_per_s": "{:+,.0f}"}
-VALUE_FMT = {k: f.replace("+", "") for k, f in DIFF_FMT.items()}
 
 
 def _read_csv(path: Path) -> list[dict[str, str]]:
@@ -261,7 +267,7 @@ def sweep_section(sweep_dir: Path, index: int) -> tuple[str, dict[str, bytes]]:
         pngs[f"sweep_{index}_diff.png"] = _png_plain(fig)
 
     def fmt(key: str, iv: Interval, diff: bool = False) -> str:
-        f = (DIFF_FMT if diff else VALUE_FMT)[key]
+        f = (DIFF_FMTS if diff else FMTS)[key]
         if not math.isfinite(iv.mean):
             return "<td>n/a</td>"
         text = f.format(iv.mean)

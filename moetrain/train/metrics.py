@@ -400,6 +400,9 @@ def format_log_line(step: int, total: int, values: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- reading back
 
 SUMMARY_FIGURES = ("max_over_mean", "cv", "dropped_fraction", "router_entropy", "dead_experts")
+PEAK_FIGURES = ("max_over_mean", "dropped_fraction")
+"""Figures whose worst step also counts: early training is where routing goes wrong (one
+expert per batch, mass drops) and a second-half mean hides it."""
 
 
 def read_scalars(run_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -438,6 +441,8 @@ def run_summary(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, float]
     - ``eval_loss``, ``train_loss``: the last logged value;
     - each of ``SUMMARY_FIGURES``: mean over MoE layers of its mean over the second half of
       training (steps > last_step // 2), which is less noisy than one step;
+    - ``peak_<name>`` for each of ``PEAK_FIGURES``: its largest value over every logged step
+      and MoE layer (the worst step of the worst layer);
     - ``tokens_per_s``: the median over steps, leaving out step 1 (warm-up) when there are
       more;
     - ``steps``: the last training step.
@@ -456,6 +461,9 @@ def run_summary(scalars: dict[str, list[tuple[int, float]]]) -> dict[str, float]
             if values:
                 per_layer.append(sum(values) / len(values))
         out[name] = sum(per_layer) / len(per_layer) if per_layer else nan
+    for name in PEAK_FIGURES:
+        values = [v for layer in layers for _, v in scalars.get(f"moe/layer{layer}/{name}", [])]
+        out[f"peak_{name}"] = max(values) if values else nan
     tok = scalars.get("perf/tokens_per_s", [])
     tok = [v for s, v in tok if s > 1] or [v for _, v in tok]
     out["tokens_per_s"] = statistics.median(tok) if tok else nan

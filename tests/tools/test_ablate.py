@@ -43,6 +43,9 @@ def expected_row(run_dir: Path) -> dict[str, float]:
             for layer in (0, 1)
         ]
         out[name] = statistics.fmean(per_layer)
+    for name in ("max_over_mean", "dropped_fraction"):  # the worst step of the worst layer
+        out[f"peak_{name}"] = max(max(s[f"moe/layer{layer}/{name}"].values())
+                                  for layer in (0, 1))
     out["tokens_per_s"] = statistics.median(v for st, v in s["perf/tokens_per_s"].items() if st > 1)
     return out
 
@@ -64,7 +67,8 @@ def test_sweep_table_matches_each_runs_event_files(sweep_dir: Path) -> None:
         # eval_loss is the trainer's float64 figure; the event file holds it as float32.
         assert float(row["eval_loss"]) == pytest.approx(want["eval_loss"], rel=1e-6)
         for key in ("max_over_mean", "cv", "dropped_fraction", "router_entropy",
-                    "dead_experts", "tokens_per_s"):
+                    "dead_experts", "peak_max_over_mean", "peak_dropped_fraction",
+                    "tokens_per_s"):
             assert float(row[key]) == pytest.approx(want[key], rel=1e-9, abs=1e-12), key
         assert int(row["steps"]) == want["steps"] == MICRO["train.steps"]
 

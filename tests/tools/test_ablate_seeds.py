@@ -26,7 +26,7 @@ SEEDS = (0, 1, 2)
 T_975_DF2 = 4.302652729749464
 """Student's t 0.975 quantile with 2 degrees of freedom (tables: 4.303)."""
 FIGS = ("eval_loss", "max_over_mean", "cv", "dropped_fraction", "router_entropy",
-        "dead_experts", "tokens_per_s")  # fmt: skip
+        "dead_experts", "peak_max_over_mean", "peak_dropped_fraction", "tokens_per_s")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +44,14 @@ def figures(run_dir: Path) -> dict[str, float]:
     last = max(s["train/loss"])
     out = {"eval_loss": s["eval/loss"][max(s["eval/loss"])]}
     layers = sorted({int(m.group(1)) for t in s if (m := re.fullmatch(r"moe/layer(\d+)/cv", t))})
-    for name in FIGS[1:-1]:
+    for name in FIGS[1:-3]:
         out[name] = statistics.fmean(
             statistics.fmean(v for step, v in s[f"moe/layer{layer}/{name}"].items()
                              if step > last // 2)
             for layer in layers
         )  # fmt: skip
+    for name in ("max_over_mean", "dropped_fraction"):  # the worst step of the worst layer
+        out[f"peak_{name}"] = max(max(s[f"moe/layer{layer}/{name}"].values()) for layer in layers)
     out["tokens_per_s"] = statistics.median(v for st, v in s["perf/tokens_per_s"].items() if st > 1)
     return out
 
