@@ -196,7 +196,8 @@ def markdown(sweep: Sweep, rows: list[dict[str, str]], summary: list[dict[str, A
              + (f", {len(sweep.variants)} variants x seeds {seeds}" if seeds else "")
              + f"; every run trains {_si(tokens)} tokens (variants are compared at equal "
              "tokens). Figures: final eval loss; imbalance, drops, entropy and dead experts "
-             "averaged over the MoE layers and the second half of training; median tokens/s.",
+             "averaged over the MoE layers and the second half of training; peak max/mean and "
+             "peak dropped: the worst logged step of the worst MoE layer; median tokens/s.",
              ""]  # fmt: skip
     figs = [f for f in FIGURES]
     if seeds:

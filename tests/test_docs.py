@@ -30,7 +30,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - {
+# What a clean clone has at its top: not the ignored run outputs (outputs/, runs/) that a
+# working tree may hold.
+IGNORED_TOP = {"outputs", "runs", "checkpoints", "build", "dist", "__pycache__"}
+TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - IGNORED_TOP - {
     n for n in (p.name for p in REPO.iterdir()) if n.endswith(".egg-info")
 }
 SHELL = {"", "bash", "sh", "shell", "console"}
