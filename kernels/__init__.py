@@ -7,6 +7,7 @@ Public API (T tokens, D model dim, E experts, K top-k, N permuted rows):
     gather_grouped_mm(x_TK, src_N, w_EKM, offs_E, backend=...) -> y_NM
     route(logits_TE, top_k, score_func=..., expert_bias_E=..., renormalize=..., backend=...,
           n_groups=1, topk_groups=1) -> RouteResult(weights_TK, ids_TK, scores_TE, lse_T, counts_E)
+    combine_weights(scores_TE, ids_TK, renormalize, score_func) -> weights_TK  (torch)
     permute(x_TD, dest_TK, num_rows, backend=...) -> x_ND
     unpermute(y_ND, dest_TK, weights_TK, backend=...) -> out_TD
 
@@ -21,12 +22,14 @@ import importlib.util
 import torch
 from moetrain.kernels import common, torch_ops
 from moetrain.kernels.common import RouteResult, interpreter_enabled
+from moetrain.kernels.torch_ops import combine_weights
 
 BACKENDS = ("auto", "triton", "torch")
 
 __all__ = [
     "BACKENDS",
     "RouteResult",
+    "combine_weights",
     "gather_grouped_mm",
     "grouped_mm",
     "permute",

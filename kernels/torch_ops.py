@@ -144,15 +144,25 @@ def route_torch(
         keep_TE = group_mask(select_TE, n_groups, topk_groups)
         select_TE = select_TE.masked_fill(~keep_TE, float("-inf"))
     ids_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
+    weights_TK = combine_weights(scores_TE, ids_TK, renormalize, score_func)
+    lse_T = torch.logsumexp(logits_TE, dim=-1)
+    counts_E = torch.bincount(ids_TK.flatten(), minlength=logits_TE.shape[1])
+    return RouteResult(weights_TK, ids_TK, scores_TE, lse_T, counts_E)
+
+
+def combine_weights(scores_TE: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool,
+                    score_func: str) -> torch.Tensor:
+    """The combine weights of the chosen experts: their scores, renormalised to sum to one
+    per token when asked (a sigmoid sum clamped away from zero). The torch router's own step,
+    also used by routing replay so that replaying a model's own choices reproduces its
+    outputs bit for bit."""
     weights_TK = scores_TE.gather(1, ids_TK)
     if renormalize:
         denom_T1 = weights_TK.sum(-1, keepdim=True)
         if score_func == "sigmoid":
             denom_T1 = denom_T1.clamp_min(1e-20)
         weights_TK = weights_TK / denom_T1
-    lse_T = torch.logsumexp(logits_TE, dim=-1)
-    counts_E = torch.bincount(ids_TK.flatten(), minlength=logits_TE.shape[1])
-    return RouteResult(weights_TK, ids_TK, scores_TE, lse_T, counts_E)
+    return weights_TK
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moetrain.config import MoEConfig
-from moetrain.kernels import RouteResult, resolve_backend, route
+from moetrain.kernels import RouteResult, combine_weights, resolve_backend, route
 from moetrain.model.dispatch import (
     Dispatcher,
     DispatchPlan,
@@ -77,27 +77,13 @@ class RoutingOverride:
         if self.top1:
             ids_TK = ids_TK[:, :1]
         if ids_TK is not r.ids_TK:
-            weights_TK = replayed_weights(r.scores_TE, ids_TK, renormalize, score_func)
+            weights_TK = combine_weights(r.scores_TE, ids_TK, renormalize, score_func)
         if self.zero_experts:
             zero_E = torch.zeros(r.scores_TE.shape[1], dtype=torch.bool, device=ids_TK.device)
             zero_E[list(self.zero_experts)] = True
             weights_TK = weights_TK.masked_fill(zero_E[ids_TK], 0.0)
         counts_E = torch.bincount(ids_TK.flatten(), minlength=r.scores_TE.shape[1])
         return RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
-
-
-def replayed_weights(scores_TE: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool,
-                     score_func: str) -> torch.Tensor:
-    """Combine weights of the given expert choices from the router's scores: the same ops as
-    the router's own combine weights (the torch router), so that replaying the routing a
-    model chose reproduces its outputs bit for bit."""
-    weights_TK = scores_TE.gather(1, ids_TK)
-    if renormalize:
-        denom_T1 = weights_TK.sum(-1, keepdim=True)
-        if score_func == "sigmoid":
-            denom_T1 = denom_T1.clamp_min(1e-20)
-        weights_TK = weights_TK / denom_T1
-    return weights_TK
 
 
 class Router(nn.Module):
@@ -148,7 +134,7 @@ class Router(nn.Module):
                   topk_groups=cfg.topk_groups)
         if replay_ids_TK is not None:
             ids_TK = replay_ids_TK.to(r.ids_TK.device, torch.int64)
-            weights_TK = replayed_weights(r.scores_TE, ids_TK, cfg.renormalize, cfg.score_func)
+            weights_TK = combine_weights(r.scores_TE, ids_TK, cfg.renormalize, cfg.score_func)
             counts_E = torch.bincount(ids_TK.flatten(), minlength=cfg.num_experts)
             r = RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
         if self.routing_override is not None:
