@@ -436,7 +436,8 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine schedule as a fraction of ``lr``."""
     warmup_steps: int = 20
-    """Linear warm-up steps from 0 to ``lr``."""
+    """Linear warm-up steps from 0 to ``lr``. At least ``train.steps`` is allowed (the lr then
+    rises for the whole run) and warned about when training starts."""
     schedule: Literal["cosine", "constant"] = "cosine"
     """Decay after warm-up."""
     weight_decay: float = 0.1

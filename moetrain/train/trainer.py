@@ -468,6 +468,10 @@ class Trainer:
             self.peak_flops / 1e9,
             self.peak_source,
         )
+        if cfg.optim.warmup_steps >= tcfg.steps:
+            log.warning("optim.warmup_steps=%d >= train.steps=%d: the learning rate rises for "
+                        "the whole run and never reaches optim.lr=%g", cfg.optim.warmup_steps,
+                        tcfg.steps, cfg.optim.lr)  # fmt: skip
         self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
         self.writer.scalars({"data/unigram_entropy": entropy}, self.step)
 

@@ -79,3 +79,20 @@ def test_checkpoint_from_another_model_shape_is_refused(tmp_path: Path) -> None:
     Trainer(micro_config(tmp_path, "train.steps=1")).fit()
     with pytest.raises(CheckpointError, match="num_experts"):
         Trainer(micro_config(tmp_path, "train.steps=2", "moe.num_experts=8")).fit()
+
+
+def test_a_warmup_as_long_as_the_run_is_warned(tmp_path: Path, caplog) -> None:
+    import logging
+
+    cfg = micro_config(tmp_path / "run", "train.steps=2", "optim.warmup_steps=2",
+                       "train.eval_every=0", "train.checkpoint_every=0")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="moetrain"):
+        Trainer(cfg).fit()
+    assert "optim.warmup_steps=2 >= train.steps=2: the learning rate rises for the whole " \
+           "run and never reaches optim.lr=" in caplog.text
+    caplog.clear()
+    cfg = micro_config(tmp_path / "run2", "train.steps=3", "optim.warmup_steps=2",
+                       "train.eval_every=0", "train.checkpoint_every=0")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="moetrain"):
+        Trainer(cfg).fit()
+    assert "optim.warmup_steps" not in caplog.text
