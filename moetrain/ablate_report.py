@@ -44,10 +44,8 @@ FMTS = {"eval_loss": "{:.4f}", "max_over_mean": "{:.3f}", "cv": "{:.3f}",
         "dropped_fraction": "{:.2%}", "router_entropy": "{:.3f}", "dead_experts": "{:.2f}",
         "peak_max_over_mean": "{:.3f}", "peak_dropped_fraction": "{:.2%}",
         "tokens_per_s": "{:,.0f}"}  # fmt: skip
-DIFF_FMTS = {"eval_loss": "{:+.4f}", "max_over_mean": "{:+.3f}", "cv": "{:+.3f}",
-             "dropped_fraction": "{:+.2%}", "router_entropy": "{:+.3f}",
-             "dead_experts": "{:+.2f}", "peak_max_over_mean": "{:+.3f}",
-             "peak_dropped_fraction": "{:+.2%}", "tokens_per_s": "{:+,.0f}"}  # fmt: skip
+DIFF_FMTS = {k: f.replace("{:", "{:+", 1) for k, f in FMTS.items()}
+"""The formats of differences from the baseline: the figure's format with a sign."""
 CONFIDENCE = 0.95
 
 

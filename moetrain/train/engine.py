@@ -109,6 +109,8 @@ class Engine:
         # the other.
         self.breadth = dims.breadth_first(cfg)
         self.n_layers = cfg.model.n_layers
+        # The whole model's MoE layers (this rank's stages may hold none of them).
+        self.moe_layer_ids = sorted(model.moe_layers())
         self.coords = (
             dims.coords(dist.get_rank())
             if meshes is not None
@@ -306,7 +308,7 @@ class Engine:
         n, breadth = len(micro_batches), self.breadth
         # Decided from the whole model, not this rank's layers: under a pipeline every stage
         # runs the counting pass, including stages without an MoE layer (it is a schedule run).
-        needs_counts = self.cfg.moe.global_aux_loss_coef > 0 and self._model_has_moe()
+        needs_counts = self.cfg.moe.global_aux_loss_coef > 0 and bool(self.moe_layer_ids)
         # One forward per step on this rank (no pipeline, one micro-batch or one
         # breadth-first pass): its counts are the step's, summed between forward and backward.
         counted_in_forward = needs_counts and self.schedule is None and n <= breadth
@@ -344,11 +346,6 @@ class Engine:
         if self.probe is not None:
             self.probe("backward")
         return self._mean_over_dp(total)
-
-    def _model_has_moe(self) -> bool:
-        from moetrain.model import is_moe_layer
-
-        return any(is_moe_layer(i, self.cfg.moe) for i in range(self.n_layers))
 
     def _local_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """This rank's positions of every sequence (context parallelism), or all of them."""
@@ -645,9 +642,7 @@ class Engine:
         it is the bytes of one tp index (every tp rank sends the same). The expert bias is a
         state,
         identical over dp: returned as is."""
-        from moetrain.model import is_moe_layer
-
-        moe_ids = [i for i in range(self.n_layers) if is_moe_layer(i, self.cfg.moe)]
+        moe_ids = self.moe_layer_ids
         if not moe_ids:
             return {}
         E = self.cfg.moe.num_experts

@@ -61,7 +61,7 @@ def load_replay_step(
     ids = trace.get("ids")
     if not isinstance(inputs, torch.Tensor) or inputs.dim() != 3 or not isinstance(ids, dict):
         raise ConfigError(
-            f"{key}: {path} needs input_ids (N, B, S) and ids {{layer: (N, B*S, K)}}}}"
+            f"{key}: {path} needs input_ids (N, B, S) and ids {{layer: (N, B*S, K)}}"
         )
     N, B, S = inputs.shape
     if N * B != global_batch_size or S != seq_len:

@@ -175,6 +175,8 @@ class CollapseMonitor:
                 self.tops[layer] = []
                 continue
             tops = self.tops.setdefault(layer, [])
+            if len(tops) > self.steps:
+                continue  # this episode was warned about; the list stops growing
             tops.append(int(load_E.argmax()))
             if len(tops) != self.steps:
                 continue
