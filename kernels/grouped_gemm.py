@@ -246,13 +246,6 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     }
 
 
-def _check_device(op: str, t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(
-            f"{op}: triton backend needs a CUDA tensor or TRITON_INTERPRET=1, got {t.device}"
-        )
-
-
 def launch_grouped_mm(
     x: torch.Tensor,
     src_N: torch.Tensor | None,
@@ -262,7 +255,7 @@ def launch_grouped_mm(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """y (num_rows, M) = x[src or row] @ w[group]; w may be any strided view (dgrad)."""
-    _check_device("grouped_mm", x)
+    common.check_triton_device("grouped_mm", x)
     assert offs_E.dtype == torch.int32 and offs_E.is_contiguous(), "offs must be int32, contiguous"
     assert src_N is None or (src_N.dtype == torch.int64 and src_N.shape == (num_rows,))
     num_experts, k_dim, m_dim = w_EKM.shape

@@ -162,13 +162,6 @@ def _row_blocks(d_dim: int) -> tuple[int, int]:
     return block_r, block_d
 
 
-def _check_device(op: str, t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(
-            f"{op}: triton backend needs a CUDA tensor or TRITON_INTERPRET=1, got {t.device}"
-        )
-
-
 def _invert(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     inv_N = torch.full((num_rows,), -1, dtype=torch.int64, device=dest_TK.device)
     num_slots = dest_TK.numel()
@@ -228,7 +221,7 @@ def _rowdot(y_ND, dest_TK, dout_TD, out_dtype: torch.dtype) -> torch.Tensor:
 class PermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, dest_TK, num_rows):  # type: ignore[override]
-        _check_device("permute", x_TD)
+        common.check_triton_device("permute", x_TD)
         x_TD = x_TD.contiguous()
         dest_TK = dest_TK.contiguous()
         inv_N = _invert(dest_TK, num_rows)
@@ -245,7 +238,7 @@ class PermuteFunction(torch.autograd.Function):
 class UnpermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_ND, dest_TK, weights_TK):  # type: ignore[override]
-        _check_device("unpermute", y_ND)
+        common.check_triton_device("unpermute", y_ND)
         y_ND = y_ND.contiguous()
         dest_TK = dest_TK.contiguous()
         weights_TK = weights_TK.contiguous()

@@ -41,6 +41,7 @@ from moetrain.train.metrics import (
     layer_summary,
     merge_stats,
     peak_flops,
+    synchronize,
 )
 from moetrain.train.replay import load_replay_step, save_record
 from moetrain.train.resilience import (
@@ -358,8 +359,7 @@ class Trainer:
             self.engine.update_expert_bias(moe)
         self.step += 1
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe)
 
     def _replay(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
