@@ -208,12 +208,16 @@ def _rowdot(y_ND, dest_TK, dout_TD, out_dtype: torch.dtype) -> torch.Tensor:
     d_dim = y_ND.shape[1]
     dw_TK = torch.empty(num_tokens, top_k, dtype=out_dtype, device=y_ND.device)
     if num_tokens and d_dim:
-        block_d = min(triton.next_power_of_2(d_dim), 256 if _INTERPRET else 512)
+        # The K row loads of a token block are all in flight at once: 16 x BLOCK_D tiles of
+        # 16 KiB (512 bf16 or 256 fp32 columns) fill 128 registers per thread of 8 warps at
+        # K=8; 512 fp32 columns spilled (docs/kernels_compiled.md).
+        block_d = min(triton.next_power_of_2(d_dim),
+                      256 if _INTERPRET else 1024 // y_ND.element_size())  # fmt: skip
         block_t = 64 if _INTERPRET else 16
         _rowdot_kernel[(triton.cdiv(num_tokens, block_t),)](
             y_ND, dest_TK, dout_TD, dw_TK, num_tokens, d_dim, y_ND.stride(0), dout_TD.stride(0),
             TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_D=block_d,
-            num_warps=8,  # 16x512 tiles, K=8: ~250 registers and no spills at 8 warps (sm_90)
+            num_warps=8,
         )  # fmt: skip
     return dw_TK
 

@@ -97,7 +97,8 @@ INSTRUCTIONS = {
 }
 FIELDS = [
     "kernel", "phase", "cases", "target", "dtype", "config", "registers", "stack",
-    "spill_stores", "spill_loads", "shared", "shared_limit", "tmem", *INSTRUCTIONS,
+    "spill_stores", "spill_loads", "spills_in_loop", "shared", "shared_limit", "tmem",
+    *INSTRUCTIONS,
 ]  # fmt: skip
 GEMM_KERNELS = ("grouped_gemm._grouped_mm_kernel", "grouped_gemm._grouped_wgrad_kernel")
 KEY_FIELDS = ("kernel", "phase", "target", "dtype", "config")
@@ -120,7 +121,10 @@ class Launch:
     case: str
     dtype: str
     tune_index: int | None = None  # which autotune configuration, for an autotuned kernel
+    # Every launch that compiles to the same kernel (anchor cases, phases, dtypes).
     cases: set[str] = field(default_factory=set)
+    phases: set[str] = field(default_factory=set)
+    dtypes: set[str] = field(default_factory=set)
 
 
 def _jit_function(obj) -> JITFunction | None:
@@ -161,7 +165,11 @@ class Recorder:
                                             recorder.dtype, recorder.tune_index))  # fmt: skip
 
         def autotune_run(self, *args, **kwargs):
-            for i, config in enumerate(self.configs):  # every one the autotuner may pick
+            configs = self.configs  # every one the autotuner would time for these arguments
+            if self.early_config_prune:
+                named = dict(zip(self.arg_names, args, strict=False))
+                configs = self.early_config_prune(configs, named, **kwargs)
+            for i, config in enumerate(configs):
                 recorder.tune_index = i
                 self.fn.run(*args, **kwargs, **config.all_kwargs())
             recorder.tune_index = None
@@ -304,11 +312,16 @@ LOCAL_ACCESS = re.compile(r"\b(STL|LDL)((?:\.[A-Z0-9]+)*)\b")
 ACCESS_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # default 4
 
 
+MMA_SASS = re.compile(r"\b(?:HGMMA|HMMA|UTC\w*MMA)\b")  # wgmma, mma.sync, tcgen05.mma
+
+
 def cubin_resources(cubin: bytes) -> dict[str, int]:
     """Registers per thread, stack frame and spill traffic of a cubin, read from the binary
     (so a cached compile gives the same figures): `cuobjdump -res-usage` for registers and
-    the stack, the SASS's local stores / loads (STL / LDL, by width) for the bytes ptxas -v
-    reports as spill stores / loads. The kernels here keep nothing else in local memory."""
+    the stack; the SASS's local stores / loads (STL / LDL, by width) for the bytes ptxas -v
+    reports as spill stores / loads (the kernels keep nothing else in local memory); and
+    how many of those accesses sit in the tensor-core loop, between its first and last MMA
+    instruction (all of them in a kernel without MMA)."""
     import tempfile
 
     from triton import knobs
@@ -326,11 +339,17 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     if m is None:
         raise RuntimeError(f"cuobjdump -res-usage gave no register count:\n{usage}")
     spills = {"STL": 0, "LDL": 0}
-    for op, suffixes in LOCAL_ACCESS.findall(sass):
-        parts = suffixes.split(".")[1:]
-        spills[op] += next((b for name, b in ACCESS_BYTES.items() if name in parts), 4)
+    lines = sass.splitlines()
+    mma = [i for i, line in enumerate(lines) if MMA_SASS.search(line)]
+    in_loop = 0
+    for i, line in enumerate(lines):
+        for op, suffixes in LOCAL_ACCESS.findall(line):
+            parts = suffixes.split(".")[1:]
+            spills[op] += next((b for name, b in ACCESS_BYTES.items() if name in parts), 4)
+            in_loop += not mma or mma[0] <= i <= mma[-1]
     return {"registers": int(m.group(1)), "stack": int(m.group(2)),
-            "spill_stores": spills["STL"], "spill_loads": spills["LDL"]}  # fmt: skip
+            "spill_stores": spills["STL"], "spill_loads": spills["LDL"],
+            "spills_in_loop": in_loop}  # fmt: skip
 
 
 def compile_job(job: Job) -> dict:
@@ -390,33 +409,42 @@ def in_spot(launch: Launch) -> bool:
 
 
 def build_rows(targets: list[int], jobs: int, spot: bool = False) -> list[dict]:
-    """Record, deduplicate and compile every launch for every target (`spot`: the quick
-    subset, on sm_90 only)."""
+    """Record, deduplicate and compile every launch for every target (`spot`: only the quick
+    subset, on sm_90)."""
     unique: dict[tuple, tuple[Launch, Job]] = {}
+    spot_keys = set()
     for launch in record_launches():
-        if spot and not in_spot(launch):
-            continue
-        for cc in [SPOT_TARGET] if spot else targets:
+        for cc in targets:
             job = _job(launch, cc)
-            key = (launch.phase, launch.dtype, job.module, job.name, repr(job.signature),
+            key = (job.module, job.name, repr(job.signature),
                    repr(sorted(job.constexprs.items())), repr(sorted(job.attrs.items())),
                    repr(sorted(job.options.items())), cc)  # fmt: skip
             first = unique.setdefault(key, (launch, job))[0]
             first.cases.add(launch.case)
+            first.phases.add(phase_name(launch))
+            first.dtypes.add(launch.dtype)
+            if cc == SPOT_TARGET and in_spot(launch):
+                spot_keys.add(key)
+    if spot:  # labelled from every launch, as in the full table
+        unique = {k: v for k, v in unique.items() if k in spot_keys}
     items = list(unique.values())
-    if jobs > 1:
-        with ProcessPoolExecutor(jobs) as pool:
-            results = list(pool.map(compile_job, [j for _, j in items], chunksize=1))
-    else:
-        results = [compile_job(j) for _, j in items]
+    print(f"compiling {len(items)} kernel variants with {jobs} processes", file=sys.stderr)
+    with ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
+        mapped = (pool.map(compile_job, [j for _, j in items]) if pool
+                  else map(compile_job, [j for _, j in items]))  # fmt: skip
+        results = []
+        for res in mapped:
+            results.append(res)
+            if len(results) % 25 == 0:
+                print(f"  {len(results)}/{len(items)}", file=sys.stderr)
     rows = []
     for (launch, job), res in zip(items, results, strict=True):
         rows.append({
             "kernel": kernel_name(launch.fn),
-            "phase": phase_name(launch),
+            "phase": ", ".join(sorted(launch.phases)),
             "cases": " ".join(sorted(launch.cases)),
             "target": f"sm_{job.capability}",
-            "dtype": launch.dtype,
+            "dtype": "/".join(sorted(launch.dtypes)),
             "config": _config(job),
             "shared_limit": SHARED_LIMIT[job.capability],
             **res,
@@ -461,11 +489,17 @@ def problems(rows: list[dict], every_kernel: bool = True) -> list[str]:
     return out
 
 
-SPILL_RULE = ""
+SPILL_RULE = (
+    " inside a tensor-core K loop, nor anywhere in a kernel without one. A tensor-core tile "
+    "may spill before its first MMA instruction or after its last (values kept across the "
+    "loop, stored once and loaded once per tile, in the prologue and the epilogue): the "
+    "table's `loop` column counts the local-memory accesses between the two, which must be 0"
+)
 
 
 def spill_allowed(row: dict) -> bool:
-    return False
+    """Spills outside the tensor-core loop only (see SPILL_RULE)."""
+    return row["spills_in_loop"] == 0 and (row["wgmma"] or row["mma"] or row["tcgen05"]) > 0
 
 
 def expected_mma(row: dict) -> str | None:
@@ -548,7 +582,9 @@ accepts and no training path produces, is not compiled), fp32 logits for the rou
 {row_dtypes} token rows for permute / unpermute.
 
 Columns: `regs` registers per thread; `spills` bytes stored / loaded by register spills
-(local memory, read from the cubin's SASS; what `ptxas -v` reports); `smem` shared memory
+(local memory, read from the cubin's SASS; what `ptxas -v` reports); `loop` how many of
+those local accesses sit between the first and the last tensor-core MMA instruction (the K
+loop; all of them in a kernel without MMA); `smem` shared memory
 per block in KiB, against the target's limit of {limit_kib} KiB (228 KiB per SM on H100 and
 B200, less the 1 KiB CUDA reserves per block: the device property Triton's launcher checks,
 stated here since no device is present); `tmem` sm_100 tensor-memory columns (of
@@ -583,8 +619,8 @@ def markdown(rows: list[dict]) -> str:
         limit_kib=SHARED_LIMIT[90] // 1024, tmem_columns=TMEM_COLUMNS,
         spill_rule=SPILL_RULE,
     )  # fmt: skip
-    cols = ["phase", "dtype", "config", "cases", "regs", "spills", "smem", "tmem", "wgmma",
-            "mma", "tcgen05", "ldmatrix", "cp.async", "TMA"]  # fmt: skip
+    cols = ["phase", "dtype", "config", "cases", "regs", "spills", "loop", "smem", "tmem",
+            "wgmma", "mma", "tcgen05", "ldmatrix", "cp.async", "TMA"]  # fmt: skip
     for target in sorted(by_target):
         cc = int(target.split("_")[1])
         text += f"\n## {TARGETS[cc]}\n"
@@ -597,8 +633,8 @@ def markdown(rows: list[dict]) -> str:
             for r in krows:
                 cells = [r["phase"], r["dtype"], f"`{r['config']}`", r["cases"],
                          str(r["registers"]), f"{r['spill_stores']}/{r['spill_loads']}",
-                         f"{r['shared'] / 1024:.1f}", str(r["tmem"]), str(r["wgmma"]),
-                         str(r["mma"]), str(r["tcgen05"]), str(r["ldmatrix"]),
+                         str(r["spills_in_loop"]), f"{r['shared'] / 1024:.1f}", str(r["tmem"]),
+                         str(r["wgmma"]), str(r["mma"]), str(r["tcgen05"]), str(r["ldmatrix"]),
                          str(r["cp_async"]), str(r["tma"])]  # fmt: skip
                 text += "| " + " | ".join(cells) + " |\n"
     return text
@@ -632,11 +668,16 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"--targets {unknown}: this Triton compiles for {targets}")
         targets = asked
+    if args.spot and SPOT_TARGET not in targets:
+        parser.error(f"--spot compiles for sm_{SPOT_TARGET}, which --targets leaves out")
     rows = build_rows(targets, args.jobs, spot=args.spot)
     found = problems(rows, every_kernel=not args.spot)
     diffs = []
     if args.check or args.spot:
-        diffs = compare(rows, read_csv(args.csv), subset=args.spot)
+        if os.path.exists(args.csv):
+            diffs = compare(rows, read_csv(args.csv), subset=args.spot)
+        else:
+            diffs = [f"no committed table at {args.csv}"]
     else:
         write_csv(rows, args.csv)
         with open(args.md, "w") as f:
