@@ -489,12 +489,12 @@ def problems(rows: list[dict], every_kernel: bool = True) -> list[str]:
     return out
 
 
-SPILL_RULE = (
-    " inside a tensor-core K loop, nor anywhere in a kernel without one. A tensor-core tile "
-    "may spill before its first MMA instruction or after its last (values kept across the "
-    "loop, stored once and loaded once per tile, in the prologue and the epilogue): the "
-    "table's `loop` column counts the local-memory accesses between the two, which must be 0"
-)
+SPILL_RULE = """ in any configuration, inside a tensor-core K loop, nor anywhere in a
+  kernel without one. Every configuration counts: the autotuner times each one of the
+  dtype's list on every (K, M) and keeps the fastest, so any of them may be the one that
+  runs. A tensor-core tile may spill before its first MMA instruction or after its last
+  (values kept across the loop: stored once and loaded once per tile): the `loop` column
+  counts the local-memory accesses between the two, which must be 0"""
 
 
 def spill_allowed(row: dict) -> bool:
@@ -558,8 +558,7 @@ def compare(rows: list[dict], committed: list[dict], subset: bool = False) -> li
 def versions() -> str:
     from triton.backends.nvidia.compiler import get_ptxas
 
-    release = re.search(r"release ([\d.]+)", get_ptxas(90).version or "")
-    return f"Triton {triton.__version__}, ptxas {release.group(1) if release else '?'}"
+    return f"Triton {triton.__version__}, ptxas {get_ptxas(90).version}"
 
 
 MD_HEAD = """\
@@ -607,6 +606,44 @@ stated here since no device is present); `tmem` sm_100 tensor-memory columns (of
 """
 
 
+def _capability(target: str) -> int:
+    return int(target.split("_")[1])
+
+
+def findings(rows: list[dict]) -> str:
+    """What the rows show, in a few lines (recomputed with the table)."""
+    out = ["\n## What the table shows\n"]
+    for target in sorted({r["target"] for r in rows}, key=_capability):
+        t_rows = [r for r in rows if r["target"] == target]
+        big = max(t_rows, key=lambda r: r["shared"])
+        regs = max(t_rows, key=lambda r: r["registers"])
+        gemm = [r for r in t_rows if r["kernel"] in GEMM_KERNELS and r["dtype"] == "bf16"]
+        mma = "wgmma" if target == "sm_90" else "tcgen05"
+        on_mma = sum(r[mma] > 0 for r in gemm)
+        out.append(f"- {target}: {len(t_rows)} compiled kernels; {on_mma} of {len(gemm)} bf16 "
+                   f"grouped-GEMM tiles on `{mma}`; most shared memory "
+                   f"{big['shared'] / 1024:.0f} of {big['shared_limit'] / 1024:.0f} KiB "
+                   f"({big['kernel']} `{big['config']}`); most registers {regs['registers']} "
+                   f"({regs['kernel']} {regs['phase']} {regs['dtype']}).")  # fmt: skip
+    spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"]]
+    if spilled:
+        where = sorted({f"{r['target']} {r['kernel']} {r['phase']} {r['dtype']}"
+                        for r in spilled})  # fmt: skip
+        sizes = sorted({r["spill_stores"] for r in spilled})
+        inside = sum(r["spills_in_loop"] > 0 for r in spilled)
+        place = "all outside the K loop" if not inside else f"{inside} inside a K loop"
+        out.append(f"- Spills, {place}: {len(spilled)} configurations "
+                   f"({'; '.join(where)}), {sizes[0]}-{sizes[-1]} B stored and loaded once "
+                   "per tile.")  # fmt: skip
+    else:
+        out.append("- No spills.")
+    if not any(r["tma"] for r in rows):
+        out.append("- No kernel uses TMA (`cp.async.bulk.tensor`): the tiles load with "
+                   "`cp.async` from computed pointers (TMA needs Triton's tensor "
+                   "descriptors).")  # fmt: skip
+    return "\n".join(out) + "\n"
+
+
 def markdown(rows: list[dict]) -> str:
     by_target: dict[str, list[dict]] = {}
     for r in rows:
@@ -619,10 +656,11 @@ def markdown(rows: list[dict]) -> str:
         limit_kib=SHARED_LIMIT[90] // 1024, tmem_columns=TMEM_COLUMNS,
         spill_rule=SPILL_RULE,
     )  # fmt: skip
+    text += findings(rows)
     cols = ["phase", "dtype", "config", "cases", "regs", "spills", "loop", "smem", "tmem",
             "wgmma", "mma", "tcgen05", "ldmatrix", "cp.async", "TMA"]  # fmt: skip
-    for target in sorted(by_target):
-        cc = int(target.split("_")[1])
+    for target in sorted(by_target, key=_capability):
+        cc = _capability(target)
         text += f"\n## {TARGETS[cc]}\n"
         kernels: dict[str, list[dict]] = {}
         for r in by_target[target]:
