@@ -90,3 +90,4 @@ def test_the_checks_catch_what_they_guard_against():
     assert len(caught["coverage"]) == 1 and "never launched" in caught["coverage"][0]
     assert any("registers" in d and "->" in d for d in caught["compare"]), caught["compare"]
     assert any(d.startswith("row gone") for d in caught["compare"]), caught["compare"]
+    assert len(caught["compiler"]) == 1 and "this is Triton 0.0" in caught["compiler"][0]
