@@ -5,7 +5,7 @@ target, no spills, the grouped-GEMM tiles on the target's tensor-core MMA), and 
 checks catches the fault it guards against.
 
 The tool runs in a subprocess: it needs the Triton interpreter off, which this process keeps
-on for the kernel tests. The full table is compiled once per session; Triton's own cache
+on for the kernel tests. The full table is compiled once per test run; Triton's own cache
 serves a repeat.
 """
 
