@@ -146,6 +146,8 @@ def _family_options(cfg: JobConfig) -> dict[str, Any]:
         "v_head_dim": m.v_head_dim,
         "dense_layers": list(e.dense_layers),
         "shared_expert_gate": e.shared_expert_gate,
+        "sliding_window": m.sliding_window,
+        "sliding_window_layers": m.sliding_window_layers,
     }
 
 

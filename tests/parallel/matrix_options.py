@@ -85,6 +85,10 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
                                "model.rope_yarn_mscale=1.0", "model.rope_yarn_mscale_all_dim=1.0"]),
                      ("llama3", ["model.rope_scaling=llama3", "model.rope_scaling_factor=8.0",
                                  "model.rope_original_max_seq_len=16"])],
+    "attention_span": [("full causal", ["model.sliding_window=null",
+                                        "model.sliding_window_layers=null"]),
+                       ("sliding window 5 on layers 0 and 2 (gpt-oss)",
+                        ["model.sliding_window=5", "model.sliding_window_layers=[0,2]"])],
     # MoE layers
     "moe_every": [("every layer", ["moe.every_n_layers=1"]),
                   ("every 2nd layer", ["moe.every_n_layers=2"])],
