@@ -7,7 +7,8 @@
   the pipeline schedule): how many micro-batches a step ran and in passes of how many;
 - the shapes of the queries, keys and values the first attention core saw (heads per tp
   rank, positions per cp rank, sequences per micro-batch);
-- the positions that attention's RoPE rows belong to (matched against the model's table).
+- the positions that attention's RoPE rows belong to (matched against the model's table;
+  "per token" where rows come per token, positions restarting at every document).
 
 ``layout_facts(trainer, records)`` adds what the built model is (placements, FSDP units,
 ZeRO-1 shards, checkpoint wrappers, experts per rank, the dispatcher) and the collectives of
@@ -91,8 +92,10 @@ class StepObserver:
             passes = tuple(r.count("F") for r in runs if r)
         else:  # forwards before backwards: each run of forwards is a pass
             passes = tuple(len(r) for r in order.replace("B", " ").split())
-        positions = None
-        if self.cos is not None and self.table is not None and self.shapes is not None:
+        positions: Any = None
+        if self.cos is not None and self.cos.dim() == 3:
+            positions = "per token"  # positions restarting at every document (of the data)
+        elif self.cos is not None and self.table is not None and self.shapes is not None:
             used = self.cos[: self.shapes[0][1]].float()
             dist = torch.cdist(used, self.table.to(used.device).float())
             positions = tuple(int(i) for i in dist.argmin(1))
@@ -426,6 +429,8 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     }
     if pp == 1:  # without a pipeline: each pass's forwards, then its backwards
         want["order"] = ("F" * breadth + "B" * breadth) * (n_micro // breadth)
+    if m.document_positions:  # positions restart at the documents the data hold: not a layout
+        del want["positions"]
     return want
 
 
