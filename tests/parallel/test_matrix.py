@@ -640,6 +640,45 @@ def _references_section() -> list[str]:
     lines += [f"- `{key}`: {why}" for key, why in R.GAPS.items()]
     lines += ["", "Keys that change no trained number:", ""]
     lines += [f"- `{key}`: {why}" for key, why in R.NO_NUMBERS.items()]
+    return lines + _golden_section()
+
+
+def _golden_section() -> list[str]:
+    import golden_runs as G
+
+    lines = [
+        "",
+        "## Golden curves",
+        "",
+        "Per step: the loss, the gradient norm, the learning rate and each MoE layer's token",
+        "counts, drops, balancing losses and expert bias of a short fp32 run in one process",
+        "on one thread, on a corpus and a word-level tokenizer generated from a fixed sequence",
+        "(the same bytes on every machine: `tests/golden_runs.py`). In the environment a file",
+        "was written in (torch version, CPU architecture and instruction set) every number",
+        "must be equal, bit for bit; elsewhere losses and gradient norms must agree within",
+        f"{G.BOUND['loss']:g} and {G.BOUND['grad_norm']:g} (relative; `BOUND`, measured with",
+        "another instruction set's kernels) and counts are not compared. A change to the",
+        "single process's numbers fails `tests/test_golden.py` and shows as a diff of the",
+        "files; regenerating them is deliberate:",
+        "`MOETRAIN_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py`.",
+        "",
+        "| golden file | config | steps | what it pins |",
+        "|---|---|---|---|",
+    ]
+    for name, (path, overrides, steps) in G.CONFIGS.items():
+        micro = path is None
+        shown = [o for o in overrides if not micro or o not in (*G.MICRO, *G.HALF_ROPE)]
+        base = (
+            f"`{path}`"
+            if path
+            else "`MICRO` of `tests/golden_runs.py`"
+            + (", rotate-half RoPE" if all(o in overrides for o in G.HALF_ROPE) else "")
+        )
+        lines.append(
+            f"| `tests/golden/{name}.json` | {base} | {steps} | "
+            + (" ".join(f"`{o}`" for o in shown) or "-")
+            + " |"
+        )
     return lines
 
 
