@@ -478,8 +478,6 @@ def traffic_facts(groups: dict[tuple[int, ...], Any], p: Request, rank: int) -> 
         known = {**_subgrids(p.ep_mesh(), rank), **known}
     axes, foreign, sp = set(), [], False
     for ranks, kinds in groups.items():
-        if len(ranks) == p.world and len(known.get(ranks, ())) > 1:
-            continue  # the whole world of several axes: says nothing about any one of them
         if ranks not in known:
             foreign.append(ranks)
             continue
