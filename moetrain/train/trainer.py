@@ -201,6 +201,13 @@ class Trainer:
 
         # Data first: a missing dataset or tokenizer must fail before any real work.
         check_data(cfg.data)
+        if cfg.model.document_mask:
+            # The model side of document masking is here; batches do not carry document
+            # boundaries yet, so the option would silently change nothing.
+            raise ConfigError(
+                "model.document_mask: the data path does not carry document boundaries yet "
+                "in this version; train without it"
+            )
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
