@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+from divergence import Check, Divergences
+from layout_facts import check_layout, expected_layout, layout_facts, observe, watch_fsdp
 
 __all__ = [
     "GRAD_TOL",
@@ -256,7 +258,8 @@ def micro_run(
             del counter.records[seen:]
 
     trainer.engine.grad_hook = hook
-    watch = _watch_fsdp(trainer.engine)
+    watch = watch_fsdp(trainer.engine)
+    observer = observe(trainer.engine)  # what the first step runs (tests/layout_facts.py)
     losses, norms, moe = [], [], []
     facts: dict[str, Any] = {}
     for step in range(steps):
@@ -267,7 +270,9 @@ def micro_run(
 
             with CommCounter() if traffic else nullcontext() as counter:
                 res = trainer.train_step()
-            facts = layout_facts(trainer, counter.records if traffic else None)
+            seen = observer.facts()
+            observer.remove()
+            facts = {**layout_facts(trainer, counter.records if traffic else None), **seen}
             facts["fsdp_resharded_after_forward"] = watch.pop("resharded", None)
             facts["ep_bytes_sent"] = any(float(s["a2a_bytes"]) > 0 for s in res.moe.values())
             counter = None
@@ -291,275 +296,6 @@ def micro_run(
         "layout": facts,
         "dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[trainer.dtype],
     }
-
-
-# ----------------------------------------------------------------------------- layout facts
-
-
-def _watch_fsdp(engine: Any) -> dict[str, bool]:
-    """After the first FSDP block's forward (FSDP's own post-forward hook runs first), note
-    whether its parameters went back to their sharded DTensors: ZeRO-3 reshards, ZeRO-2
-    keeps them gathered for backward."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    seen: dict[str, bool] = {}
-    for part in engine.parts:
-        for block in part.layers.values():
-            if isinstance(block, FSDPModule):
-
-                def after(module: Any, args: Any, out: Any) -> None:
-                    p = next(module.parameters())
-                    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-                    seen.setdefault("resharded", bool({"dp_shard", "dp_shard_cp"} & set(names)))
-
-                block.register_forward_hook(after)
-                return seen
-    return seen
-
-
-def _group_dims(meshes: Any) -> dict[frozenset[int], str]:
-    """The ranks of each process group -> the parallel axis it belongs to (groups of size
-    > 1). The data-parallel groups (dp, dp_shard, dp_replicate, and ep / edp, which are
-    carved out of dp) all read "dp". Keyed by ranks, not group names: DTensor's sharding
-    cache may hand a new model a mesh equal to an older one (same ranks, older groups)."""
-    import torch.distributed as dist
-
-    out: dict[frozenset[int], str] = {}
-    if meshes is None:
-        return out
-    # The cp group first: with dp = 1 the gradient group (dp x cp) and an EP group carved out
-    # of it may hold exactly the cp ranks, whose traffic then reads "cp".
-    for dim, axis in (
-        ("tp", "tp"),
-        ("pp", "pp"),
-        ("cp", "cp"),
-        ("dp", "dp"),
-        ("dp_shard", "dp"),
-        ("dp_replicate", "dp"),
-        ("dp_cp", "dp"),
-        ("dp_shard_cp", "dp"),
-        ("ep", "dp"),
-        ("edp", "dp"),
-    ):
-        mesh = getattr(meshes, dim, None)
-        if mesh is not None and mesh.size() > 1:
-            ranks = frozenset(dist.get_process_group_ranks(mesh.get_group()))
-            out.setdefault(ranks, axis)
-    return out
-
-
-def _group_ranks(name: str) -> frozenset[int]:
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    try:
-        group = _resolve_process_group(name)
-    except Exception:  # noqa: BLE001 - "default" or a group already destroyed
-        return frozenset(range(dist.get_world_size()))
-    return frozenset(dist.get_process_group_ranks(group))
-
-
-def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
-    """What this rank's layout really is, read off the built model and one step's
-    collectives (``records`` of a ``CommCounter``; None: no traffic facts): the evidence
-    every layout test holds against ``expected_layout``."""
-    from collections import Counter
-
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    from moetrain.model.moe import MoELayer
-    from moetrain.train.tensors import fqn as _fqn
-
-    eng = trainer.engine
-    by_group = _group_dims(eng.meshes)
-    kinds: dict[str, set[str]] = {}
-    for r in records or ():
-        if r.sent > 0:
-            kinds.setdefault(by_group.get(_group_ranks(r.group), "other"), set()).add(r.kind)
-    # The first column-parallel attention projection (GQA's wq, MLA's per-head up-projection;
-    # MLA's latent down-projections stay replicated), wrapper prefixes and all.
-    wq = next(
-        p
-        for n, p in eng.parts[0].named_parameters()
-        if _fqn(n).endswith(("attention.wq.weight", "attention.wkv_b.weight"))
-    )
-    tp_placement = None
-    zero_shards = 1  # into how many pieces the dp ranks cut the model state
-    if isinstance(wq, DTensor):
-        names = wq.device_mesh.mesh_dim_names or ()
-        for name, placement, size in zip(names, wq.placements, wq.device_mesh.shape, strict=True):
-            if name == "tp":
-                tp_placement = str(placement)
-            elif name in ("dp_shard", "dp_shard_cp") and not placement.is_replicate():
-                zero_shards = size  # FSDP (ZeRO-2/3), over dp_shard (x cp) only under HSDP
-    if eng.grad_sync is not None and eng.grad_sync.shards:
-        zero_shards = eng.grad_sync.shards[0].n  # ZeRO-1
-    wrapped: Counter[str] = Counter()
-    for part in eng.parts:
-        for name, module in part.named_modules():
-            if isinstance(module, CheckpointWrapper):
-                wrapped["attention" if name.endswith("attention") else "block"] += 1
-    moe = [m for part in eng.parts for m in part.modules() if isinstance(m, MoELayer)]
-    attention = eng.parts[0].layers[next(iter(eng.parts[0].layers))].attention
-    attention = getattr(attention, "_checkpoint_wrapped_module", attention)
-    facts = {
-        "stages": tuple(eng.stage_ids),
-        "schedule": type(eng.schedule).__name__ if eng.schedule is not None else None,
-        "microbatches": eng.n_micro,
-        # Micro-batches per pass (one run of the schedule, or forwards before backwards).
-        "breadth_first": (
-            eng.schedule._n_microbatches if eng.schedule is not None else eng.breadth
-        ),
-        # Context parallelism: the positions of every sequence this rank computed with, the
-        # attention core, and whether the MoE layers plan over whole sequences.
-        "positions": (tuple(eng.seq_index.tolist()) if eng.seq_index is not None else None),
-        "attend": type(attention.attend).__name__,
-        "moe_whole_sequences": bool(moe) and all(m.seq_shard is not None for m in moe),
-        "shared_overlap": bool(moe) and getattr(moe[0].dispatcher, "overlapped", 0) > 0,
-        "tp_placement": tp_placement,
-        "fsdp_units": sum(isinstance(m, FSDPModule) for p in eng.parts for m in p.modules()),
-        "zero1_sharded": bool(eng.grad_sync is not None and eng.grad_sync.shards),
-        "zero_shards": zero_shards,
-        "checkpointed": dict(wrapped),
-        "experts": _experts_per_rank(moe[0].experts.w1) if moe else None,
-        "dispatcher": _dispatcher_name(moe[0].dispatcher) if moe else None,
-    }
-    if records is not None:
-        facts["traffic_axes"] = sorted(k for k in kinds if k != "other")
-        facts["sequence_parallel_traffic"] = "reduce_scatter" in kinds.get("tp", ())
-    return facts
-
-
-def _dispatcher_name(d: Any) -> str:
-    inner = getattr(d, "inner", None)
-    return type(d).__name__ + (f"({_dispatcher_name(inner)})" if inner is not None else "")
-
-
-def _experts_per_rank(w1: Any) -> tuple[int, int]:
-    """(experts, FFN width) of one expert weight that this rank computes with: a slice of E
-    under expert parallelism, of F under expert tensor parallelism (a DTensor over tp, or a
-    plain slice under ep > 1). FSDP's sharding of dim 0 over dp is storage, not compute."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    experts, _, ffn = w1.shape
-    if isinstance(w1, DTensor):
-        names = w1.device_mesh.mesh_dim_names or ()
-        for name, placement, size in zip(names, w1.placements, w1.device_mesh.shape, strict=True):
-            if name == "tp" and isinstance(placement, Shard) and placement.dim == 2:
-                ffn //= size
-    return (experts, ffn)
-
-
-def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[str, Any]:
-    """The ``layout_facts`` (plus ``fsdp_resharded_after_forward`` and ``ep_bytes_sent``)
-    that ``overrides`` on the micro MoE must produce on ``rank``, derived from the config
-    alone: a ``parallel.*`` key the code ignored would leave a fact at its default."""
-    from moetrain.parallel.dims import ParallelDims
-    from moetrain.parallel.pipeline import SCHEDULES, stage_ids, stage_layers
-
-    cfg = micro_config("unused", *overrides)
-    p = cfg.parallel
-    dims = ParallelDims.from_config(p, world_size)
-    coords = dims.coords(rank)
-    pp_rank = coords["pp"]
-    if dims.pp == 1:
-        stages: tuple[int, ...] = (0,)
-    elif p.pp_schedule in ("zbv", "dualpipev"):  # the V: rank r holds r and 2 pp - 1 - r
-        stages = (pp_rank, 2 * dims.pp - 1 - pp_rank)
-    else:
-        stages = tuple(stage_ids(pp_rank, dims.pp, dims.virtual_stages))
-    layers = sum(len(stage_layers(cfg.model.n_layers, dims.num_stages, s)) for s in stages)
-    moe_layers = [
-        i
-        for s in stages
-        for i in stage_layers(cfg.model.n_layers, dims.num_stages, s)
-        if cfg.moe.num_experts
-        and i % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1
-        and i not in cfg.moe.dense_layers
-    ]
-    zero = p.zero_stage if dims.dp * dims.cp > 1 else 0
-    ep_split = dims.ep > 1 and cfg.moe.num_experts > 0
-    n_micro = dims.microbatches(cfg)
-    if p.breadth_first_micro_batches is not None:
-        breadth = p.breadth_first_micro_batches
-    elif p.depth_first_micro_batches is not None:
-        breadth = n_micro // p.depth_first_micro_batches
-    else:
-        breadth = n_micro if dims.pp > 1 else 1
-    positions = None
-    if dims.cp > 1:  # chunks c and 2 cp - 1 - c of 2 cp
-        chunk = cfg.data.seq_len // (2 * dims.cp)
-        c = coords["cp"]
-        positions = tuple(range(c * chunk, (c + 1) * chunk)) + tuple(
-            range((2 * dims.cp - 1 - c) * chunk, (2 * dims.cp - c) * chunk)
-        )
-    experts = None
-    if moe_layers:
-        f = cfg.moe.expert_ffn_dim // (dims.tp if p.expert_tp else 1)  # 1 when tp = 1
-        experts = (cfg.moe.num_experts // dims.ep, f)
-    dispatcher = None
-    if moe_layers:
-        dispatcher = (
-            {"all_to_all": "AllToAllDispatcher", "all_gather": "AllGatherDispatcher"}[
-                p.ep_dispatcher
-            ]
-            if ep_split
-            else "LocalDispatcher"
-        )
-        if p.expert_tp and dims.tp > 1:
-            dispatcher = f"ExpertTPDispatcher({dispatcher})"
-    ac = p.activation_checkpointing
-    return {
-        "stages": stages,
-        "schedule": SCHEDULES[p.pp_schedule] if dims.pp > 1 else None,
-        "microbatches": n_micro,
-        "breadth_first": breadth,
-        "positions": positions,
-        "attend": "ContextParallelAttention" if dims.cp > 1 else "function",
-        "moe_whole_sequences": dims.cp > 1 and bool(moe_layers),
-        "shared_overlap": bool(
-            p.overlap_shared_experts and moe_layers and cfg.moe.num_shared_experts
-        ),
-        "tp_placement": "S(0)" if dims.tp > 1 else None,
-        # A unit per block and per chunk root; under bf16 each MoE router is one more (it is
-        # gathered in fp32).
-        "fsdp_units": (
-            layers + len(stages) + (len(moe_layers) if cfg.train.dtype == "bf16" else 0)
-            if zero >= 2
-            else 0
-        ),
-        "zero1_sharded": zero == 1,
-        "zero_shards": dims.dp_shard * dims.cp if zero >= 1 else 1,
-        "checkpointed": {"attention": layers}
-        if ac == "selective"
-        else ({"block": layers} if ac == "full" else {}),
-        "experts": experts,
-        "dispatcher": dispatcher,
-        "traffic_axes": sorted(
-            axis
-            for axis, n in (("dp", dims.dp), ("pp", dims.pp), ("tp", dims.tp), ("cp", dims.cp))
-            if n > 1
-        ),
-        "sequence_parallel_traffic": p.sequence_parallel,
-        "fsdp_resharded_after_forward": (zero == 3) if zero >= 2 else None,
-        "ep_bytes_sent": ep_split,
-    }
-
-
-TRAFFIC_FACTS = ("traffic_axes", "sequence_parallel_traffic")
-
-
-def layout_mismatches(facts: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    """The facts that differ from what the config asks, one line each (traffic facts only
-    when the run counted its collectives)."""
-    return [
-        f"{key}: the config asks for {want[key]!r}, the run has {facts.get(key)!r}"
-        for key in want
-        if (key in facts or key not in TRAFFIC_FACTS) and facts.get(key) != want[key]
-    ]
 
 
 # ----------------------------------------------------------------------------- tolerances
@@ -657,7 +393,11 @@ def compare_runs(
     unless given: values within atol/rtol, parameters within ``param_tol``, every gradient
     at every step and both AdamW moments of every parameter within ``grad_tol`` (skipped
     when either report lacks them). Returns the worst error of each part (relative to the
-    tensor's scale for gradients and moments). The assertion message names the tensor."""
+    tensor's scale for gradients and moments).
+
+    Every check runs; the assertion message lists every diverging tensor, grouped by kind
+    (router, experts, attention, norms, embeddings, ...), worst first, each with the first
+    step at which it diverged (``tests/divergence.py``)."""
     errs: dict[str, float] = {}
     dtype = ref.get("dtype", "fp32")
     assert got.get("dtype", "fp32") == dtype, f"{what}: {got.get('dtype')} run vs {dtype} one"
@@ -666,77 +406,109 @@ def compare_runs(
     rtol = table["value"]["rtol"] if rtol is None else rtol
     param_tol = param_tol or table["param"]
     grad_tol = grad_tol or table["grad"]
+    found = Divergences(what or "runs")
 
     def note(name: str, err: float) -> None:
         key = name.split("[")[0]
         errs[key] = max(errs.get(key, 0.0), err)
 
-    def check(name: str, a: Any, b: Any, atol: float = atol, rtol: float = rtol) -> None:
-        a_t = torch.as_tensor(a, dtype=torch.float64)
-        b_t = torch.as_tensor(b, dtype=torch.float64)
-        assert a_t.shape == b_t.shape, f"{what} {name}: shape {a_t.shape} vs {b_t.shape}"
-        note(name, (a_t - b_t).abs().max().item() if a_t.numel() else 0.0)
-        torch.testing.assert_close(
-            a_t, b_t, atol=atol, rtol=rtol, msg=lambda m: f"{what} {name}: {m}"
-        )
+    def shape_differs(tensor: str, label: str, part: str, step, a, b) -> bool:
+        if a.shape == b.shape:
+            return False
+        found.add(tensor, Check(label, part, step, math.inf, f"shape {tuple(a.shape)} vs "
+                                f"{tuple(b.shape)}"))  # fmt: skip
+        return True
 
-    def check_scaled(name: str, a: torch.Tensor, b: torch.Tensor, scale_tol: float) -> None:
+    def check(tensor: str, label: str, step, a: Any, b: Any, atol=atol, rtol=rtol) -> None:
+        part = "param" if label.startswith("param[") else "value"
+        err = found.check_close(tensor, label, step, a, b, atol, rtol, part)
+        if not math.isinf(err):
+            note(label, err)
+
+    def check_scaled(tensor: str, label: str, part: str, step, a, b, scale_tol: float) -> None:
         a_t, b_t = a.double(), b.double()
-        assert a_t.shape == b_t.shape, f"{what} {name}: shape {a_t.shape} vs {b_t.shape}"
+        if shape_differs(tensor, label, part, step, a_t, b_t):
+            return
         scale = b_t.abs().max().item() if b_t.numel() else 0.0
         err = (a_t - b_t).abs().max().item() if a_t.numel() else 0.0
         rel = err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
-        note("grad first step[" if name.startswith("grad[step 0 ") else name, rel)
-        assert rel <= scale_tol, (
-            f"{what} {name}: max abs error {err:.3g} is {rel:.3g} of the reference's max "
-            f"abs {scale:.3g} (allowed {scale_tol:g}); ratio of norms got/ref "
-            f"{a_t.norm().item() / max(b_t.norm().item(), 1e-30):.4g}"
-        )
+        if math.isnan(rel):
+            rel = math.inf
+        note("grad first step[" if label.startswith("grad[step 0 ") else label, rel)
+        if rel > scale_tol:
+            found.add(tensor, Check(
+                label, part, step, rel / scale_tol,
+                f"max abs error {err:.3g} is {rel:.3g} of the reference's max abs {scale:.3g} "
+                f"(allowed {scale_tol:g}); ratio of norms got/ref "
+                f"{a_t.norm().item() / max(b_t.norm().item(), 1e-30):.4g}",
+            ))  # fmt: skip
 
-    def same_names(kind: str, a: dict[str, Any], b: dict[str, Any]) -> None:
+    def same_names(kind: str, a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         missing, extra = sorted(set(b) - set(a)), sorted(set(a) - set(b))
-        assert not missing and not extra, (
-            f"{what} {kind}: missing {missing[:5]}, unexpected {extra[:5]}"
-        )
+        for name in missing:
+            found.add(name, Check(f"{kind}[{name}]", kind, None, math.inf, "missing"))
+        for name in extra:
+            found.add(name, Check(f"{kind}[{name}]", kind, None, math.inf, "unexpected"))
+        return [n for n in b if n in a]
 
-    # The most specific evidence first: a wrong tensor is named by its own gradient.
     if "grads" in got and "grads" in ref:
         assert len(got["grads"]) == len(ref["grads"]), f"{what}: gradient steps differ"
         for step, (g, r) in enumerate(zip(got["grads"], ref["grads"], strict=True)):
-            same_names(f"gradients of step {step}", g, r)
             tol = grad_tol["first"] if step == 0 else grad_tol["later"]
-            for name in r:
-                check_scaled(f"grad[step {step} {name}]", g[name], r[name], tol)
+            for name in same_names("grad", g, r):
+                check_scaled(name, f"grad[step {step} {name}]", "grad", step, g[name], r[name],
+                             tol)  # fmt: skip
     if "optim" in got and "optim" in ref:
-        same_names("optimizer state", got["optim"], ref["optim"])
-        for name in ref["optim"]:
-            check_scaled(
-                f"optim[{name}]", got["optim"][name], ref["optim"][name], grad_tol["later"]
-            )
-    check("loss", got["loss"], ref["loss"])
-    check("grad_norm", got["grad_norm"], ref["grad_norm"])
+        for name in same_names("optim", got["optim"], ref["optim"]):
+            tensor = name.rsplit(".", 1)[0]  # <parameter>.exp_avg / .exp_avg_sq
+            check_scaled(tensor, f"optim[{name}]", "optim", None, got["optim"][name],
+                         ref["optim"][name], grad_tol["later"])  # fmt: skip
+    for key in ("loss", "grad_norm"):
+        a, b = list(got[key]), list(ref[key])
+        if len(a) != len(b):
+            found.add(key, Check(key, "value", None, math.inf, f"{len(a)} steps vs {len(b)}"))
+            continue
+        for step, (x, y) in enumerate(zip(a, b, strict=True)):
+            check(key, f"{key}[step {step}]", step, x, y)
     for step, (g, r) in enumerate(zip(got["moe"], ref["moe"], strict=True)):
-        assert sorted(g) == sorted(r), f"{what} step {step}: MoE layers {sorted(g)} vs {sorted(r)}"
+        if sorted(g) != sorted(r):
+            found.add(
+                "moe layers",
+                Check(
+                    f"moe[step {step}]",
+                    "value",
+                    step,
+                    math.inf,
+                    f"MoE layers {sorted(g)} vs {sorted(r)}",
+                ),
+            )
+            continue
         for layer in r:
             for key in r[layer]:
                 if key in LAYOUT_STATS:
                     continue
+                tensor = f"moe.{key} layer {layer}"
                 a, b = g[layer][key], r[layer][key]
                 if key == "score_hist":
-                    check(f"moe.score_hist total[step {step} layer {layer}]", a.sum(), b.sum())
+                    check(tensor, f"moe.score_hist total[step {step} layer {layer}]", step,
+                          a.sum(), b.sum())  # fmt: skip
                     moved = 0.5 * (a - b).abs().sum().item() / max(b.sum().item(), 1.0)
                     note("moe.score_hist moved", moved)
-                    assert moved <= table["hist"]["moved"], (
-                        f"{what} moe.score_hist[step {step} layer {layer}]: {moved:.3%} of the "
-                        f"router scores in another bin (allowed {table['hist']['moved']:.1%})"
-                    )
+                    if moved > table["hist"]["moved"]:
+                        found.add(tensor, Check(
+                            f"moe.score_hist[step {step} layer {layer}]", "value", step,
+                            moved / table["hist"]["moved"],
+                            f"{moved:.3%} of the router scores in another bin (allowed "
+                            f"{table['hist']['moved']:.1%})",
+                        ))  # fmt: skip
                     continue
                 if key in PER_CALL_STATS:  # sums over forward calls: compare the means
                     a, b = a / g[layer]["calls"], b / r[layer]["calls"]
-                check(f"moe.{key}[step {step} layer {layer}]", a, b)
-    same_names("parameters", got["params"], ref["params"])
-    for name in ref["params"]:
-        check(f"param[{name}]", got["params"][name], ref["params"][name], **param_tol)
+                check(tensor, f"moe.{key}[step {step} layer {layer}]", step, a, b)
+    for name in same_names("param", got["params"], ref["params"]):
+        check(name, f"param[{name}]", None, got["params"][name], ref["params"][name],
+              **param_tol)  # fmt: skip
+    assert not found, found.message()
     return errs
 
 
@@ -756,7 +528,8 @@ class Case:
     rank): ``("scale", rank, suffix, factor)`` multiplies the reduced gradient of every
     parameter whose name ends with ``suffix``; ``("disable", rank, "module:function")``
     replaces a function of moetrain with a no-op, as if the code silently ignored what it
-    implements."""
+    implements; ``("plant", rank, name)`` installs a realistic bug of ``tests/faults.py``.
+    Undone after the case."""
 
 
 def scale_grads(suffix: str, factor: float) -> Callable[[Any, int], None]:
@@ -774,16 +547,31 @@ def scale_grads(suffix: str, factor: float) -> Callable[[Any, int], None]:
     return inject
 
 
-def _plant(fault: tuple[Any, ...] | None, rank: int) -> Callable[[Any, int], None] | None:
+def _plant(
+    fault: tuple[Any, ...] | None, rank: int, undo: list[Callable[[], None]]
+) -> Callable[[Any, int], None] | None:
+    """Install ``fault`` on this rank (when it is this rank's); what it patched is restored
+    by the callables it appends to ``undo`` (a worker runs several cases)."""
     if fault is None or fault[1] not in (None, rank):
         return None
     if fault[0] == "scale":
         return scale_grads(fault[2], fault[3])
+
+    def patch(obj: Any, attr: str, value: Any) -> None:
+        old = getattr(obj, attr)
+        setattr(obj, attr, value)
+        undo.append(lambda: setattr(obj, attr, old))
+
     if fault[0] == "disable":
         import importlib
 
         module, attr = fault[2].split(":")
-        setattr(importlib.import_module(module), attr, lambda *a, **k: None)
+        patch(importlib.import_module(module), attr, lambda *a, **k: None)
+        return None
+    if fault[0] == "plant":
+        from faults import plant
+
+        plant(fault[2], patch)
         return None
     raise ValueError(f"unknown fault {fault!r}")
 
@@ -813,20 +601,25 @@ def _cases_worker(
     cases: list[Case],
     refs: dict[tuple[str, ...], dict[str, Any]],
     steps: int,
+    wants: list[list[dict[str, Any]]],
 ) -> list[dict[str, Any]]:
     out = []
     counted: set[tuple[str, ...]] = set()  # layouts whose traffic a cell already counted
-    for case in cases:
+    for case, want in zip(cases, wants, strict=True):
         overrides = [*case.options, *case.layout]
-        inject = _plant(case.fault, rank)
-        with tempfile.TemporaryDirectory() as tmp:
-            traffic = case.layout not in counted
-            got = micro_run(tmp, steps, *overrides, inject=inject, traffic=traffic)
-            counted.add(case.layout)
-        facts = {**got["layout"]}
+        undo: list[Callable[[], None]] = []
+        inject = _plant(case.fault, rank, undo)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                traffic = case.layout not in counted
+                got = micro_run(tmp, steps, *overrides, inject=inject, traffic=traffic)
+                counted.add(case.layout)
+        finally:
+            for restore in reversed(undo):
+                restore()
         problems = [
             f"layout {m}"
-            for m in layout_mismatches(facts, expected_layout(overrides, world_size, rank))
+            for m in check_layout(got["layout"], overrides, world_size, rank, want[rank])
         ]
         errs: dict[str, float] = {}
         try:
@@ -850,9 +643,14 @@ def check_cases(world_size: int, cases: list[Case], steps: int, timeout: float) 
     on every rank compare the run with the single-process reference of its options
     (``compare_runs``: losses, MoE statistics, every gradient of every step, the optimizer
     moments and the final parameters) and its layout facts with what the config asks
-    (``expected_layout``). Raises one AssertionError listing every failing case and rank."""
+    (``expected_layout`` of the raw request, computed here, before and outside the run).
+    Raises one AssertionError listing every failing case and rank."""
     refs = {c.options: reference_run(c.options, steps) for c in cases}
-    results = run_ranks(_cases_worker, world_size, cases, refs, steps, timeout=timeout)
+    wants = [
+        [expected_layout([*c.options, *c.layout], world_size, r) for r in range(world_size)]
+        for c in cases
+    ]
+    results = run_ranks(_cases_worker, world_size, cases, refs, steps, wants, timeout=timeout)
     failures, worst = [], {}
     for rank, per_rank in enumerate(results):
         for res in per_rank:

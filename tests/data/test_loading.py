@@ -173,3 +173,23 @@ def test_streaming_tokenizes_in_a_background_thread_without_changing_the_batches
         time.sleep(0.05)
         alive = [t for t in threading.enumerate() if t.name == "moetrain-tokenize"]
     assert not alive
+
+
+def test_a_hub_dataset_config_is_handed_to_load_dataset(monkeypatch, data_cfg) -> None:
+    """``data.dataset_config`` names one of a hub dataset's configurations; only the hub
+    resolves it (no network here), so what is checked is that datasets.load_dataset gets it
+    unchanged, with the split and the streaming flag."""
+    import datasets
+
+    from moetrain.data import dataset as ds
+
+    seen = {}
+
+    def load_dataset(path, name=None, **kwargs):
+        seen.update(path=path, name=name, **kwargs)
+        return datasets.Dataset.from_dict({"text": ["one document"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = data_cfg(dataset="someone/corpus", dataset_config="en")
+    ds._load_hub("someone/corpus", "train", "data.dataset", cfg)
+    assert seen == {"path": "someone/corpus", "name": "en", "split": "train", "streaming": False}

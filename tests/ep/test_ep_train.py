@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from divergence import Divergences
 from multirank import run_ranks
 
 from moetrain.config import ModelConfig, MoEConfig
@@ -137,32 +138,31 @@ def _train(model, seqs: slice, dp: int, ep_mesh=None, edp_mesh=None) -> dict:
     return out
 
 
-def _close(got, want, what: str) -> None:
-    torch.testing.assert_close(
-        torch.as_tensor(got).double(),
-        torch.as_tensor(want).double(),
-        atol=ATOL,
-        rtol=RTOL,
-        msg=lambda m: f"{what}: {m}",
-    )
-
-
 def _compare(got: dict, ref: dict, what: str) -> None:
-    _close(got["loss"], ref["loss"], f"{what} loss")
-    _close(got["grad_norm"], ref["grad_norm"], f"{what} grad_norm")
+    """Every parameter, the expert bias, the statistics and the losses; the message lists
+    every diverging tensor, grouped by kind, worst first, with its first diverging step
+    (tests/divergence.py) -- a routing bug reads as the router's tensors, not as the loss."""
+    found = Divergences(what)
+    missing = sorted(set(ref["params"]) ^ set(got["params"]))
+    assert not missing, f"{what}: parameters {missing} in one run only"
+    for name, want in ref["params"].items():
+        found.check_close(name, f"param[{name}]", None, got["params"][name], want, ATOL, RTOL,
+                          "param")  # fmt: skip
+    for layer, want in ref["bias"].items():
+        name = f"layers.{layer}.ffn.router.expert_bias"
+        found.check_close(name, f"expert bias[{name}]", None, got["bias"][layer], want, ATOL,
+                          RTOL, "param")  # fmt: skip
     for step, (g, r) in enumerate(zip(got["stats"], ref["stats"], strict=True)):
         for layer in r:
-            for key in STAT_SUMS:
-                assert torch.equal(g[layer][key], r[layer][key]), (
-                    f"{what} step {step} layer {layer} {key}: {g[layer][key]} vs {r[layer][key]}"
-                )
-            for key in STAT_MEANS:
-                _close(g[layer][key], r[layer][key], f"{what} step {step} layer {layer} {key}")
-    assert sorted(got["params"]) == sorted(ref["params"])
-    for name, want in ref["params"].items():
-        _close(got["params"][name], want, f"{what} param {name}")
-    for layer, want in ref["bias"].items():
-        _close(got["bias"][layer], want, f"{what} expert bias layer {layer}")
+            for key in (*STAT_SUMS, *STAT_MEANS):
+                exact = key in STAT_SUMS  # counts: equal
+                found.check_close(f"moe.{key} layer {layer}", f"moe.{key}[step {step}]", step,
+                                  g[layer][key], r[layer][key], 0.0 if exact else ATOL,
+                                  0.0 if exact else RTOL)  # fmt: skip
+    for key in ("loss", "grad_norm"):
+        for step, (a, b) in enumerate(zip(got[key], ref[key], strict=True)):
+            found.check_close(key, f"{key}[step {step}]", step, a, b, ATOL, RTOL)
+    assert not found, found.message()
 
 
 def _worker(rank: int, world_size: int, ep: int, variants: list[tuple[str, str]]) -> dict:
@@ -198,3 +198,28 @@ def _worker(rank: int, world_size: int, ep: int, variants: list[tuple[str, str]]
 def test_ep_training_matches_single_process(world_size, ep, variants) -> None:
     results = run_ranks(_worker, world_size, ep, variants, timeout=280)
     assert len(results) == world_size
+
+
+def test_a_difference_is_reported_by_tensor_not_as_the_loss() -> None:
+    """``_compare`` names every diverging tensor, worst first: a changed router and its
+    statistics read as the router, the loss that moved with them comes after."""
+    stats = {k: torch.tensor([3.0, 5.0]) for k in (*STAT_SUMS, *STAT_MEANS)}
+    ref = {
+        "params": {"layers.0.ffn.router.gate.weight": torch.ones(4, 8),
+                   "tok_embeddings.weight": torch.ones(16, 8)},
+        "bias": {0: torch.zeros(4)},
+        "stats": [{0: stats}],
+        "loss": [2.0],
+        "grad_norm": [1.0],
+    }  # fmt: skip
+    got = copy.deepcopy(ref)
+    got["params"]["layers.0.ffn.router.gate.weight"][1, 2] = 1.5
+    got["stats"][0][0]["tokens_per_expert"] = torch.tensor([4.0, 4.0])
+    got["loss"] = [2.01]
+    with pytest.raises(AssertionError) as info:
+        _compare(got, ref, "planted")
+    message = str(info.value)
+    assert message.index("router (2 tensors") < message.index("values (1 tensor"), message
+    assert "layers.0.ffn.router.gate.weight: diverges (param)" in message
+    assert "moe.tokens_per_expert layer 0: first diverges at step 0" in message
+    assert "tok_embeddings" not in message

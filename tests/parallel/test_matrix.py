@@ -26,9 +26,10 @@ from pathlib import Path
 import matrix_design as md
 import pytest
 from matrix_options import FACTORS
-from multirank import Case, check_cases, expected_layout
+from multirank import Case, RankFailure, check_cases, expected_layout
 
 WORLDS = (2, 4, 8)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cases(world: int, rows_for) -> list[Case]:
@@ -86,6 +87,34 @@ def test_combinations_left_out_are_refused_by_validation_with_a_message() -> Non
                     assert key.match(reason), (layout.name, md.row_label(row), reason)
 
 
+def witnesses(key: str, expect=expected_layout) -> list[tuple[str, list[str]]]:
+    """The layouts of the matrix that set ``parallel.<key>`` and whose expected facts
+    (``expect``) differ without it: under the layout alone, or under some option value the
+    design pairs it with (a key such as pp_microbatches only matters once the micro-batch
+    size makes it differ from the default). A request that forms no layout (``expect``
+    raises: degrees that do not divide) is no evidence either way."""
+    # Every cell runs some option row: the baseline row's keys (train.micro_batch_size among
+    # them) are what a key's effect is judged against.
+    base = [*md.BASE, *md.row_overrides(tuple(0 for _ in md.NAMES))]
+    contexts = [[]] + [list(v) for values in FACTORS.values() for _, v in values]
+    found = []
+    for layout in md.LAYOUTS:
+        mine = [o for o in layout.overrides if o.startswith(f"parallel.{key}=")]
+        if not mine:
+            continue
+        others = [o for o in layout.overrides if o not in mine]
+        for extra in contexts:
+            try:
+                with_key = expect([*base, *extra, *layout.overrides], layout.world, 0)
+                without = expect([*base, *extra, *others], layout.world, 0)
+            except ValueError:
+                continue
+            if without != with_key:
+                found.append((layout.name, extra))
+                break
+    return found
+
+
 def test_every_parallel_key_is_exercised_and_observable() -> None:
     """A ``parallel.*`` key the code silently ignored must fail a test: every key is set to
     a non-default value by some layout of the matrix, and that value changes the facts the
@@ -96,40 +125,27 @@ def test_every_parallel_key_is_exercised_and_observable() -> None:
 
     from moetrain.config import ParallelConfig
 
-    # Every cell runs some option row: the baseline row's keys (train.micro_batch_size among
-    # them) are what a key's effect is judged against.
-    base = [*md.BASE, *md.row_overrides(tuple(0 for _ in md.NAMES))]
     for f in dataclasses.fields(ParallelConfig):
         if f.name == "dp_shard":
             continue
-        witnesses = []
-        # The layout alone, then under each option value the design pairs it with (a key
-        # such as pp_microbatches only matters once the micro-batch size makes it differ
-        # from the default).
-        contexts = [[]] + [list(v) for values in FACTORS.values() for _, v in values]
-        for layout in md.LAYOUTS:
-            mine = [o for o in layout.overrides if o.startswith(f"parallel.{f.name}=")]
-            if not mine:
-                continue
-            others = [o for o in layout.overrides if o not in mine]
-            for extra in contexts:
-                try:
-                    with_key = expected_layout([*base, *extra, *layout.overrides],
-                                               layout.world, 0)
-                except Exception:  # noqa: BLE001 - this option value is refused here
-                    continue
-                try:
-                    without = expected_layout([*base, *extra, *others], layout.world, 0)
-                except Exception:  # noqa: BLE001 - the key is needed for the layout to exist
-                    without = None
-                if without != with_key:
-                    witnesses.append((layout.name, extra))
-                    break
         if f.name == "activation_checkpointing":
             # An option factor of the matrix rather than a layout: set by the rows.
             assert len(FACTORS["activation_checkpointing"]) == 3
             continue
-        assert witnesses, f"parallel.{f.name}: no layout of the matrix shows it is honoured"
+        assert witnesses(f.name), f"parallel.{f.name}: no layout of the matrix shows it is honoured"
+
+
+def test_a_request_that_forms_no_layout_is_no_witness() -> None:
+    """The witness search can fail: when the expectation cannot be computed without the key
+    (it raises), the key has no witness -- it used to count as one."""
+
+    def needs_cp(overrides, world, rank):
+        if not any(o.startswith("parallel.cp=") for o in overrides):
+            raise ValueError("no layout without parallel.cp")
+        return expected_layout(overrides, world, rank)
+
+    assert witnesses("cp")
+    assert witnesses("cp", needs_cp) == []
 
 
 VALUE_ROWS_IN_CI = frozenset({
@@ -142,7 +158,7 @@ VALUE_ROWS_IN_CI = frozenset({
     "pp2 looped_bfs v2, 2 depth-first passes",
     "pp2 zbv, 2 pipeline micro-batches of 4",
     "pp2 dualpipev, 4 micro-batches",
-})
+})  # fmt: skip
 """Two-rank layouts that vary an axis the CI part already crosses pairwise with every option
 (ZeRO-1/2 between ZeRO-0 and ZeRO-3, replicated experts beside expert TP, a schedule beside
 1F1B / interleaved / zero-bubble, an overlap beside the plain all-to-all, ZeRO-3 and
@@ -237,9 +253,272 @@ def test_every_row_under_every_layout(world: int) -> None:
     check_cases(world, _cases(world, rest), md.STEPS, timeout=3500)
 
 
+# ----------------------------------------------------------------------------- rotating slice
+
+CELL_COST_S = {2: 1.5, 4: 6.0, 8: 12.0}
+"""Estimated seconds of one exhaustive cell on two cores, by world size (two-rank cells
+measured at 1.2 s, compositions 3-11 s: the docstrings above)."""
+SLICE_BUDGET_S = 120
+"""Estimated cell seconds of one rotating slice. With the single-process references and one
+spawned job per world size, an estimated two to three minutes on two idle cores (slice 0 at
+150 estimated seconds, 34 cells, passed in 12 minutes on a machine loaded twentyfold)."""
+
+
+def cell_id(layout: md.Layout, row: md.Row) -> str:
+    """A short, stable name of a cell: the layout's name made a word, and a hash of the row's
+    overrides (not its index: the design's rows move when factors are added)."""
+    import hashlib
+
+    slug = re.sub(r"[^a-z0-9]+", "-", layout.name.lower()).strip("-")
+    digest = hashlib.sha1("\n".join(md.row_overrides(row)).encode()).hexdigest()[:8]
+    return f"{slug}/{digest}"
+
+
+@functools.cache
+def exhaustive_cells() -> tuple[tuple[md.Layout, md.Row], ...]:
+    """Every cell that only ``-m exhaustive`` runs: the rest of each layout's pairwise design
+    and every row of the design under every layout where it is valid, in a fixed order
+    that mixes layouts (sorted by a hash of the cell's name)."""
+    design = md.design()
+    cells = []
+    for layout in md.LAYOUTS:
+        ci = set(_ci_rows(layout))
+        cells += [(layout, r) for r in design[layout] if r not in ci]
+        cells += [
+            (layout, r)
+            for r in md.all_rows()
+            if r not in design[layout] and md.refusal(r, layout) is None
+        ]
+    import hashlib
+
+    return tuple(sorted(cells, key=lambda c: hashlib.sha1(cell_id(*c).encode()).hexdigest()))
+
+
+@functools.cache
+def slices() -> tuple[tuple[tuple[md.Layout, md.Row], ...], ...]:
+    """The exhaustive cells cut, in ``exhaustive_cells`` order, into consecutive slices of
+    about ``SLICE_BUDGET_S`` estimated seconds each."""
+    out, current, spent = [], [], 0.0
+    for cell in exhaustive_cells():
+        cost = CELL_COST_S[cell[0].world]
+        if current and spent + cost > SLICE_BUDGET_S:
+            out.append(tuple(current))
+            current, spent = [], 0.0
+        current.append(cell)
+        spent += cost
+    if current:
+        out.append(tuple(current))
+    return tuple(out)
+
+
+def slice_index() -> tuple[int, str]:
+    """Which slice this commit runs: ``MOETRAIN_MATRIX_SLICE`` if set, else the commit's
+    number in its history (``git rev-list --count HEAD``) modulo the number of slices, so
+    that consecutive commits run consecutive slices and every cell runs once every
+    ``len(slices())`` commits; slice 0 outside a git checkout."""
+    import subprocess
+
+    n = len(slices())
+    if os.environ.get("MOETRAIN_MATRIX_SLICE"):
+        return int(os.environ["MOETRAIN_MATRIX_SLICE"]) % n, "MOETRAIN_MATRIX_SLICE"
+    try:
+        count = subprocess.run(
+            ["git", "rev-list", "--count", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+            check=True, timeout=30,
+        ).stdout.strip()  # fmt: skip
+        return int(count) % n, f"commit number {count} modulo {n}"
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return 0, "not a git checkout"
+
+
+def _cell_case(layout: md.Layout, row: md.Row) -> Case:
+    return Case(
+        f"{cell_id(layout, row)}: {layout.name} | {md.row_label(row)}",
+        layout.overrides,
+        md.BASE + md.row_overrides(row),
+    )
+
+
+RERUN = 'python -m pytest -m exhaustive "tests/parallel/test_matrix.py::test_exhaustive_cell[{}]"'
+
+
+def run_cells(cells, timeout: float) -> None:
+    """Run ``cells`` (one job per world size); a failure names each failing cell and the
+    command that reruns it alone."""
+    failures = []
+    for world in WORLDS:
+        mine = [c for c in cells if c[0].world == world]
+        if not mine:
+            continue
+        try:
+            check_cases(world, [_cell_case(*c) for c in mine], md.STEPS, timeout=timeout)
+        except AssertionError as exc:
+            failed = [cell_id(*c) for c in mine if f"{cell_id(*c)}: " in str(exc)]
+            failures.append(
+                str(exc)
+                + "\n\nRerun a failing cell alone:\n"
+                + "\n".join(f"  {RERUN.format(i)}" for i in failed)
+            )
+        except RankFailure as exc:  # a rank died: one of the job's cells, the trace says which
+            failures.append(
+                f"{exc}\n\nThe {world}-rank job of these cells died; rerun one alone:\n"
+                + "\n".join(f"  {cell_id(*c)}: {RERUN.format(cell_id(*c))}" for c in mine)
+            )
+    assert not failures, "\n\n".join(failures)
+
+
+def test_the_slices_cover_every_exhaustive_cell_once() -> None:
+    cells = exhaustive_cells()
+    sliced = [c for s in slices() for c in s]
+    assert sorted(map(str, sliced)) == sorted(map(str, cells)) and len(sliced) == len(cells)
+    ids = [cell_id(*c) for c in cells]
+    assert len(set(ids)) == len(ids), "two cells share a name"
+    for s in slices():
+        assert sum(CELL_COST_S[layout.world] for layout, _ in s) <= SLICE_BUDGET_S
+    index, why = slice_index()
+    assert 0 <= index < len(slices()), (index, why)
+    print(f"{len(cells)} exhaustive cells in {len(slices())} slices; this commit: slice "
+          f"{index} ({why})")  # fmt: skip
+
+
+def test_a_failing_cell_is_named_with_the_command_that_reruns_it(monkeypatch) -> None:
+    cell = exhaustive_cells()[0]
+
+    def fails(world, cases, steps, timeout):
+        raise AssertionError(f"{cases[0].name} (rank 0):\n  layout planted: differs")
+
+    monkeypatch.setitem(globals(), "check_cases", fails)
+    with pytest.raises(AssertionError) as info:
+        run_cells([cell], timeout=10)
+    message = str(info.value)
+    assert f"{cell_id(*cell)}: {cell[0].name} | " in message, message
+    assert RERUN.format(cell_id(*cell)) in message, message
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_a_rotating_slice_of_the_exhaustive_matrix() -> None:
+    """The cells only ``-m exhaustive`` runs, a slice a commit (``slice_index``): every
+    cell runs once in ``len(slices())`` consecutive commits. A failure names the cell and
+    the command that reruns it alone."""
+    index, why = slice_index()
+    cells = slices()[index]
+    print(f"exhaustive slice {index} of {len(slices())} ({why}): {len(cells)} cells")
+    run_cells(cells, timeout=880)
+
+
+def pytest_generate_tests(metafunc) -> None:
+    """Every exhaustive cell as a case of ``test_exhaustive_cell``, named by ``cell_id``:
+    only when the run asks for exhaustive tests (the design is not computed otherwise)."""
+    if metafunc.function.__name__ != "test_exhaustive_cell":
+        return
+    expr = metafunc.config.getoption("markexpr") or ""
+    cells = exhaustive_cells() if ("exhaustive" in expr or "slow" in expr) else ()
+    metafunc.parametrize("cell", list(cells), ids=[cell_id(*c) for c in cells])
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.timeout(900)
+def test_exhaustive_cell(cell) -> None:
+    """One exhaustive cell alone (the rotating slice's failures say which)."""
+    run_cells([cell], timeout=880)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _test_exists(node: str) -> bool:
+    """Whether a node id (``tests/x.py``, ``tests/x.py::test_f`` or ``...::test_f[case]``)
+    names a test module and a function it defines (read, not imported)."""
+    import ast
+
+    path, _, name = node.partition("::")
+    file = ROOT / path
+    if not file.is_file():
+        return False
+    if not name:
+        return True
+    name = name.split("[")[0]
+    tree = ast.parse(file.read_text())
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
+
+
+def reference_problems(refs=None) -> list[str]:
+    """Every key of ``references.SECTIONS`` without a row (or a ``NO_NUMBERS`` entry), every
+    row of a key that does not exist, and every cited test that does not: one line each,
+    saying what to add and where."""
+    import dataclasses
+
+    import references as R
+
+    from moetrain.config import JobConfig
+
+    refs = R.REFERENCES if refs is None else refs
+    keys = [
+        f"{section}.{f.name}"
+        for section in R.SECTIONS
+        for f in dataclasses.fields(type(getattr(JobConfig(), section)))
+    ]
+    out = []
+    for key in keys:
+        if key not in refs and key not in R.NO_NUMBERS and key not in R.GAPS:
+            out.append(
+                f"{key} has no independent reference. Add one line to REFERENCES in "
+                f"tests/references.py:\n"
+                f'    "{key}": ("<what checks its semantics without the code under test: a '
+                f"hand computation, transformers' modeling code, a closed-form property>\", "
+                f'"tests/<file>.py::<test that runs it>"),\n'
+                f"  or, if it changes no trained number, to NO_NUMBERS with the reason."
+            )
+    for key, (what, test) in refs.items():
+        if key not in keys:
+            out.append(f"REFERENCES[{key!r}]: no such key in sections {R.SECTIONS}")
+        if key in R.NO_NUMBERS or key in R.GAPS:
+            out.append(f"{key}: in REFERENCES and in NO_NUMBERS or GAPS")
+        node = R.TESTS.get(test, test)
+        if not what or not _test_exists(node):
+            out.append(f"REFERENCES[{key!r}]: {node!r} is not a test of the repository "
+                       "(a node id, or a name of TESTS)")  # fmt: skip
+    return out
+
+
+def test_every_option_has_an_independent_reference() -> None:
+    """The matrix compares layouts with one process running the same code: what that process
+    shares, it cannot see. Every model, router, loss, data, optimizer and training option
+    names its independent reference and the test running it (tests/references.py)."""
+    problems = reference_problems()
+    assert not problems, "\n".join(problems)
+    # Every option the matrix crosses has one (its factors set keys of these sections).
+    import references as R
+
+    for values in FACTORS.values():
+        for _, overrides in values:
+            for o in overrides:
+                key = o.split("=", 1)[0]
+                assert key.startswith("parallel.") or key in R.REFERENCES, key
+
+
+def test_a_new_option_without_a_row_fails_and_says_what_to_add() -> None:
+    import references as R
+
+    refs = {k: v for k, v in R.REFERENCES.items() if k != "moe.top_k"}
+    problems = reference_problems(refs)
+    assert problems and problems[0].startswith(
+        "moe.top_k has no independent reference. Add one line to REFERENCES in "
+        'tests/references.py:\n    "moe.top_k": ('
+    ), problems
+    bad = {**R.REFERENCES, "moe.top_k": ("a loop", "tests/model/test_router.py::test_nothing")}
+    assert reference_problems(bad) == [
+        "REFERENCES['moe.top_k']: 'tests/model/test_router.py::test_nothing' is not a test of "
+        "the repository (a node id, or a name of TESTS)"
+    ]
+
+
 # ----------------------------------------------------------------------------- the page
 
-PAGE = Path(__file__).resolve().parents[2] / "docs" / "matrix.md"
+PAGE = ROOT / "docs" / "matrix.md"
 
 
 def _values_under(layout: md.Layout, k: int) -> tuple[list[str], list[str]]:
@@ -269,10 +548,23 @@ def render_page() -> str:
         "compares it on every rank with one process on the same options: losses, MoE",
         "statistics (aux / seq-aux / z losses, entropy, token and drop counts, score",
         "histograms, expert bias), every parameter's gradient at every step, AdamW's moments,",
-        "the final parameters, and that the layout really ran (placements, FSDP sharding and",
+        "the final parameters, and that the layout really ran, within `TOLERANCES` of",
+        "`tests/multirank.py`. A failing cell's report lists every diverging tensor, grouped",
+        "by kind (router, experts, attention, norms, embeddings, ...), worst first, each with",
+        "the first step at which it diverged (`tests/divergence.py`).",
+        "",
+        "The layout facts are observed from the run (`tests/layout_facts.py`): the order in",
+        "which the micro-batches' forwards and backwards ran and in passes of how many, the",
+        "shapes of the queries, keys and values each rank's attention saw, the RoPE positions",
+        "each rank used, the groups of ranks every collective of the first step went over",
+        "(each named by the axes of the requested mesh it spans; a group that is no",
+        "combination of them fails), besides the built model's placements, FSDP units and",
         "resharding, ZeRO-1 shards, stages and schedule, checkpoint wrappers, experts per",
-        "rank, the dispatcher, traffic on each axis), within `TOLERANCES` of",
-        "`tests/multirank.py`.",
+        "rank and dispatcher. What they must be is computed from the raw request (the",
+        "`parallel.*` overrides as written) by the test's own arithmetic, never through the",
+        "config validation or `ParallelDims` the run uses: a breadth-first setting the engine",
+        "ignores, or `parallel.cp` forced to 1, changes the numbers of no cell but fails the",
+        "facts (`tests/parallel/test_oracle.py` plants both, `tests/faults.py`).",
         "",
         f"{len(md.NAMES)} option factors, {len(md.LAYOUTS)} layouts, "
         f"{len(md.all_rows())} distinct option rows. CI runs, for every layout of one axis,",
@@ -282,10 +574,18 @@ def render_page() -> str:
         "later schedules, the overlapped all-to-all, cp with ZeRO-3 and breadth-first",
         "passes), the fewest of its pairwise rows that hold every option value; the",
         "compositions of axes share such rows (`shared_value_rows`: every option value meets",
-        "some composition on 4 and on 8 ranks, every composition runs); `-m slow` runs",
-        "the rest of the pairwise designs and every row under every layout where it is valid.",
+        "some composition on 4 and on 8 ranks, every composition runs). The rest of the",
+        "pairwise designs and every row under every layout where it is valid (the exhaustive",
+        f"cells, {len(exhaustive_cells())} of them) run under `-m exhaustive`, and in CI as a",
+        f"rotating slice: cut into {len(slices())} slices of about {SLICE_BUDGET_S} s",
+        f"(estimated), a commit runs slice `git rev-list --count HEAD` modulo {len(slices())}, so",
+        f"every cell runs once in {len(slices())} consecutive commits",
+        "(`test_a_rotating_slice_of_the_exhaustive_matrix`; `MOETRAIN_MATRIX_SLICE=k` runs",
+        "slice k). A failure names the cell and the command that reruns it alone:",
+        "`python -m pytest -m exhaustive "
+        '"tests/parallel/test_matrix.py::test_exhaustive_cell[<cell>]"`.',
         "",
-        "| layout | ranks | overrides | cells in CI | cells under `-m slow` |",
+        "| layout | ranks | overrides | cells in CI | exhaustive cells |",
         "|---|---|---|---|---|",
     ]
     for layout in md.LAYOUTS:
@@ -314,7 +614,74 @@ def render_page() -> str:
             for why, names in refusals.items()
         )
         lines.append(f"| {name} | {'; '.join(labels)} | {refused or '-'} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _references_section()) + "\n"
+
+
+def _references_section() -> list[str]:
+    import references as R
+
+    lines = [
+        "",
+        "## Independent references",
+        "",
+        "A layout is compared with one process running the same code, so a bug that process",
+        "shares passes every cell. Each option therefore has a reference of its own, written",
+        "without the code under test, and a test that runs it (`tests/references.py`;",
+        "`test_every_option_has_an_independent_reference` fails for a key of the "
+        + ", ".join(f"`{s}`" for s in R.SECTIONS),
+        "sections without a row, and its message says the line to add). Golden curves",
+        "(`tests/golden/`, `tests/test_golden.py`) pin the single-process numbers of a few",
+        "configs on top: a change to them shows as a diff a commit must explain.",
+        "",
+        "| option | independent reference | test |",
+        "|---|---|---|",
+    ]
+    for key, (what, test) in R.REFERENCES.items():
+        lines.append(f"| `{key}` | {what} | `{R.TESTS.get(test, test)}` |")
+    lines += ["", "Options without an independent check in the suite yet:", ""]
+    lines += [f"- `{key}`: {why}" for key, why in R.GAPS.items()]
+    lines += ["", "Keys that change no trained number:", ""]
+    lines += [f"- `{key}`: {why}" for key, why in R.NO_NUMBERS.items()]
+    return lines + _golden_section()
+
+
+def _golden_section() -> list[str]:
+    import golden_runs as G
+
+    lines = [
+        "",
+        "## Golden curves",
+        "",
+        "Per step: the loss, the gradient norm, the learning rate and each MoE layer's token",
+        "counts, drops, balancing losses and expert bias of a short fp32 run in one process",
+        "on one thread, on a corpus and a word-level tokenizer generated from a fixed sequence",
+        "(the same bytes on every machine: `tests/golden_runs.py`). In the environment a file",
+        "was written in (torch version, CPU architecture and instruction set) every number",
+        "must be equal, bit for bit; elsewhere losses and gradient norms must agree within",
+        f"{G.BOUND['loss']:g} and {G.BOUND['grad_norm']:g} (relative; `BOUND`, measured with",
+        "another instruction set's kernels) and counts are not compared. A change to the",
+        "single process's numbers fails `tests/test_golden.py` and shows as a diff of the",
+        "files; regenerating them is deliberate:",
+        "`MOETRAIN_UPDATE_GOLDEN=1 python -m pytest tests/test_golden.py`.",
+        "",
+        "| golden file | config | steps | what it pins |",
+        "|---|---|---|---|",
+    ]
+    for name, (path, overrides, steps) in G.CONFIGS.items():
+        micro = path is None
+        shown = [o for o in overrides if not micro or o not in (*G.MICRO, *G.HALF_ROPE)]
+        base = (
+            f"`{path}`"
+            if path
+            else "`MICRO` of `tests/golden_runs.py`"
+            + (", rotate-half RoPE" if all(o in overrides for o in G.HALF_ROPE) else "")
+        )
+        lines.append(
+            f"| `tests/golden/{name}.json` | {base} | {steps} | "
+            + (" ".join(f"`{o}`" for o in shown) or "-")
+            + " |"
+        )
+    return lines
 
 
 def test_page_is_current() -> None:

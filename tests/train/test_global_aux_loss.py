@@ -91,8 +91,9 @@ def _reference(micro_batches: int) -> tuple[dict[str, torch.Tensor], dict[int, f
     }, values
 
 
-@pytest.mark.parametrize("mbs", [2, 8], ids=["4 micro-batches (counting pass)", "one forward"])
-def test_global_balance_loss_gradient_and_value_match_the_definition(mbs: int) -> None:
+def _check_against_the_definition(mbs: int) -> None:
+    """The engine's first step with micro-batches of ``mbs`` sequences against ``_reference``:
+    the loss's gradient (with minus without it) and value."""
     with tempfile.TemporaryDirectory() as out:
         with_loss, moe = _first_step(
             out, f"moe.global_aux_loss_coef={COEF}", f"train.micro_batch_size={mbs}"
@@ -105,18 +106,41 @@ def test_global_balance_loss_gradient_and_value_match_the_definition(mbs: int) -
     # The same forward either way (the loss only adds a gradient): the difference of the two
     # runs' gradients is the global loss's, up to the fp32 rounding of the LM gradient it is
     # taken from (NOISE of that gradient's scale; a wrong f moves it by > 1e-2 of its own).
+    wrong = []
     for name, g in ref.items():
         got = with_loss[name] - without[name]
         scale = g.abs().max().item()
         noise = NOISE * without[name].abs().max().item()
         err = (got - g).abs().max().item()
-        assert err <= TOL * scale + noise, f"{name}: error {err:.3g} of scale {scale:.3g}"
+        if err > TOL * scale + noise:
+            wrong.append((err / max(scale, 1e-30), name, err, scale))
+    # Every wrong tensor, worst first.
+    assert not wrong, "\n".join(
+        f"{name}: error {err:.3g} of scale {scale:.3g}"
+        for _, name, err, scale in sorted(wrong)[::-1]
+    )
     gate = [n for n in ref if n.endswith("router.gate.weight")]
     assert gate and all(ref[n].abs().max() > 1e-6 for n in gate), "the loss moved no router"
     # Earlier layers get the loss's gradient too: routing depends on them.
     assert ref["tok_embeddings.weight"].abs().max() > 0
     for i, value in values.items():
         assert layer_summary(moe[i])["global_aux_loss"] == pytest.approx(value, rel=1e-5)
+
+
+@pytest.mark.parametrize("mbs", [2, 8], ids=["4 micro-batches (counting pass)", "one forward"])
+def test_global_balance_loss_gradient_and_value_match_the_definition(mbs: int) -> None:
+    _check_against_the_definition(mbs)
+
+
+def test_per_micro_batch_counts_planted_in_the_engine_are_caught(monkeypatch) -> None:
+    """The escape this check exists for (tests/faults.py): each micro-batch's own counts in
+    place of the step's, in every layout -- one process included, so the equivalence matrix
+    cannot see it. The definition does, and names the routers."""
+    from faults import plant
+
+    plant("per_micro_batch_counts", monkeypatch.setattr)
+    with pytest.raises(AssertionError, match=r"layers\.\d\.ffn\.router\.gate\.weight: error"):
+        _check_against_the_definition(2)
 
 
 def test_micro_batch_frequencies_would_give_another_gradient() -> None:
