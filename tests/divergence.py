@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 KINDS = (
     ("router", (".router.", "moe.")),
@@ -72,10 +73,12 @@ class Divergences:
         atol: float,
         rtol: float,
         part: str = "value",
+        slack: Any = None,
     ) -> float:
         """Element-wise |got - want| <= atol + rtol |want| (``torch.testing.assert_close``'s
-        rule, NaN never close); a failure is added under ``tensor``. Returns the max abs
-        error (inf for a shape mismatch)."""
+        rule, NaN never close), plus ``slack`` (a tensor of ``want``'s shape) where given; a
+        failure is added under ``tensor``. Returns the max abs error (inf for a shape
+        mismatch)."""
         import torch
 
         a = torch.as_tensor(got, dtype=torch.float64)
@@ -87,9 +90,10 @@ class Divergences:
         if not b.numel():
             return 0.0
         diff = (a - b).abs()
-        excess_t = torch.where(
-            torch.isnan(diff), math.inf, diff / (atol + rtol * b.abs()).clamp_min(1e-300)
-        )
+        allowed = atol + rtol * b.abs()
+        if slack is not None:
+            allowed = allowed + torch.as_tensor(slack, dtype=torch.float64)
+        excess_t = torch.where(torch.isnan(diff), math.inf, diff / allowed.clamp_min(1e-300))
         excess = excess_t.max().item()
         if excess > 1.0:
             i = int(excess_t.flatten().argmax())
@@ -98,7 +102,10 @@ class Divergences:
                 label, part, step, excess,
                 f"max abs error {diff.flatten()[i].item():.3g} at {idx or 'the value'} (got "
                 f"{a.flatten()[i].item():.6g}, ref {b.flatten()[i].item():.6g}; allowed "
-                f"atol {atol:g} + rtol {rtol:g} |ref|)",
+                f"atol {atol:g} + rtol {rtol:g} |ref|"
+                + (f" + slack {float(torch.as_tensor(slack).flatten()[i]):.3g}"
+                   if slack is not None else "")
+                + ")",
             ))  # fmt: skip
         return diff.max().item()
 

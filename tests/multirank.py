@@ -262,7 +262,9 @@ def micro_run(
     observer = observe(trainer.engine)  # what the first step runs (tests/layout_facts.py)
     losses, norms, moe = [], [], []
     facts: dict[str, Any] = {}
+    lrs: list[float] = []
     for step in range(steps):
+        lrs.append(trainer.engine.lr)
         if step == 0:
             from contextlib import nullcontext
 
@@ -293,6 +295,7 @@ def micro_run(
         "grads": grads,
         "optim": optim,
         "params": params,
+        "lrs": lrs,
         "layout": facts,
         "dtype": {torch.float32: "fp32", torch.bfloat16: "bf16"}[trainer.dtype],
     }
@@ -308,7 +311,8 @@ TOLERANCES: dict[str, dict[str, dict[str, float]]] = {
         "value": {"atol": 1e-5, "rtol": 1e-4},
         # Final parameters: looser, because Adam turns last-bit differences in near-zero
         # gradients into visible updates (m / sqrt(v) does not scale with the gradient).
-        # Measured <= 1.2e-5.
+        # Measured <= 1.2e-5; elements whose gradient is below the comparison's noise floor
+        # may move further (``noise_floor_slack``).
         "param": {"atol": 5e-5, "rtol": 1e-4},
         # Gradients (every step, before clipping) and AdamW's moments (after the last step),
         # per tensor: max |got - ref| <= scale * max |ref|, relative to the tensor's own
@@ -377,6 +381,36 @@ def tolerances(options: Sequence[str], dtype: str = "fp32") -> dict[str, dict[st
         grad["later"] = max(grad["later"], CLAMPED["grad_later"])
         param = {k: max(v, CLAMPED["param"][k]) for k, v in param.items()}
     return {"param": param, "grad": grad}
+
+
+def noise_floor_slack(ref: dict[str, Any], floor: float) -> dict[str, torch.Tensor]:
+    """Per parameter, the extra distance its elements may move: 2 x the lrs' sum for an
+    element whose reference gradient stayed within ``floor`` of its tensor's largest at every
+    step, 0 for the others.
+
+    The gradient check allows an error of ``floor`` x the tensor's scale, so the sign of such
+    an element's gradient is not pinned by the comparison (a cancelling sum, e.g. an output
+    row of a token the batch does not hold: measured 2e-7 of a 0.23-scale tensor). Adam
+    normalises it anyway: its update is lr x m / sqrt(v), of size ~lr whatever the gradient's
+    magnitude (|m^ / sqrt(v^)| <= 1.002 over two steps), so two runs may move it up to 2 lr a
+    step apart. Every other element keeps the tight ``param`` tolerance; an error a layout
+    makes (a scaled gradient, lost moments, a wrong lr) shows on those and in the gradient and
+    moment checks."""
+    if "grads" not in ref or not ref.get("lrs"):
+        return {}
+    reach = 2.0 * sum(ref["lrs"])
+    out = {}
+    for name in ref["params"]:
+        steps = [g[name] for g in ref["grads"] if name in g]
+        if not steps or steps[0].shape != ref["params"][name].shape:
+            continue
+        quiet = torch.ones_like(steps[0], dtype=torch.bool)
+        for g in steps:
+            g = g.double().abs()
+            quiet &= g <= floor * g.max()
+        if quiet.any():
+            out[name] = quiet.double() * reach
+    return out
 
 
 def compare_runs(
@@ -505,9 +539,13 @@ def compare_runs(
                 if key in PER_CALL_STATS:  # sums over forward calls: compare the means
                     a, b = a / g[layer]["calls"], b / r[layer]["calls"]
                 check(tensor, f"moe.{key}[step {step} layer {layer}]", step, a, b)
+    noise = noise_floor_slack(ref, grad_tol["first"])
     for name in same_names("param", got["params"], ref["params"]):
-        check(name, f"param[{name}]", None, got["params"][name], ref["params"][name],
-              **param_tol)  # fmt: skip
+        err = found.check_close(name, f"param[{name}]", None, got["params"][name],
+                                ref["params"][name], part="param", slack=noise.get(name),
+                                **param_tol)  # fmt: skip
+        if not math.isinf(err):
+            note(f"param[{name}]", err)
     assert not found, found.message()
     return errs
 

@@ -27,3 +27,26 @@ def test_results_in_rank_order_and_failures_reported() -> None:
     assert run_ranks(_sum_ranks, 3, 2, timeout=60) == [6.0, 6.0, 6.0]
     with pytest.raises(RankFailure, match="(?s)rank 1 failed.*ValueError: rank one broke"):
         run_ranks(_rank1_fails, 2, timeout=60)
+
+
+def _report(param: torch.Tensor, grads: list[torch.Tensor], lrs: list[float]) -> dict:
+    return {"loss": [1.0], "grad_norm": [1.0], "moe": [{}], "params": {"w": param},
+            "grads": [{"w": g} for g in grads], "lrs": lrs}  # fmt: skip
+
+
+def test_parameter_slack_is_only_for_gradients_below_the_noise_floor() -> None:
+    """An element whose gradient stayed below the gradient check's floor may differ by up to
+    2 x the lrs' sum (Adam's normalised step of a gradient whose sign nothing pins); the same
+    difference on an element with a real gradient, or beyond the reach, still fails."""
+    from multirank import compare_runs
+
+    grads = [torch.tensor([1.0, 1e-8]), torch.tensor([0.5, -1e-8])]
+    ref = _report(torch.tensor([0.3, 0.3]), grads, [1e-3, 2e-3])
+    quiet = _report(torch.tensor([0.3, 0.3 + 5e-3]), grads, [1e-3, 2e-3])
+    compare_runs(quiet, ref)  # 5e-3 < 2 x 3e-3 on the quiet element
+    loud = _report(torch.tensor([0.3 + 5e-3, 0.3]), grads, [1e-3, 2e-3])
+    with pytest.raises(AssertionError, match=r"param\[w\]"):
+        compare_runs(loud, ref)
+    far = _report(torch.tensor([0.3, 0.3 + 7e-3]), grads, [1e-3, 2e-3])
+    with pytest.raises(AssertionError, match=r"slack 0.006"):
+        compare_runs(far, ref)
