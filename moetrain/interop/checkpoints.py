@@ -51,6 +51,28 @@ class CheckpointInfo:
     model: ModelConfig
     moe: MoEConfig
     data: DataConfig
+    source: str | None = None
+    """The Hugging Face directory ``import-hf`` read it from (None: trained by moetrain)."""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The checkpoint's extra state (step, config, source, model_type, dtype ...)."""
+
+    def read_dirs(self) -> list[tuple[str, str | None]]:
+        """(what, path) of every directory this checkpoint's model came from or reads: a
+        command writing output must not touch any of them."""
+        root = self.path.parent
+        dirs: list[tuple[str, str | None]] = []
+        if root.name == "checkpoints":
+            dirs.append(("its run directory", str(root.parent)))
+        dirs += [("its checkpoint root", str(root)), ("the checkpoint", str(self.path))]
+        tok = Path(self.data.tokenizer).expanduser()
+        if self.data.tokenizer != "default" and tok.is_dir():
+            dirs.append(("its tokenizer directory", str(tok)))
+        dirs += [
+            ("its model.init_from", self.model.init_from),
+            ("its model.upcycle_from", self.model.upcycle_from),
+            ("the directory it was imported from", self.source),
+        ]
+        return dirs
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:
@@ -68,7 +90,9 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
         moe.validate()
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint {step_dir}: its config is invalid: {exc}") from None
-    return CheckpointInfo(step_dir, int(manifest["step"]), cfg, model, moe, data)
+    source = extra.get("source")
+    return CheckpointInfo(step_dir, int(manifest["step"]), cfg, model, moe, data,
+                          source if isinstance(source, str) else None, extra)  # fmt: skip
 
 
 def meta_model(model: ModelConfig, moe: MoEConfig) -> Transformer:

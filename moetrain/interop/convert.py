@@ -42,6 +42,7 @@ from moetrain.interop.families import (
 from moetrain.interop.hf_files import TOKENIZER_FILES, HFDirectory, write_safetensors
 from moetrain.interop.load import checked_sources, sections
 from moetrain.interop.sources import read_full
+from moetrain.interop.target import staged_output
 from moetrain.model.rope import half_to_interleaved
 
 log = logging.getLogger("moetrain")
@@ -57,42 +58,48 @@ def architecture_yaml(m: ModelConfig, e: MoEConfig, source: str) -> str:
     return head + yaml.safe_dump(tree, sort_keys=False)
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+def import_hf(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
     """Convert a transformers directory into OUT_DIR/config.yaml and a moetrain checkpoint
     at step 0 (model weights only; resume needs a training checkpoint, so train from it with
-    ``model.init_from: HF_DIR`` or generate / export from it). Returns the checkpoint."""
+    ``model.init_from: HF_DIR`` or generate / export from it). Returns the checkpoint.
+
+    OUT_DIR must be new or empty (``force``: a directory replaced whole, never a training
+    run nor HF_DIR); it is written beside and renamed into place (``staged_output``)."""
     from moetrain.train.checkpoint import CheckpointManager
     from moetrain.train.trainer import model_fingerprint
 
     hf = HFDirectory(hf_dir, key="import-hf HF_DIR")
     m, e, family = sections(hf)
     sources = checked_sources(hf, family, m, e)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(architecture_yaml(m, e, str(hf.path)))
-    from moetrain.config import JobConfig
+    staged = staged_output(out_dir, force=force, sources=[("HF_DIR", hf.path)],
+                           key="import-hf OUT_DIR", replaceable_run=True)  # fmt: skip
+    with staged as tmp:
+        out = Path(out_dir).expanduser().resolve()
+        (tmp / "config.yaml").write_text(architecture_yaml(m, e, str(hf.path)))
+        from moetrain.config import JobConfig
 
-    job = JobConfig(model=m, moe=e)
-    job.train.output_dir = str(out)
-    copied = [n for n in TOKENIZER_FILES if (hf.path / n).is_file()]
-    for name in copied:
-        shutil.copy2(hf.path / name, out / name)
-    if "tokenizer.json" in copied:  # the run's tokenizer: generate and export use it
-        job.data.tokenizer = str(out.resolve())
-    state = {}
-    params = {n for n, _ in meta_model(m, e).named_parameters(remove_duplicate=False)}
-    for name, t in meta_model(m, e).state_dict().items():
-        if name in sources:
-            state[name] = read_full(hf, sources[name])
-        elif name in params:
-            raise HFCheckpointError(f"import-hf: no source for parameter {name} (adapter bug)")
-        else:  # a buffer the family has no tensor for (the expert bias): its initial zeros
-            state[name] = torch.zeros(t.shape, dtype=t.dtype)
-    manager = CheckpointManager(out / "checkpoints", keep_last=1)
-    extra = {"step": 0, "config": job.to_dict(), "source": str(hf.path),
-             "model_type": family.model_type}  # fmt: skip
-    fingerprint = model_fingerprint(job, m.vocab_size or 0)
-    return manager.save(0, {"model": state}, extra, fingerprint=fingerprint)
+        job = JobConfig(model=m, moe=e)
+        job.train.output_dir = str(out)
+        copied = [n for n in TOKENIZER_FILES if (hf.path / n).is_file()]
+        for name in copied:
+            shutil.copy2(hf.path / name, tmp / name)
+        if "tokenizer.json" in copied:  # the run's tokenizer: generate and export use it
+            job.data.tokenizer = str(out)
+        state = {}
+        params = {n for n, _ in meta_model(m, e).named_parameters(remove_duplicate=False)}
+        for name, t in meta_model(m, e).state_dict().items():
+            if name in sources:
+                state[name] = read_full(hf, sources[name])
+            elif name in params:
+                raise HFCheckpointError(f"import-hf: no source for parameter {name} (adapter bug)")
+            else:  # a buffer the family has no tensor for (the expert bias): its initial zeros
+                state[name] = torch.zeros(t.shape, dtype=t.dtype)
+        manager = CheckpointManager(tmp / "checkpoints", keep_last=1)
+        extra = {"step": 0, "config": job.to_dict(), "source": str(hf.path),
+                 "model_type": family.model_type}  # fmt: skip
+        fingerprint = model_fingerprint(job, m.vocab_size or 0)
+        saved = manager.save(0, {"model": state}, extra, fingerprint=fingerprint)
+    return out / "checkpoints" / saved.name
 
 
 # ----------------------------------------------------------------------------- export
@@ -185,19 +192,26 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
     tokenizer: bool = True,
+    force: bool = False,
 ) -> Path:
-    """Write a moetrain checkpoint (saved under any layout) as a transformers directory."""
+    """Write a moetrain checkpoint (saved under any layout) as a transformers directory.
+
+    OUT_DIR must be new or empty (``force``: a directory replaced whole); it is never the
+    checkpoint's run, its tokenizer or the directory it came from. Everything is written
+    beside it and renamed into place (``staged_output``)."""
     info = checkpoint_info(checkpoint)
     fam = _family(info, family)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = fam.to_hf(info.model, info.moe)
-    if dtype is not None:
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    if tokenizer:
-        _write_tokenizer(info, out, config)
-    write_safetensors(hf_tensors(info, fam, dtype), out, max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    staged = staged_output(out_dir, force=force, sources=info.read_dirs(),
+                           key="export-hf OUT_DIR")  # fmt: skip
+    with staged as tmp:
+        config = fam.to_hf(info.model, info.moe)
+        if dtype is not None:
+            config["torch_dtype"] = str(dtype).removeprefix("torch.")
+        if tokenizer:
+            _write_tokenizer(info, tmp, config)
+        write_safetensors(hf_tensors(info, fam, dtype), tmp, max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    out = Path(out_dir).expanduser().resolve()
     log.info("export-hf: %s (step %d) -> %s as %s", info.path, info.step, out, fam.model_type)
     return out
 
