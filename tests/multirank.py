@@ -371,7 +371,7 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from moetrain.model.moe import MoELayer
-    from moetrain.train.engine import _fqn
+    from moetrain.train.tensors import fqn as _fqn
 
     eng = trainer.engine
     by_group = _group_dims(eng.meshes)
@@ -764,7 +764,7 @@ def scale_grads(suffix: str, factor: float) -> Callable[[Any, int], None]:
     single-process name ends with ``suffix`` by ``factor``."""
 
     def inject(engine: Any, step: int) -> None:
-        from moetrain.train.engine import _fqn
+        from moetrain.train.tensors import fqn as _fqn
 
         for part in engine.parts:
             for name, p in part.named_parameters():

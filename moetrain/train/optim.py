@@ -25,7 +25,14 @@ from torch import nn
 
 from moetrain.config import OptimConfig
 
-__all__ = ["WarmupCosine", "build_optimizer", "build_scheduler", "clip_grad_norm_", "param_groups"]
+__all__ = [
+    "WarmupCosine",
+    "adamw",
+    "build_optimizer",
+    "build_scheduler",
+    "clip_grad_norm_",
+    "param_groups",
+]
 
 
 def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
@@ -60,6 +67,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     decay, no_decay = param_groups(model)
     if not decay and not no_decay:
         raise ValueError("build_optimizer: the model has no trainable parameters")
+    return adamw(decay, no_decay, cfg)
+
+
+def adamw(
+    decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimConfig
+) -> torch.optim.AdamW:
+    """AdamW with the two groups of ``build_optimizer`` over any tensors (model parameters, or
+    ZeRO-1's flat slices of them)."""
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -67,7 +67,7 @@ def test_a_scaled_gradient_is_caught_and_named(suffix: str, factor: float, patte
 
 def test_a_dropped_optimizer_state_on_resume_is_caught_and_named() -> None:
     def drop(trainer) -> None:
-        from moetrain.train.engine import _fqn
+        from moetrain.train.tensors import fqn as _fqn
 
         opt = trainer.engine.optimizers[0]
         for name, p in trainer.engine.parts[0].named_parameters():

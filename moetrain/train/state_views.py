@@ -1,0 +1,129 @@
+"""The engine's checkpoint views: model and optimizer state under full-model names, the same
+keys under every layout (DCP reshards them on load), and the way back.
+
+``StateViews`` is a mixin of ``moetrain.train.engine.Engine``: it reads the engine's parts,
+optimizers, meshes and expert parameters. ZeRO-1's flat optimizer slices are saved through
+full-size shadows (``moetrain.train.zero1_state``); expert slices under expert parallelism
+as DTensor views over the EP (and TP) mesh.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, Shard
+
+from moetrain.parallel.expert_parallel import is_expert_param
+from moetrain.train.tensors import MOMENTS, fqn
+from moetrain.train.zero1_state import zero1_restore, zero1_shadow
+
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class StateViews:
+    """Checkpoint views of ``Engine``."""
+
+    def _part_optimizers(self) -> list[torch.optim.Optimizer]:
+        """Per model chunk, the optimizer whose state dict a checkpoint holds: the live ones,
+        or ZeRO-1's gathered shadows."""
+        if self.zero_stage != 1:
+            return self.optimizers
+        return zero1_shadow(
+            self.grad_sync, self.optimizers, self.parts, self.cfg.optim, self.device
+        )
+
+    def app_state(self) -> dict[str, Any]:
+        """Model and optimizer state keyed by full-model names (flattened optimizer state), the
+        same keys under every layout: DCP reshards them on load."""
+        model_sd: dict[str, Any] = {}
+        optim_sd: dict[str, Any] = {}
+        self._shadows = self._part_optimizers()
+        for part, opt in zip(self.parts, self._shadows, strict=True):
+            model_sd.update(get_model_state_dict(part))
+            optim_sd.update(get_optimizer_state_dict(part, opt, options=FLAT))
+        # Expert parallelism: each rank holds a slice of every expert tensor under the full
+        # model's name. Saved as DTensor views (no copy) sharded over the EP mesh (and the
+        # FFN width over TP under expert TP), DCP writes each slice at its offset in the
+        # full (E, ...) tensor and reads any other slicing back: the checkpoint loads under
+        # any ep (ep = 1 included, where these are plain full tensors).
+        for full_name, mesh, placements in self._expert_layouts():
+            for sd, key in (
+                (model_sd, full_name),
+                *((optim_sd, f"state.{full_name}.{k}") for k in MOMENTS),
+            ):
+                if key in sd and not isinstance(sd[key], DTensor):
+                    sd[key] = DTensor.from_local(sd[key], mesh, placements, run_check=False)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def _expert_layouts(self) -> list[tuple[str, Any, tuple[Any, ...]]]:
+        """(full-model name, mesh, placements) of each expert parameter of this rank."""
+        if not self.expert_params:
+            return []
+        out = []
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if not is_expert_param(p):
+                    continue
+                if self.etp_mesh is not None:
+                    ffn_dim = 1 if name.endswith("w2") else 2
+                    mesh = self.meshes.ep_root["ep", "tp"]
+                    out.append((fqn(name), mesh, (Shard(0), Shard(ffn_dim))))
+                else:
+                    out.append((fqn(name), self.ep_mesh, (Shard(0),)))
+        return out
+
+    def load_app_state(self, state: dict[str, Any]) -> None:
+        """Load what ``app_state()`` returned after DCP filled it."""
+        shadows = self._shadows
+        experts = {full_name for full_name, _, _ in self._expert_layouts()}
+        expert_keys = experts | {f"state.{f}.{k}" for f in experts for k in MOMENTS}
+        for sd in (state["model"], state["optim"]):  # the expert DTensor views: local again
+            for key, value in sd.items():
+                if key in expert_keys and isinstance(value, DTensor):
+                    # A copy: DCP may hand back a view that partly overlaps the parameter it
+                    # is loaded into (seen with one expert per rank sharded over ep and the
+                    # FFN width over tp), which the copy into the parameter refuses.
+                    sd[key] = value.to_local().clone()
+        for part, opt in zip(self.parts, shadows, strict=True):
+            keys = set(get_model_state_dict(part))
+            set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in keys})
+            set_optimizer_state_dict(part, opt, state["optim"], options=FLAT)
+        if self.zero_stage == 1:
+            zero1_restore(self.grad_sync, self.optimizers, shadows)
+        self._shadows = None
+
+    def model_state(self) -> dict[str, Any]:
+        """The model half of ``app_state()``: this rank's tensors under full-model names
+        (expert slices as DTensor views), for DCP to fill in place from any source (the
+        interop layer reads Hugging Face weights into it); then ``load_model_state``."""
+        sd: dict[str, Any] = {}
+        for part in self.parts:
+            sd.update(get_model_state_dict(part))
+        for full_name, mesh, placements in self._expert_layouts():
+            if full_name in sd and not isinstance(sd[full_name], DTensor):
+                sd[full_name] = DTensor.from_local(sd[full_name], mesh, placements, run_check=False)
+        return sd
+
+    def load_model_state(self, sd: dict[str, Any]) -> None:
+        """Apply a ``model_state()`` that DCP filled."""
+        experts = {full_name for full_name, _, _ in self._expert_layouts()}
+        sd = {k: v.to_local() if k in experts and isinstance(v, DTensor) else v
+              for k, v in sd.items()}  # fmt: skip
+        for part in self.parts:
+            keys = set(get_model_state_dict(part))
+            set_model_state_dict(part, {k: v for k, v in sd.items() if k in keys})
+
+    def scheduler_state(self) -> dict[str, Any]:
+        return self.schedulers[0].state_dict()
+
+    def load_scheduler_state(self, state: dict[str, Any]) -> None:
+        for sched in self.schedulers:
+            sched.load_state_dict(state)

@@ -1,0 +1,51 @@
+"""Small helpers for the tensors the engine holds under any layout: DTensor or plain, wrapped
+or not. Shared by the step (``engine``), the checkpoint views (``state_views``), the full-state
+gathers (``full_state``) and the ZeRO-1 shadows (``zero1_state``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+# AdamW's two moments: the optimizer state every checkpoint and oracle reads.
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard, or ``t`` itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def process_group(mesh: Any) -> Any:
+    """The process group of a 1-D mesh, or None when there is nothing to communicate with."""
+    return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
+
+
+def full_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered to full size (collective), or a plain tensor, as a CPU fp32 copy."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().float().cpu().clone()
+
+
+def fqn(name: str) -> str:
+    """A parameter's name as state dicts spell it (wrapper prefixes removed)."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def shard_dims(t: torch.Tensor) -> list[str]:
+    """The mesh dims a DTensor is sharded over (none for a plain tensor)."""
+    if not isinstance(t, DTensor):
+        return []
+    names = t.device_mesh.mesh_dim_names or ()
+    out = []
+    for name, placement in zip(names, t.placements, strict=True):
+        if placement.is_partial():
+            raise RuntimeError(f"gradient with a Partial placement on mesh dim {name!r}")
+        if not placement.is_replicate():  # Shard, or FSDP's _StridedShard over a TP shard
+            out.append(name)
+    return out
