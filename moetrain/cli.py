@@ -34,6 +34,15 @@ def train_main(argv: list[str] | None = None) -> int:
     if args.print_config:
         from moetrain.config import config_to_yaml
 
+        if cfg.model.init_from is not None or cfg.model.upcycle_from is not None:
+            # The run's architecture is the checkpoint's: show that, as training will use it.
+            from moetrain.interop.init import hf_architecture
+
+            try:
+                hf_architecture(cfg)
+            except ConfigError as exc:
+                print(f"moetrain: config error: {exc}", file=sys.stderr)
+                return 2
         print(config_to_yaml(cfg), end="")
         return 0
     import datasets

@@ -467,7 +467,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for. 0: save the starting model as checkpoint step 0 and stop
+    (a model upcycled or initialised from a Hugging Face checkpoint, written directly for
+    ``moetrain export-hf`` or ``generate``; a later run with more steps resumes from it)."""
     global_batch_size: int = 16
     """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
     micro_batch_size: int = 8
@@ -521,8 +523,10 @@ class TrainConfig:
     reads."""
 
     def validate(self) -> None:
-        _positive("train", self, "steps", "global_batch_size", "micro_batch_size",
-                  "eval_batches", "keep_last", "collective_timeout_s")
+        _positive("train", self, "global_batch_size", "micro_batch_size", "eval_batches",
+                  "keep_last", "collective_timeout_s")
+        if self.steps < 0:
+            _fail("train.steps", f"must be >= 0, got {self.steps}")
         if self.max_nonfinite_skips < 0:
             _fail("train.max_nonfinite_skips", f"must be >= 0, got {self.max_nonfinite_skips}")
         for name in ("eval_every", "checkpoint_every"):

@@ -48,7 +48,7 @@ BAD_OVERRIDES = [
         ["train.global_batch_size=12"],
         "train.global_batch_size: 12 is not divisible by train.micro_batch_size=8",
     ),
-    (["train.steps=0"], "train.steps: must be > 0, got 0"),
+    (["train.steps=-1"], "train.steps: must be >= 0, got -1"),
     (["train.device=tpu"], "train.device: expected 'auto' | 'cpu' | 'cuda', got 'tpu'"),
     (["optim.lr=0"], "optim.lr: must be > 0, got 0.0"),
     (["optim.beta2=1.0"], "optim.beta2: must be in [0, 1), got 1.0"),

@@ -72,10 +72,12 @@ def export_hf_main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("checkpoint", help="a step_* directory, a checkpoints/ root or a run dir")
     parser.add_argument("out_dir", help="a new or empty directory")
-    parser.add_argument("--family", help="transformers model_type (default: the first that "
-                        "expresses the architecture)")  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="tensor dtype (default: as "
-                        "saved, fp32)")  # fmt: skip
+    parser.add_argument("--family", help="transformers model_type (default: the first family "
+                        "that expresses the architecture, else moetrain's own model, loaded "
+                        "with trust_remote_code=True)")  # fmt: skip
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="tensor dtype (default: the "
+                        "dtype each tensor was saved in: an imported bf16 model stays bf16, a "
+                        "trained one is fp32)")  # fmt: skip
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR "
                         "whole (never the run, its tokenizer or its source)")  # fmt: skip
@@ -83,7 +85,7 @@ def export_hf_main(argv: list[str] | None = None) -> int:
     from moetrain.interop.convert import export_hf
 
     try:
-        out = export_hf(
+        exported = export_hf(
             args.checkpoint,
             args.out_dir,
             family=args.family,
@@ -93,7 +95,7 @@ def export_hf_main(argv: list[str] | None = None) -> int:
         )
     except _user_errors() as exc:
         return _fail(exc)
-    print(f"moetrain: exported {args.checkpoint} -> {out}")
+    print(f"moetrain: exported {args.checkpoint} -> {exported.path} {exported.describe()}")
     return 0
 
 
@@ -148,6 +150,14 @@ def generate_main(argv: list[str] | None = None) -> int:
     except _user_errors() as exc:
         return _fail(exc)
     print(args.prompt + tok.decode(ids))
+    limit = model.cfg.max_seq_len
+    if len(ids) < args.max_new_tokens and (not ids or ids[-1] != tok.eos_id):
+        print(
+            f"moetrain: generate: stopped after {len(ids)} of --max-new-tokens "
+            f"{args.max_new_tokens} tokens: the prompt ({len(prompt)} tokens) and the "
+            f"continuation fill the model's context of {limit} positions",
+            file=sys.stderr,
+        )
     if args.show_ids:
         print(f"prompt ids: {prompt}")
         print(f"generated ids: {ids}")

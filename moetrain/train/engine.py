@@ -171,7 +171,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         else:
             self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
         self.schedulers = [
-            build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in self.optimizers
+            build_scheduler(opt, cfg.optim, max(1, cfg.train.steps)) for opt in self.optimizers
         ]
         if self.schedule is not None:
             self._warm_up_pipeline(dims.micro_batch_size(cfg), cfg.data.seq_len)

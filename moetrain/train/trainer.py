@@ -322,12 +322,14 @@ class Trainer:
                     "start a new train.output_dir"
                 )
             return
+        _refuse_weights_only(path)
         # Keys are full-model names under every layout: DCP reshards a checkpoint saved under
         # another layout on load. Data state is the global stream position (layout-free).
         state = self.engine.app_state()
         extra = self.ckpt.load(path, state, expected_fingerprint=self.fingerprint)
         self.engine.load_app_state(state)
-        self.engine.load_scheduler_state(extra["scheduler"])
+        if int(extra["step"]) > 0:  # a step-0 start (train.steps=0) keeps this run's schedule
+            self.engine.load_scheduler_state(extra["scheduler"])
         self.train_data.load_state_dict(extra["data"])
         set_rng_state(extra["rng"])
         self.step = int(extra["step"])
@@ -468,7 +470,7 @@ class Trainer:
             self.peak_flops / 1e9,
             self.peak_source,
         )
-        if cfg.optim.warmup_steps >= tcfg.steps:
+        if 0 < tcfg.steps <= cfg.optim.warmup_steps:
             log.warning("optim.warmup_steps=%d >= train.steps=%d: the learning rate rises for "
                         "the whole run and never reaches optim.lr=%g", cfg.optim.warmup_steps,
                         tcfg.steps, cfg.optim.lr)  # fmt: skip
@@ -485,6 +487,9 @@ class Trainer:
         eval_loss = None
         with PreemptionGuard() as preempt:
             eval_loss = self._loop(end, window, bar, preempt)
+        if tcfg.steps == 0 and self.step == 0:
+            # The starting model itself (an upcycled or imported start), for export.
+            self.save_checkpoint()
         if bar is not None:
             bar.close()
         self.writer.warnings.flush()
@@ -615,6 +620,22 @@ class Trainer:
             bar.write(line)
         else:
             log.info(line)
+
+
+def _refuse_weights_only(path: Path) -> None:
+    """A checkpoint that ``moetrain import-hf`` wrote holds model weights only: resuming it
+    would fail deep in DCP (no optimizer state). Say what to do instead."""
+    try:
+        extra = torch.load(Path(path) / "extra.pt", map_location="cpu", weights_only=True)
+    except Exception:
+        return  # not an import (per-rank extras, or unreadable: the load reports it)
+    if isinstance(extra, dict) and "source" in extra and "scheduler" not in extra:
+        raise CheckpointError(
+            f"train.resume: {path} holds only the weights that moetrain import-hf read from "
+            f"{extra['source']} (no optimizer state), and is not resumed; train from them with "
+            f"model.init_from: {extra['source']} and a train.output_dir of their own (the "
+            "config.yaml import-hf wrote beside it does both)"
+        )
 
 
 def run(cfg: JobConfig) -> dict[str, float]:

@@ -52,13 +52,15 @@ DENSE: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(_ATTN, intermediate_size=96, sliding_window=None)),
     "qwen3": ("Qwen3Config", dict(_ATTN, head_dim=32, intermediate_size=96,
                                   tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", dict(_ATTN, intermediate_size=96)),
 }  # fmt: skip
 """Dense families (sparse-upcycling sources)."""
 
 MODELS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
           "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
           "deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
-          "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+          "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "qwen2": "Qwen2ForCausalLM"}  # fmt: skip
 
 
 def build_hf(model_type: str, seed: int = 0):

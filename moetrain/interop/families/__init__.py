@@ -3,6 +3,8 @@
 MoE families: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3. Dense families (the sources
 of sparse upcycling, and plain dense imports): Llama, Mistral, Qwen2, Qwen3. Tensor names
 are those ``save_pretrained`` writes (the per-expert layout of the Hub checkpoints).
+``moetrain``: moetrain's own model with its modeling file beside the weights, what export
+writes when no family expresses a checkpoint (``families/moetrain.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from moetrain.interop.families.base import ARCH_MODEL_KEYS, ARCH_MOE_KEYS, Famil
 from moetrain.interop.families.deepseek_v3 import DeepseekV3
 from moetrain.interop.families.dense import Llama, Mistral, Qwen2, Qwen3
 from moetrain.interop.families.mixtral import Mixtral
+from moetrain.interop.families.moetrain import Moetrain
 from moetrain.interop.families.olmoe import Olmoe
 from moetrain.interop.families.qwen2_moe import Qwen2Moe
 from moetrain.interop.families.qwen3_moe import Qwen3Moe
@@ -40,6 +43,7 @@ FAMILIES: dict[str, Family] = {
         Mistral(),
         Qwen2(),
         Qwen3(),
+        Moetrain(),  # last: a family is preferred whenever one expresses the model
     )
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3")
@@ -51,19 +55,22 @@ def family_of(hf: dict, key: str = "HF_DIR") -> Family:
     if model_type not in FAMILIES:
         raise HFCheckpointError(
             f"{key}: model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(MOE_FAMILIES)} (MoE) and {', '.join(DENSE_FAMILIES)} (dense)"
+            f"{', '.join(MOE_FAMILIES)} (MoE), {', '.join(DENSE_FAMILIES)} (dense) and moetrain "
+            "(moetrain's own, as export-hf writes it)"
         )
     return FAMILIES[model_type]
 
 
-def export_family(m: ModelConfig, e: MoEConfig, prefer: str | None = None) -> Family:
-    """The family that expresses these sections (``prefer`` first), or an error that says
-    what keeps each family out."""
+def export_family(
+    m: ModelConfig, e: MoEConfig, prefer: str | None = None
+) -> tuple[Family, list[str]]:
+    """The first family that expresses these sections (``prefer`` first; ``moetrain``, which
+    expresses every model, last) and why each family tried before it could not."""
     order = ([prefer] if prefer in FAMILIES else []) + [t for t in FAMILIES if t != prefer]
     reasons = []
     for t in order:
         problems = FAMILIES[t].problems(m, e)
         if not problems:
-            return FAMILIES[t]
+            return FAMILIES[t], reasons
         reasons.append(f"{t}: {', '.join(problems)}")
     raise HFCheckpointError("no family expresses this architecture: " + "; ".join(reasons))

@@ -141,6 +141,10 @@ class Family:
     prefix = "model.layers"
     moe_block = "mlp"  # Mixtral: block_sparse_moe
     expert_names = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    keeps_rope_style = False
+    """False: transformers' rotate-half pairing (export permutes interleaved q/k rows)."""
+    remote_files: tuple[str, ...] = ()
+    """Modeling files written beside the weights (loaded with trust_remote_code=True)."""
 
     # -- config -------------------------------------------------------------------------
 
@@ -205,7 +209,6 @@ class Family:
             "hidden_act": "silu",
             "attention_dropout": 0.0,
             "initializer_range": m.init_std,
-            "torch_dtype": "float32",
             "use_cache": True,
             **rope_to_hf(m),
         }
