@@ -92,6 +92,11 @@ class ModelConfig:
     """llama3 RoPE scaling: ``low_freq_factor``."""
     rope_llama3_high_freq_factor: float = 4.0
     """llama3 RoPE scaling: ``high_freq_factor``."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each grouped-query attention head's q/k dims that RoPE rotates: the first
+    int(factor * head dim), in the pairing of ``rope_style``; the rest carry no position
+    (GLM-4.5: 0.5; MiniMax-M2: rotary_dim / head_dim). 1: every dim. Multi-head latent
+    attention has its own split (``qk_rope_head_dim``)."""
     qk_norm: Literal["none", "head", "full"] = "none"
     """RMSNorm on queries and keys before RoPE: "head" normalises each head's Dh values with
     one weight shared by the heads (Qwen3); "full" normalises the whole q and k projections
@@ -157,10 +162,19 @@ class ModelConfig:
             if self.qk_rope_head_dim % 2:
                 _fail("model.qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even for "
                       "RoPE")
+            if self.partial_rotary_factor != 1:
+                _fail("model.partial_rotary_factor", "applies to attention=gqa only; multi-head "
+                      "latent attention rotates model.qk_rope_head_dim")
             for name in ("qk_norm", "qkv_bias", "out_bias", "clip_qkv", "head_dim"):
                 if getattr(self, name) not in (None, False, "none"):
                     _fail(f"model.{name}", "applies to attention=gqa only; multi-head latent "
                           "attention has its own latent norms and no biases")
+        elif not 0 < self.partial_rotary_factor <= 1:
+            _fail("model.partial_rotary_factor", f"must be in (0, 1], got "
+                  f"{self.partial_rotary_factor}")
+        elif self.partial_rotary_factor != 1 and (self.rope_dim % 2 or self.rope_dim == 0):
+            _fail("model.partial_rotary_factor", f"rotates {self.rope_dim} dims of each head; "
+                  "RoPE needs an even number > 0")
         elif self.rope_dim % 2:
             key = "model.head_dim" if self.head_dim is not None else "model.dim"
             _fail(key, f"head dim {self.rope_dim} must be even for RoPE")
@@ -203,7 +217,7 @@ class ModelConfig:
         if self.attention == "mla":
             assert self.qk_rope_head_dim is not None
             return self.qk_rope_head_dim
-        return self.attn_head_dim
+        return int(self.attn_head_dim * self.partial_rotary_factor)
 
 
 @dataclass
@@ -278,6 +292,10 @@ class MoEConfig:
     not implement it: the routing step then runs the torch router."""
     topk_groups: int = 1
     """Groups a token may route to under group-limited routing (DeepSeek-V3's topk_group)."""
+    group_score: Literal["top2", "max"] = "top2"
+    """How group-limited routing scores a group: "top2" the sum of its two highest
+    (bias-corrected) scores (DeepSeek-V3's noaux_tc, GLM-4.5), "max" its highest
+    (DeepSeek-V2's group_limited_greedy)."""
     routed_scaling_factor: float = 1.0
     """Multiplies the routed experts' combine weights, after renormalisation
     (DeepSeek-V3's routed_scaling_factor)."""
@@ -298,7 +316,7 @@ class MoEConfig:
                   f"{self.num_experts}, got {self.n_groups}")
         if self.n_groups > 1:
             per_group = self.num_experts // self.n_groups
-            if per_group < 2:
+            if per_group < 2 and self.group_score == "top2":
                 _fail("moe.n_groups", f"{self.n_groups} groups leave {per_group} expert per "
                       "group; a group is scored by its two best experts")
             if not 1 <= self.topk_groups <= self.n_groups:

@@ -23,6 +23,12 @@ BAD_OVERRIDES = [
     (["model.dim=100"], "model.dim: 100 is not divisible by model.n_heads=8"),
     (["model.n_kv_heads=3"], "model.n_kv_heads: 3 does not divide model.n_heads=8"),
     (["model.dim=24", "model.n_heads=8"], "model.dim: head dim 3 must be even for RoPE"),
+    (["model.partial_rotary_factor=0.1"], "model.partial_rotary_factor: rotates 3 dims of each "
+     "head; RoPE needs an even number > 0"),
+    (["model.partial_rotary_factor=1.5"], "model.partial_rotary_factor: must be in (0, 1]"),
+    (["model.attention=mla", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
+      "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.partial_rotary_factor=0.5"],
+     "model.partial_rotary_factor: applies to attention=gqa only"),
     (["data.seq_len=0"], "data.seq_len: must be > 0, got 0"),
     (["data.seq_len=-4"], "data.seq_len: must be > 0, got -4"),
     (["data.seq_len=512"], "data.seq_len: 512 exceeds model.max_seq_len=256"),

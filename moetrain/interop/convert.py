@@ -126,10 +126,12 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) -
 # ----------------------------------------------------------------------------- export
 
 
-def _to_half_rows(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+def _to_half_rows(t: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
     """Rows of a q/k projection (or bias, or norm weight) from moetrain's interleaved RoPE
-    pairing to transformers' rotate-half: per head, interleaved row i is half row p[i]."""
-    inv = torch.argsort(half_to_interleaved(head_dim))
+    pairing to transformers' rotate-half: per head, interleaved row i is half row p[i] among
+    the first ``rope_dim`` rows (partial rotary leaves the others where they are)."""
+    inv = torch.cat((torch.argsort(half_to_interleaved(rope_dim)),
+                     torch.arange(rope_dim, head_dim)))  # fmt: skip
     heads = t.reshape(-1, head_dim, *t.shape[1:])
     return heads[:, inv].reshape(t.shape)
 
@@ -148,7 +150,7 @@ one head, whole-projection ones all heads)."""
 
 def _rope_rows_to_half(name: str, t: torch.Tensor, m: ModelConfig) -> torch.Tensor:
     if m.attention == "gqa" and m.rope_style == "interleaved" and name.endswith(_ROPE_ROWS):
-        return _to_half_rows(t, m.attn_head_dim)
+        return _to_half_rows(t, m.attn_head_dim, m.rope_dim)
     return t
 
 

@@ -1,6 +1,7 @@
 """One small adapter per Hugging Face family (docs/interop.md).
 
-MoE families: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3. Dense families (the sources
+MoE families: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2,
+DeepSeek-V2. Dense families (the sources
 of sparse upcycling, and plain dense imports): Llama, Mistral, Qwen2, Qwen3. Tensor names
 are those ``save_pretrained`` writes (the per-expert layout of the Hub checkpoints).
 ``moetrain``: moetrain's own model with its modeling file beside the weights, what export
@@ -12,8 +13,11 @@ from __future__ import annotations
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.interop.errors import HFCheckpointError
 from moetrain.interop.families.base import ARCH_MODEL_KEYS, ARCH_MOE_KEYS, Family
+from moetrain.interop.families.deepseek_v2 import DeepseekV2
 from moetrain.interop.families.deepseek_v3 import DeepseekV3
 from moetrain.interop.families.dense import Llama, Mistral, Qwen2, Qwen3
+from moetrain.interop.families.glm4_moe import Glm4Moe
+from moetrain.interop.families.minimax_m2 import MiniMaxM2
 from moetrain.interop.families.mixtral import Mixtral
 from moetrain.interop.families.moetrain import Moetrain
 from moetrain.interop.families.olmoe import Olmoe
@@ -39,6 +43,9 @@ FAMILIES: dict[str, Family] = {
         Olmoe(),
         Qwen2Moe(),
         DeepseekV3(),
+        Glm4Moe(),
+        MiniMaxM2(),
+        DeepseekV2(),
         Llama(),
         Mistral(),
         Qwen2(),
@@ -46,7 +53,8 @@ FAMILIES: dict[str, Family] = {
         Moetrain(),  # last: a family is preferred whenever one expresses the model
     )
 }
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe",
+                "minimax_m2", "deepseek_v2")  # fmt: skip
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 

@@ -23,7 +23,7 @@ ARCH_MODEL_KEYS = (
     "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim",
     "rope_llama3_low_freq_factor", "rope_llama3_high_freq_factor", "qk_norm", "qkv_bias",
     "out_bias", "clip_qkv", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "partial_rotary_factor",
 )  # fmt: skip
 """Keys of the model section an HF config decides (the rest are training choices)."""
 
@@ -31,6 +31,7 @@ ARCH_MOE_KEYS = (
     "num_experts", "top_k", "every_n_layers", "dense_layers", "expert_ffn_dim",
     "num_shared_experts", "shared_expert_ffn_dim", "shared_expert_gate", "score_func",
     "renormalize", "route_with_bias", "n_groups", "topk_groups", "routed_scaling_factor",
+    "group_score",
 )  # fmt: skip
 """Keys of the moe section an HF config decides. Capacity, dropping, balancing losses,
 jitter, token groups and kernels stay the YAML's."""
@@ -58,11 +59,10 @@ def rope_from_hf(hf: dict, family: str) -> dict[str, Any]:
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or params.get("type") or "default"
-    out: dict[str, Any] = {"rope_theta": float(theta)}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    out: dict[str, Any] = {"rope_theta": float(theta), "partial_rotary_factor": float(partial)}
     if kind == "default":
         return out
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFCheckpointError(f"config.json: {family}: partial_rotary_factor is not supported")
     if kind == "linear":
         return {**out, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
     original = params.get("original_max_position_embeddings")
@@ -141,6 +141,8 @@ class Family:
     prefix = "model.layers"
     moe_block = "mlp"  # Mixtral: block_sparse_moe
     expert_names = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    partial_rotary = False
+    """Whether transformers' modeling of the family rotates part of each head only."""
     keeps_rope_style = False
     """False: transformers' rotate-half pairing (export permutes interleaved q/k rows)."""
     remote_files: tuple[str, ...] = ()
@@ -172,6 +174,9 @@ class Family:
         )
         if model["n_kv_heads"] == heads:
             model["n_kv_heads"] = None
+        if model["partial_rotary_factor"] != 1.0 and not self.partial_rotary:
+            raise HFCheckpointError(f"config.json: {self.model_type}: partial_rotary_factor is "
+                                    "not supported")  # fmt: skip
         window = self.sliding_window(hf)
         if window is not None and window < model["max_seq_len"]:
             # Sliding-window attention equals full causal attention on sequences no longer
@@ -219,11 +224,15 @@ class Family:
         out = []
         if m.attention != "gqa":
             out.append("multi-head latent attention")
+        if m.partial_rotary_factor != 1.0 and not self.partial_rotary:
+            out.append("partial rotary")
         if (e.num_experts > 0) != self.moe:
             out.append("MoE layers" if e.num_experts else "no MoE layers")
         if e.num_experts:
             if e.n_groups > 1:
                 out.append("group-limited routing")
+            elif e.group_score != "top2":
+                out.append(f"group_score={e.group_score}")
             if e.routed_scaling_factor != 1.0:
                 out.append("routed_scaling_factor")
             if e.route_with_bias or e.expert_bias_rate > 0:

@@ -50,7 +50,7 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def rope_dim(m: dict) -> int:
     if m["attention"] == "mla":
         return m["qk_rope_head_dim"]
-    return m["head_dim"] or m["dim"] // m["n_heads"]
+    return int((m["head_dim"] or m["dim"] // m["n_heads"]) * m.get("partial_rotary_factor", 1.0))
 
 
 def rope_inv_freq(m: dict) -> tuple[torch.Tensor, float]:
@@ -159,6 +159,7 @@ class Attention(nn.Module):
         super().__init__()
         self.m, self.layer_id = m, layer_id
         self.head_dim = m["head_dim"] or m["dim"] // m["n_heads"]
+        self.rope_dim = rope_dim(m)  # partial rotary: the first rope_dim dims of each head
         kv_heads = m["n_kv_heads"] or m["n_heads"]
         q_out, kv_out = m["n_heads"] * self.head_dim, kv_heads * self.head_dim
         self.wq = nn.Linear(m["dim"], q_out, bias=m["qkv_bias"])
@@ -184,10 +185,15 @@ class Attention(nn.Module):
         v = v.view(B, S, -1, self.head_dim)
         if self.m["qk_norm"] == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin, self.m["rope_style"])
-        k = apply_rope(k, cos, sin, self.m["rope_style"])
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         k, v = _cached(cache, self.layer_id, k, v)
         return self.wo(attend(q, k, v, mask, None))
+
+    def _rope(self, x, cos, sin):
+        if self.rope_dim == self.head_dim:
+            return apply_rope(x, cos, sin, self.m["rope_style"])
+        rot, rest = x.split((self.rope_dim, self.head_dim - self.rope_dim), dim=-1)
+        return torch.cat((apply_rope(rot, cos, sin, self.m["rope_style"]), rest), dim=-1)
 
 
 class LatentAttention(nn.Module):
@@ -264,7 +270,11 @@ class Router(nn.Module):
         if e["n_groups"] > 1:
             T, E = select_TE.shape
             G = e["n_groups"]
-            group_TG = select_TE.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)
+            grouped = select_TE.view(T, G, E // G)
+            if e.get("group_score", "top2") == "max":
+                group_TG = grouped.max(dim=-1).values
+            else:
+                group_TG = grouped.topk(2, dim=-1).values.sum(-1)
             keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
             keep_TG.scatter_(1, group_TG.topk(e["topk_groups"], dim=-1).indices, True)
             keep_TE = keep_TG.repeat_interleave(E // G, dim=1)
