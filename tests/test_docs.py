@@ -228,7 +228,7 @@ def _load_tool(path: Path) -> Any:
 def check_training(argv: list[str], world_size: int = 1) -> None:
     """A training command's arguments parse, its config loads and validates, and its layout
     fits ``world_size`` ranks."""
-    from moetrain.cli import train_main
+    from moetrain.train.cli import train_main
     from moetrain.config import load_config
     from moetrain.parallel.dims import ParallelDims
 
@@ -238,7 +238,7 @@ def check_training(argv: list[str], world_size: int = 1) -> None:
 
 
 def _check_ablate(args: argparse.Namespace) -> None:
-    from moetrain.ablate import load_sweep
+    from moetrain.ablation import load_sweep
 
     load_sweep(args.sweep, args.overrides, args.out)  # builds and validates every run's config
 

@@ -41,7 +41,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from moetrain.ablate_report import (
+from moetrain.ablation.report import (
     CONFIDENCE,
     DIFF_FMTS,
     FIGURES,
@@ -52,7 +52,7 @@ from moetrain.ablate_report import (
 )
 from moetrain.config import load_config
 from moetrain.data import load_tokenizer
-from moetrain.stats import Interval
+from moetrain.ablation.stats import Interval
 from moetrain.train.metrics import moe_layer_ids, read_scalars, run_summary
 from moetrain.train.specialization import (
     load_eval_routing,

@@ -42,9 +42,9 @@ from moetrain.data.prepared import (
     publish_dir,
     read_manifest,
     sha256_file,
+    token_dtype,
     write_json_atomic,
 )
-from moetrain.data.sources import token_dtype
 from moetrain.data.tokenize_worker import ShardTokenizer, init_worker, write_shard
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
 from moetrain.data.verify import check_files, record_verified, stamp_file, verify_checksums

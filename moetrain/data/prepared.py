@@ -42,6 +42,11 @@ SPLITS = ("train", "eval")
 OPEN_SHARDS = 64
 """Shards a reader keeps mapped at once (each map holds a file descriptor)."""
 
+
+def token_dtype(vocab_size: int) -> str:
+    """Smallest unsigned dtype holding every id (uint16 for vocabularies up to 65536)."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
 _CHUNK = 1 << 24  # bytes per read while hashing a file
 
 

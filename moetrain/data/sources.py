@@ -28,7 +28,7 @@ from moetrain.data._cache import cache_root, short_hash
 from moetrain.data.corpus import corpus_dir
 from moetrain.data.dataset import check_text, load_split, plan_split
 from moetrain.data.errors import DataError
-from moetrain.data.prepared import PreparedSplit, is_prepared, read_manifest
+from moetrain.data.prepared import PreparedSplit, is_prepared, read_manifest, token_dtype
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.data.verify import check_files, check_tokenizer
 
@@ -62,11 +62,6 @@ class IndexedDocs(Protocol):
     def sample_tokens(self, max_tokens: int) -> np.ndarray:
         """The first ``max_tokens`` tokens in stored order."""
         ...
-
-
-def token_dtype(vocab_size: int) -> str:
-    """Smallest unsigned dtype holding every id (uint16 for vocabularies up to 65536)."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 # ----------------------------------------------------------------------------- streaming

@@ -2,6 +2,6 @@
 
 import sys
 
-from moetrain.cli import train_main
+from moetrain.train.cli import train_main
 
 sys.exit(train_main())

@@ -51,6 +51,7 @@ from moetrain.train.resilience import (
     PreemptionGuard,
 )
 from moetrain.train.specialization import SpecializationLog
+from moetrain.train.start import Start, find_start
 
 log = logging.getLogger("moetrain")
 
@@ -180,19 +181,19 @@ def init_distributed(device: torch.device, timeout_s: int) -> None:
 class Trainer:
     """The trainer for every layout: one process, or a torchrun job with ``parallel.*``."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, start: Start | None = None):
+        """``start``: where the first weights come from when ``model.init_from`` or
+        ``model.upcycle_from`` asks for one (``moetrain.train.start``); by default the
+        installed one, found through the package's entry points."""
         self.cfg = cfg
         tcfg = cfg.train
         self.device = pick_device(tcfg.device)
         self.dtype = pick_dtype(tcfg.dtype, self.device)
         self.out_dir = Path(tcfg.output_dir)
-        # Starting from a Hugging Face checkpoint: its architecture replaces the YAML's first
-        # (the one upward import, moetrain.interop, only when asked for).
-        hf_start = None
-        if cfg.model.init_from is not None or cfg.model.upcycle_from is not None:
-            from moetrain.interop.init import prepare_hf_start
-
-            hf_start = prepare_hf_start(cfg)
+        # Starting from another framework's checkpoint: its architecture replaces the YAML's
+        # first (the start factory edits cfg).
+        if start is None:
+            start = find_start(cfg)
         # The layout is checked against the world size before anything else is built.
         dims = ParallelDims.from_config(cfg.parallel, world_size())
 
@@ -237,8 +238,8 @@ class Trainer:
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
         self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype)
         del model
-        if hf_start is not None:  # every rank reads only the slices it holds
-            hf_start.load(self.engine)
+        if start is not None:  # every rank reads only the slices it holds
+            start.load(self.engine)
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", tcfg.keep_last)
         self.fingerprint = model_fingerprint(cfg, vocab)
         self.step = 0

@@ -14,7 +14,7 @@ import yaml
 from conftest import MICRO, write_sweep
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from moetrain.ablate import load_sweep, run_sweep
+from moetrain.ablation import load_sweep, run_sweep
 from moetrain.config import ConfigError
 
 PNG = b"\x89PNG\r\n\x1a\n"

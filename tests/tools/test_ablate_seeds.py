@@ -18,7 +18,7 @@ import pytest
 import yaml
 from test_ablate import event_scalars
 
-from moetrain.ablate import load_sweep, run_sweep
+from moetrain.ablation import load_sweep, run_sweep
 
 SWEEP = Path(__file__).parents[2] / "configs" / "sweeps" / "tiny_seeds.yaml"
 VARIANTS = ("switch-aux", "global-aux")

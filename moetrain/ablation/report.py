@@ -1,4 +1,4 @@
-"""The tables and plots of a ``moetrain ablate`` sweep (``moetrain.ablate`` runs it).
+"""The tables and plots of a ``moetrain ablate`` sweep (``moetrain.ablation.runner`` runs it).
 
 - ``results.csv``: one row per finished run (variant and seed): the varied keys, the
   figures of ``moetrain.train.metrics.run_summary`` (final eval loss; imbalance, drops,
@@ -7,7 +7,7 @@
   parameters, FLOPs per token, tokens, steps, seconds.
 - ``summary.csv``: per variant and figure, over its seeds: n, mean, sample std, the 95%
   t interval, and the difference from the baseline variant with its 95% interval, paired
-  by seed when both ran the same seeds (``moetrain.stats``), and whether that interval
+  by seed when both ran the same seeds (``moetrain.ablation.stats``), and whether that interval
   spans zero ("within noise").
 - ``results.md``: the same as markdown tables; ``results.png``: per figure the variants'
   means with their intervals as error bars and each seed as a dot; ``differences.png``: each
@@ -22,12 +22,10 @@ import csv
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from moetrain.stats import Interval, difference_interval, mean_interval
-
-if TYPE_CHECKING:
-    from moetrain.ablate import Sweep
+from moetrain.ablation.spec import Sweep, fmt_value
+from moetrain.ablation.stats import Interval, difference_interval, mean_interval
 
 FIGURES = ("eval_loss", "max_over_mean", "cv", "dropped_fraction", "router_entropy",
            "dead_experts", "peak_max_over_mean", "peak_dropped_fraction",
@@ -49,7 +47,7 @@ DIFF_FMTS = {k: f.replace("{:", "{:+", 1) for k, f in FMTS.items()}
 CONFIDENCE = 0.95
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
@@ -110,7 +108,7 @@ def _summary_rows(sweep: Sweep, summary: list[dict[str, Any]]) -> tuple[list[str
         row: dict[str, Any] = {"run": e["run"], "n": e["n"],
                                "baseline": str(e["run"] == sweep.baseline).lower(),
                                "seeds": " ".join(map(str, e["seeds"]))}
-        row.update({k: _fmt_value(v) for k, v in e["varied"].items()})
+        row.update({k: fmt_value(v) for k, v in e["varied"].items()})
         row.update({k: repr(e[k]) for k in COST})
         for fig in FIGURES:
             iv: Interval = e[fig]
@@ -122,12 +120,6 @@ def _summary_rows(sweep: Sweep, summary: list[dict[str, Any]]) -> tuple[list[str
                         f"{fig}_diff_within_noise": str(d.within_noise).lower()})
         out.append(row)
     return cols, out
-
-
-def _fmt_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _write_csv(path: Path, cols: list[str], rows: list[dict[str, Any]]) -> None:
@@ -147,7 +139,7 @@ def write_results(sweep: Sweep, rows: dict[str, dict[str, str]]) -> None:
     _write_csv(sweep.out_dir / "results.csv", cols, ordered)
     summary = summarize(sweep, rows)
     _write_csv(sweep.out_dir / "summary.csv", *_summary_rows(sweep, summary))
-    _write_atomic(sweep.out_dir / "results.md", markdown(sweep, ordered, summary))
+    write_atomic(sweep.out_dir / "results.md", markdown(sweep, ordered, summary))
     if ordered:
         plot_results(sweep, summary, rows)
 
@@ -210,7 +202,7 @@ def markdown(sweep: Sweep, rows: list[dict[str, str]], summary: list[dict[str, A
             "|" + "---|" * (1 + len(keys)) + "---:|" * (3 + len(figs)),
         ]  # fmt: skip
         for e in summary:
-            cells = [e["run"], *(_fmt_value(e["varied"].get(k, "")) for k in keys), str(e["n"]),
+            cells = [e["run"], *(fmt_value(e["varied"].get(k, "")) for k in keys), str(e["n"]),
                      _si(e["active_params"]), _si(e["flops_per_token"])]
             cells += [_interval_cell(f, e[f]) for f in figs]
             lines.append("| " + " | ".join(cells) + " |")
