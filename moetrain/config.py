@@ -125,6 +125,15 @@ class ModelConfig:
     Required with attention=mla."""
     v_head_dim: int | None = None
     """MLA: per-head value width. Required with attention=mla."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules D (DeepSeek-V3, GLM-4.5; config.json's
+    num_nextn_predict_layers): module k predicts each position's token k + 1 places ahead
+    from module k - 1's hidden state and the embedding of the token k places ahead, through
+    a transformer block of its own and the shared output head (docs/interop.md). Trained
+    with ``mtp_loss_weight``; inference ignores them. 0: none."""
+    mtp_loss_weight: float = 0.3
+    """lambda of the multi-token-prediction loss lambda / D * sum_k L^k, added to the LM loss
+    (DeepSeek-V3: 0.3, then 0.1)."""
     init_from: str | None = None
     """A local directory saved by transformers (config.json + safetensors) to start from: its
     architecture replaces this section's and the moe section's architecture keys (each
@@ -188,7 +197,7 @@ class ModelConfig:
             _fail("model.rope_scaling_factor", f"must be >= 1 with model.rope_scaling="
                   f"{self.rope_scaling!r}, got {self.rope_scaling_factor}")
         for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim", "upcycle_router_std",
-                     "upcycle_noise"):
+                     "upcycle_noise", "mtp_depth", "mtp_loss_weight"):
             if getattr(self, name) < 0:
                 _fail(f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
         if self.rope_llama3_high_freq_factor <= self.rope_llama3_low_freq_factor:
@@ -759,6 +768,12 @@ class JobConfig:
         if late:
             _fail("moe.dense_layers", f"{late} are not layers of a model.n_layers="
                   f"{self.model.n_layers} model")
+        if self.model.mtp_depth:
+            for key, value in (("train.routing_replay", self.train.routing_replay is not None),
+                               ("train.record_routing", self.train.record_routing)):  # fmt: skip
+                if value:
+                    _fail(key, "is not supported with model.mtp_depth > 0 (routing files "
+                          "hold the main layers' routing)")
         if self.model.upcycle_from is not None and moe.num_experts == 0:
             _fail("model.upcycle_from", "needs MoE layers: set moe.num_experts > 0")
         if moe.token_group_seqs is not None and moe.num_experts:

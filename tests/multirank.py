@@ -480,6 +480,11 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         and i % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1
         and i not in cfg.moe.dense_layers
     ]
+    # Multi-token-prediction modules: blocks n_layers.. of the one stage (no pp with them).
+    mtp = range(cfg.model.n_layers, cfg.model.n_layers + cfg.model.mtp_depth)
+    layers += len(mtp)
+    moe_layers += [i for i in mtp if cfg.moe.num_experts
+                   and i % cfg.moe.every_n_layers == cfg.moe.every_n_layers - 1]  # fmt: skip
     zero = p.zero_stage if dims.dp * dims.cp > 1 else 0
     ep_split = dims.ep > 1 and cfg.moe.num_experts > 0
     n_micro = dims.microbatches(cfg)

@@ -61,6 +61,7 @@ def hf_architecture(cfg: JobConfig) -> tuple[HFDirectory, Family]:
     hf = HFDirectory(cfg.model.upcycle_from if upcycle else cfg.model.init_from, key)
     family = family_of(hf.config, key)
     model_keys, moe_keys = family.to_moetrain(hf.config)
+    model_keys["mtp_depth"] = family.hf_mtp_depth(hf.config, set(hf.tensors))
     source = f"{hf.path}/config.json"
     _replace(cfg.model, "model", model_keys, source)
     if upcycle:

@@ -157,6 +157,8 @@ class StepResult:
     tokens: int
     seconds: float
     moe: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    mtp_loss: float = float("nan")
+    """The multi-token-prediction loss (lambda / D * sum_k L^k); nan without it."""
 
 
 def world_size() -> int:
@@ -347,6 +349,7 @@ class Trainer:
             micro_batches, replay=replay, record=tcfg.record_routing
         )
         lr = self.engine.lr
+        mtp_loss = self.engine.pop_mtp_loss()
         if tcfg.record_routing:
             record = self.engine.routing_record()
             if self.is_main and record is not None:
@@ -362,7 +365,8 @@ class Trainer:
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe)
+        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe,
+                          mtp_loss)  # fmt: skip
 
     def _replay(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
         """The routing ``train.routing_replay`` gives the next step, checked against the step's
@@ -564,6 +568,8 @@ class Trainer:
                 "perf/mfu": mfu,
                 "train/skipped_steps": self.nonfinite.skipped,
             }
+            if self.cfg.model.mtp_depth:
+                scalars["train/mtp_loss"] = res.mtp_loss
             self.writer.scalars(scalars, self.step)
             self.writer.moe_layers(res.moe, self.step)
             if self.is_main:

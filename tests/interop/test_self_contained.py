@@ -35,21 +35,24 @@ CASES: dict[str, tuple[list[str], str | None]] = {
     "tiny.yaml": (["train.global_batch_size=8", "train.micro_batch_size=8", "data.seq_len=32",
                    "train.eval_batches=1"],
                   None),
-    # the micro MoE: an ungated shared expert beside softmax routing and the bias.
-    "micro (shared expert, expert bias)": ([], None),
+    # the micro MoE: an ungated shared expert beside softmax routing and the bias, and a
+    # multi-token-prediction module (kept with the weights, not run by inference).
+    "micro (shared expert, expert bias)": (["model.mtp_depth=1"], None),
     # options a family has, but not together: forced through --family moetrain.
-    "mla, yarn, sigmoid groups, scaling, dense first layer, rotate-half": ([
+    "mla, yarn, sigmoid groups by their best, scaling, dense first layer, rotate-half": ([
         "model.attention=mla", "model.q_lora_rank=24", "model.kv_lora_rank=16",
         "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
         "model.rope_scaling=yarn", "model.rope_scaling_factor=4.0",
         "model.rope_original_max_seq_len=16", "model.rope_yarn_mscale=1.0",
         "model.rope_yarn_mscale_all_dim=1.0", "model.rope_style=half",
         "moe.score_func=sigmoid", "moe.n_groups=2", "moe.topk_groups=1",
-        "moe.routed_scaling_factor=2.5", "moe.dense_layers=[0]"], "moetrain"),
-    "whole-projection q/k norm, clip, q/k/v biases only, head_dim, llama3, sparse layers": ([
+        "moe.routed_scaling_factor=2.5", "moe.dense_layers=[0]", "moe.group_score=max"],
+        "moetrain"),
+    "whole-projection q/k norm, clip, biases, head_dim, partial llama3, sparse layers": ([
         "model.qk_norm=full", "model.clip_qkv=1.5", "model.qkv_bias=true", "model.head_dim=16",
         "model.rope_scaling=llama3", "model.rope_scaling_factor=8.0",
         "model.rope_original_max_seq_len=16", "moe.every_n_layers=2",
+        "model.partial_rotary_factor=0.5",
         "moe.shared_expert_gate=true", "moe.renormalize=false", "moe.expert_bias_rate=0.0"],
         None),
 }  # fmt: skip
@@ -96,6 +99,12 @@ def test_export_loads_in_transformers_with_moetrains_logits(name: str, tmp_path:
 
     ours = _reference(tmp_path / "run")
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    # Every tensor of the checkpoint is a tensor of the model (the MTP module's included).
+    theirs = hf.state_dict()
+    for mine, t in ours.state_dict().items():
+        key = {"tok_embeddings.weight": "model.embed_tokens.weight",
+               "output.weight": "lm_head.weight"}.get(mine, f"model.{mine}")  # fmt: skip
+        assert torch.equal(theirs[key], t), mine
     tokens = _tokens()
     with torch.no_grad():
         err = (hf(tokens).logits - ours(tokens)).abs().max().item()

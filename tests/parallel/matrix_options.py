@@ -88,6 +88,9 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
                                "model.rope_yarn_mscale=1.0", "model.rope_yarn_mscale_all_dim=1.0"]),
                      ("llama3", ["model.rope_scaling=llama3", "model.rope_scaling_factor=8.0",
                                  "model.rope_original_max_seq_len=16"])],
+    "mtp": [("no multi-token prediction", ["model.mtp_depth=0"]),
+            ("multi-token prediction, depth 1 (DeepSeek-V3, GLM-4.5)",
+             ["model.mtp_depth=1", "model.mtp_loss_weight=0.3"])],
     # MoE layers
     "moe_every": [("every layer", ["moe.every_n_layers=1"]),
                   ("every 2nd layer", ["moe.every_n_layers=2"])],

@@ -23,7 +23,7 @@ ARCH_MODEL_KEYS = (
     "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim",
     "rope_llama3_low_freq_factor", "rope_llama3_high_freq_factor", "qk_norm", "qkv_bias",
     "out_bias", "clip_qkv", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim", "partial_rotary_factor",
+    "qk_rope_head_dim", "v_head_dim", "partial_rotary_factor", "mtp_depth",
 )  # fmt: skip
 """Keys of the model section an HF config decides (the rest are training choices)."""
 
@@ -141,6 +141,9 @@ class Family:
     prefix = "model.layers"
     moe_block = "mlp"  # Mixtral: block_sparse_moe
     expert_names = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    mtp = False
+    """Whether the family's checkpoints carry multi-token-prediction layers (read and
+    written by moetrain; transformers drops them)."""
     partial_rotary = False
     """Whether transformers' modeling of the family rotates part of each head only."""
     keeps_rope_style = False
@@ -226,6 +229,8 @@ class Family:
             out.append("multi-head latent attention")
         if m.partial_rotary_factor != 1.0 and not self.partial_rotary:
             out.append("partial rotary")
+        if m.mtp_depth and not self.mtp:
+            out.append("multi-token prediction")
         if (e.num_experts > 0) != self.moe:
             out.append("MoE layers" if e.num_experts else "no MoE layers")
         if e.num_experts:
@@ -305,7 +310,8 @@ class Family:
                 "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight", (V, D)
             ),
         }
-        for i in range(m.n_layers):
+        mtp = range(m.n_layers, m.n_layers + m.mtp_depth)
+        for i in [*range(m.n_layers), *mtp]:
             p = f"{self.prefix}.{i}"
             out[f"layers.{i}.attention_norm.weight"] = Rows(f"{p}.input_layernorm.weight", (D,))
             out[f"layers.{i}.ffn_norm.weight"] = Rows(f"{p}.post_attention_layernorm.weight", (D,))
@@ -314,4 +320,41 @@ class Family:
                 out.update(self.moe_sources(i, m, e))
             else:
                 out.update(self.dense_ffn_sources(i, m))
+        if m.mtp_depth:
+            out.update(self.mtp_sources(m, out))
         return out
+
+    def mtp_sources(self, m: ModelConfig, out: dict[str, Source]) -> dict[str, Source]:
+        """The multi-token-prediction modules' own tensors (DeepSeek-V3's names: the extra
+        layers n_layers.. after the main ones, each with ``enorm``, ``hnorm``, ``eh_proj``,
+        ``shared_head.norm`` and copies of the embedding and the head, which moetrain
+        shares with the main model: read from the main ones, written to both)."""
+        D, V = m.dim, m.vocab_size
+        assert V is not None
+        mine: dict[str, Source] = {}
+        layers = [f"{self.prefix}.{i}" for i in range(m.n_layers, m.n_layers + m.mtp_depth)]
+        for i, p in zip(range(m.n_layers, m.n_layers + m.mtp_depth), layers, strict=True):
+            q = f"layers.{i}"
+            mine[f"{q}.enorm.weight"] = Rows(f"{p}.enorm.weight", (D,))
+            mine[f"{q}.hnorm.weight"] = Rows(f"{p}.hnorm.weight", (D,))
+            mine[f"{q}.eh_proj.weight"] = Rows(f"{p}.eh_proj.weight", (D, 2 * D))
+            mine[f"{q}.head_norm.weight"] = Rows(f"{p}.shared_head.norm.weight", (D,))
+        emb, head = out["tok_embeddings.weight"], out["output.weight"]
+        assert isinstance(emb, Rows) and isinstance(head, Rows)
+        mine["tok_embeddings.weight"] = Rows(
+            emb.key, (V, D), copies=tuple(f"{p}.embed_tokens.weight" for p in layers)
+        )
+        mine["output.weight"] = Rows(
+            head.key, (V, D), copies=tuple(f"{p}.shared_head.head.weight" for p in layers)
+        )
+        return mine
+
+    def hf_mtp_depth(self, hf: dict, tensors: set[str]) -> int:
+        """Multi-token-prediction layers config.json declares and the shards hold (transformers'
+        own save_pretrained writes the count but not the layers)."""
+        declared = int(hf.get("num_nextn_predict_layers") or 0) if self.mtp else 0
+        n = int(hf.get("num_hidden_layers") or 0)
+        held = 0
+        while held < declared and f"{self.prefix}.{n + held}.eh_proj.weight" in tensors:
+            held += 1
+        return held

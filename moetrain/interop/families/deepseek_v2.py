@@ -17,6 +17,7 @@ from moetrain.interop.sources import Source
 
 class DeepseekV2(DeepseekV3):
     model_type, architecture = "deepseek_v2", "DeepseekV2ForCausalLM"
+    mtp = False
 
     def check_routing(self, hf: dict) -> None:
         method = hf.get("topk_method", "greedy")
@@ -61,6 +62,8 @@ class DeepseekV2(DeepseekV3):
             out.append("rotate-half RoPE (DeepSeek-V2 pairs interleaved dims)")
         if m.tie_embeddings:
             out.append("tied embeddings")
+        if m.mtp_depth:
+            out.append("multi-token prediction")
         if e.num_experts == 0:
             return [*out, "no MoE layers"]
         if e.score_func != "softmax":

@@ -14,6 +14,7 @@ from moetrain.interop.sources import Rows, Source
 
 class DeepseekV3(Family):
     model_type, architecture = "deepseek_v3", "DeepseekV3ForCausalLM"
+    mtp = True
 
     def check_routing(self, hf: dict) -> None:
         if (
@@ -93,6 +94,7 @@ class DeepseekV3(Family):
             attention_bias=False,
             **self.moe_to_hf(e),
         )
+        out["num_nextn_predict_layers"] = m.mtp_depth
         return out
 
     def moe_to_hf(self, e: MoEConfig) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 optional per-head q/k RMSNorm and partial rotary (the first half of each head by default),
 and DeepSeek-V3's routing: sigmoid scores with the correction bias, groups scored by their
 two best experts, renormalisation, routed_scaling_factor, shared experts, the first k
-layers dense. Its multi-token-prediction layer (``num_nextn_predict_layers``) is not read:
-transformers drops those weights too."""
+layers dense. Its multi-token-prediction layers (``num_nextn_predict_layers``, DeepSeek-V3's
+layout) are read and written as ``model.mtp_depth``; transformers drops them."""
 
 from __future__ import annotations
 
@@ -40,6 +40,7 @@ class Glm4Moe(DeepseekV3):
             **self.moe_to_hf(e),
         )
         del out["scoring_func"], out["topk_method"]
+        out["num_nextn_predict_layers"] = m.mtp_depth
         return out
 
     def problems(self, m: ModelConfig, e: MoEConfig) -> list[str]:

@@ -57,6 +57,8 @@ class MiniMaxM2(Family):
             out.append("attention biases")
         if m.clip_qkv is not None:
             out.append("clip_qkv")
+        if m.mtp_depth:
+            out.append("multi-token prediction")
         if e.num_experts == 0:
             return [*out, "no MoE layers"]
         if e.num_shared_experts:

@@ -39,6 +39,10 @@ class Moetrain(Family):
     model_type, architecture = "moetrain", "MoetrainForCausalLM"
     keeps_rope_style = True
     remote_files = REMOTE_FILES
+    mtp = True
+
+    def hf_mtp_depth(self, hf: dict, tensors: set[str]) -> int:
+        return int((hf.get("moetrain_model") or {}).get("mtp_depth") or 0)
 
     def to_moetrain(self, hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         sections = []

@@ -354,6 +354,13 @@ class Block(nn.Module):
             if is_moe_layer(layer_id, e)
             else FeedForward(m["dim"], m["ffn_dim"])
         )
+        if layer_id >= m["n_layers"]:
+            # A multi-token-prediction module (moetrain's model.mtp_depth): its weights are
+            # kept for training; inference does not run it.
+            self.enorm = RMSNorm(m["dim"], m["norm_eps"])
+            self.hnorm = RMSNorm(m["dim"], m["norm_eps"])
+            self.eh_proj = nn.Linear(2 * m["dim"], m["dim"], bias=False)
+            self.head_norm = RMSNorm(m["dim"], m["norm_eps"])
 
     def forward(self, x, cos, sin, mask, cache):
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
@@ -408,7 +415,8 @@ class MoetrainModel(MoetrainPreTrainedModel):
         super().__init__(config)
         m = config.moetrain_model
         self.embed_tokens = nn.Embedding(m["vocab_size"], m["dim"])
-        self.layers = nn.ModuleList(Block(config, i) for i in range(m["n_layers"]))
+        depth = m["n_layers"] + m.get("mtp_depth", 0)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(depth))
         self.norm = RMSNorm(m["dim"], m["norm_eps"])
         self.post_init()
 
@@ -427,7 +435,7 @@ class MoetrainModel(MoetrainPreTrainedModel):
             position_ids = torch.arange(past, past + S, device=h.device)[None].expand(B, S)
         cos, sin = rope_cos_sin(self.config.moetrain_model, position_ids)
         mask = attention_mask_4d(attention_mask, position_ids, past + S)
-        for layer in self.layers:
+        for layer in self.layers[: self.config.moetrain_model["n_layers"]]:
             h = layer(h, cos, sin, mask, cache)
         return self.norm(h)
 
