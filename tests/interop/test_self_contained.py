@@ -85,7 +85,13 @@ def _tokens(seed: int = 2) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("name", list(CASES))
+SLOW_CASES = list(CASES)[2:]
+"""The two option-heavy cases run under -m slow (about a minute each on two cores)."""
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if n in SLOW_CASES else []) for n in CASES]
+)
 def test_export_loads_in_transformers_with_moetrains_logits(name: str, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 

@@ -74,16 +74,7 @@ class DeepseekV2(DeepseekV3):
             out.append("an expert selection bias")
         if e.n_groups > 1 and e.group_score != "max":
             out.append("groups scored by their two best experts (DeepSeek-V2 uses the best)")
-        if e.every_n_layers != 1 or e.dense_layers != list(range(len(e.dense_layers))):
-            out.append("dense layers other than the first k")
-        if e.shared_expert_gate:
-            out.append("a shared-expert gate")
-        if e.num_shared_experts and e.shared_expert_ffn_dim not in (
-            None,
-            e.num_shared_experts * e.expert_ffn_dim,
-        ):
-            out.append("shared_expert_ffn_dim other than num_shared_experts * expert_ffn_dim")
-        return out
+        return out + self.layer_problems(e)
 
     def moe_sources(self, i: int, m: ModelConfig, e: MoEConfig) -> dict[str, Source]:
         return Family.moe_sources(self, i, m, e)

@@ -127,6 +127,20 @@ class DeepseekV3(Family):
         out = []
         if e.score_func != "sigmoid":
             out.append("softmax router scores")
+        out += self.layer_problems(e)
+        if e.n_groups == 1 and e.topk_groups != 1:
+            out.append("topk_groups without groups")
+        if e.group_score != "top2":
+            out.append("groups scored by their best expert (DeepSeek-V3 sums the two best)")
+        if e.expert_bias_rate == 0 and not e.route_with_bias:
+            out.append("routing without the score-correction bias")
+        return out
+
+    @staticmethod
+    def layer_problems(e: MoEConfig) -> list[str]:
+        """The DeepSeek layout of MoE layers: the first k dense, ungated shared experts of
+        num_shared_experts * expert_ffn_dim."""
+        out = []
         if e.every_n_layers != 1 or e.dense_layers != list(range(len(e.dense_layers))):
             out.append("dense layers other than the first k")
         if e.shared_expert_gate:
@@ -136,12 +150,6 @@ class DeepseekV3(Family):
             e.num_shared_experts * e.expert_ffn_dim,
         ):
             out.append("shared_expert_ffn_dim other than num_shared_experts * expert_ffn_dim")
-        if e.n_groups == 1 and e.topk_groups != 1:
-            out.append("topk_groups without groups")
-        if e.group_score != "top2":
-            out.append("groups scored by their best expert (DeepSeek-V3 sums the two best)")
-        if e.expert_bias_rate == 0 and not e.route_with_bias:
-            out.append("routing without the score-correction bias")
         return out
 
     def attention_sources(self, i: int, m: ModelConfig) -> dict[str, Source]:

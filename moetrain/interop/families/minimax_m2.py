@@ -8,15 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.interop.families.base import Family, need
+from moetrain.interop.families.mixtral import Mixtral
 from moetrain.interop.sources import Rows, Source
 from moetrain.model.transformer import is_moe_layer
 
 
-class MiniMaxM2(Family):
+class MiniMaxM2(Mixtral):
+    """Mixtral's tensor names and expert keys, with MiniMax-M2's attention and routing."""
+
     model_type, architecture = "minimax_m2", "MiniMaxM2ForCausalLM"
-    moe_block = "block_sparse_moe"
-    expert_names = ("w1", "w3", "w2")
     partial_rotary = True
 
     def to_moetrain(self, hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -25,26 +25,13 @@ class MiniMaxM2(Family):
         if hf.get("rotary_dim"):  # the released checkpoints' way of saying partial rotary
             model["partial_rotary_factor"] = hf["rotary_dim"] / head_dim
         model.update(qk_norm="full")
-        moe.update(
-            num_experts=need(hf, "num_local_experts", self.model_type),
-            top_k=need(hf, "num_experts_per_tok", self.model_type),
-            expert_ffn_dim=need(hf, "intermediate_size", self.model_type),
-            score_func="sigmoid",
-            renormalize=True,
-            route_with_bias=True,
-        )
+        moe.update(score_func="sigmoid", renormalize=True, route_with_bias=True)
         return model, moe
 
     def to_hf(self, m: ModelConfig, e: MoEConfig) -> dict[str, Any]:
         out = super().to_hf(m, e)
-        out.update(
-            intermediate_size=e.expert_ffn_dim,
-            num_local_experts=e.num_experts,
-            num_experts_per_tok=e.top_k,
-            rotary_dim=m.rope_dim,
-            partial_rotary_factor=m.partial_rotary_factor,
-            router_jitter_noise=0.0,
-        )
+        del out["sliding_window"]
+        out.update(rotary_dim=m.rope_dim, partial_rotary_factor=m.partial_rotary_factor)
         return out
 
     def problems(self, m: ModelConfig, e: MoEConfig) -> list[str]:
