@@ -134,6 +134,28 @@ class ModelConfig:
     mtp_loss_weight: float = 0.3
     """lambda of the multi-token-prediction loss lambda / D * sum_k L^k, added to the LM loss
     (DeepSeek-V3: 0.3, then 0.1)."""
+    document_mask: bool = False
+    """Block-causal attention over packed documents: a token attends only to the earlier
+    tokens of its own document, and the separator that ends a document predicts nothing (its
+    label, the next document's first token, is left out of the loss and of every router
+    loss and statistic). Off: plain causal attention over the whole packed sequence
+    (docs/attention.md)."""
+    document_positions: bool = False
+    """RoPE (and YaRN) positions restart at 0 at every document's first token, and at every
+    sequence's, instead of running on over the packed sequence. Needs document_mask."""
+    sliding_window: int | None = None
+    """Sliding-window attention: a token attends to the ``sliding_window`` latest positions,
+    its own included (Mistral, gpt-oss), on the layers ``sliding_window_layers`` names.
+    null: every layer attends to every earlier position."""
+    sliding_window_layers: list[int] | None = None
+    """Layers (0-based) that use ``sliding_window``; the others attend to every earlier
+    position (gpt-oss alternates sliding and full layers: [0, 2, 4, ...]). null: every
+    layer."""
+    attention_backend: Literal["sdpa", "flex"] = "sdpa"
+    """How masked attention runs: "sdpa" (``scaled_dot_product_attention``: ``is_causal``
+    for plain causal attention, an explicit boolean mask for documents and windows) or
+    "flex" (FlexAttention with a block mask, compiled; fully masked blocks are skipped).
+    Both give the same numbers; docs/attention.md measures them."""
     init_from: str | None = None
     """A local directory saved by transformers (config.json + safetensors) to start from: its
     architecture replaces this section's and the moe section's architecture keys (each
@@ -196,6 +218,12 @@ class ModelConfig:
         if self.rope_scaling != "none" and self.rope_scaling_factor < 1:
             _fail("model.rope_scaling_factor", f"must be >= 1 with model.rope_scaling="
                   f"{self.rope_scaling!r}, got {self.rope_scaling_factor}")
+        if self.mtp_depth:
+            for name in ("document_mask", "sliding_window"):
+                if getattr(self, name) not in (None, False):
+                    _fail(f"model.{name}", "is not supported with model.mtp_depth > 0 (the "
+                          "multi-token-prediction modules attend causally over the whole "
+                          "sequence)")
         for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim", "upcycle_router_std",
                      "upcycle_noise", "mtp_depth", "mtp_loss_weight"):
             if getattr(self, name) < 0:
@@ -203,6 +231,19 @@ class ModelConfig:
         if self.rope_llama3_high_freq_factor <= self.rope_llama3_low_freq_factor:
             _fail("model.rope_llama3_high_freq_factor", f"must exceed "
                   f"model.rope_llama3_low_freq_factor={self.rope_llama3_low_freq_factor}")
+        if self.document_positions and not self.document_mask:
+            _fail("model.document_positions", "needs model.document_mask=true (positions "
+                  "restart at documents that the attention keeps apart)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            _fail("model.sliding_window", f"must be >= 1 or null, got {self.sliding_window}")
+        if self.sliding_window_layers is not None:
+            if self.sliding_window is None:
+                _fail("model.sliding_window_layers", "needs model.sliding_window")
+            bad = [i for i in self.sliding_window_layers
+                   if not isinstance(i, int) or not 0 <= i < self.n_layers]
+            if bad:
+                _fail("model.sliding_window_layers", f"{bad} are not layers of a "
+                      f"model.n_layers={self.n_layers} model")
         if self.init_from is not None and self.upcycle_from is not None:
             _fail("model.upcycle_from", "model.init_from is set too; start from one of them")
         for name in ("init_from", "upcycle_from"):
@@ -219,6 +260,11 @@ class ModelConfig:
     def attn_head_dim(self) -> int:
         """Per-head q/k/v width of grouped-query attention."""
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def window(self, layer_id: int) -> int | None:
+        """The sliding window of layer ``layer_id`` (None: it attends to every position)."""
+        layers = self.sliding_window_layers
+        return self.sliding_window if layers is None or layer_id in layers else None
 
     @property
     def rope_dim(self) -> int:

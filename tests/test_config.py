@@ -26,6 +26,8 @@ BAD_OVERRIDES = [
     (["model.partial_rotary_factor=0.1"], "model.partial_rotary_factor: rotates 3 dims of each "
      "head; RoPE needs an even number > 0"),
     (["model.partial_rotary_factor=1.5"], "model.partial_rotary_factor: must be in (0, 1]"),
+    (["model.mtp_depth=1", "model.sliding_window=8"],
+     "model.sliding_window: is not supported with model.mtp_depth > 0"),
     (["model.attention=mla", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
       "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.partial_rotary_factor=0.5"],
      "model.partial_rotary_factor: applies to attention=gqa only"),

@@ -12,12 +12,18 @@ wkv_b``; a RoPE part of the key, ``wk_rope``, shared by every head (transformers
 ``kv_a_proj_with_mqa`` is ``wkv_a`` and ``wk_rope`` stacked). Names follow DeepSeek's
 reference code.
 
-The attention core (causal SDPA) is the module's ``attend`` attribute, ``causal_attention``
-by default: the seam where context parallelism plugs in (``moetrain.parallel.
-context_parallel`` installs a function that gathers the keys and values of the whole
-sequence over the ranks holding parts of it), as the dispatcher is the MoE layer's seam for
-expert parallelism. Keys and values reach it with their own (kv) head count: a function that
-exchanges them sends the un-repeated heads.
+The attention core is the module's ``attend`` attribute, ``moetrain.model.masks.attend`` by
+default: it takes the ``AttentionMask`` that ``Transformer.forward`` built for the layer
+(causal, block-causal per document, sliding window: ``moetrain.model.masks``) and never
+builds one itself. It is the seam where context parallelism plugs in
+(``moetrain.parallel.context_parallel`` installs a function that gathers the keys and
+values of the whole sequence over the ranks holding parts of it, then calls the same core
+with the same mask), as the dispatcher is the MoE layer's seam for expert parallelism. Keys
+and values reach it with their own (kv) head count: a function that exchanges them sends the
+un-repeated heads.
+
+RoPE: ``cos`` / ``sin`` are the rows of this call's tokens, (S, R/2), or (B, S, R/2) when
+positions restart at every document (``model.document_positions``).
 
 Shape legend: B batch, S new positions, L cached + new positions, D model dim, H heads,
 Hkv kv heads, Dh head dim, R rotated width, C latent width.
@@ -28,12 +34,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import ModelConfig
+from moetrain.model.masks import AttentionMask, attend
 from moetrain.model.norm import RMSNorm
-from moetrain.model.rope import apply_rope, softmax_scale_factor
+from moetrain.model.rope import apply_rope, rope_rows, softmax_scale_factor
 
 MLA_LATENT_NORM_EPS = 1e-6
 """Epsilon of MLA's latent norms: fixed in DeepSeek's reference code and in transformers,
@@ -59,40 +65,10 @@ class KVCache:
         return k_BSHD, v_BSHD
 
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float | None, int], torch.Tensor]
-"""``attend(q_BSHD, k_BLHD, v_BLHD, scale, start) -> (B, S, H*Dv)``: the attention core."""
-
-
-def repeat_kv(k_BLHD: torch.Tensor, v_BLHD: torch.Tensor, heads: int):
-    """Grouped-query attention: each kv head serves heads / Hkv query heads."""
-    n_rep = heads // k_BLHD.shape[2]
-    if n_rep > 1:
-        k_BLHD = k_BLHD.repeat_interleave(n_rep, dim=2)
-        v_BLHD = v_BLHD.repeat_interleave(n_rep, dim=2)
-    return k_BLHD, v_BLHD
-
-
-def causal_attention(
-    q_BSHD: torch.Tensor,
-    k_BLHD: torch.Tensor,
-    v_BLHD: torch.Tensor,
-    scale: float | None,
-    start: int,
-) -> torch.Tensor:
-    """Causal SDPA of S new queries at positions start.. over L = start + S keys -> (B, S, H*Dv).
-    Keys and values may have fewer (kv) heads than the queries."""
-    B, S = q_BSHD.shape[:2]
-    k_BLHD, v_BLHD = repeat_kv(k_BLHD, v_BLHD, q_BSHD.shape[2])
-    q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BLHD, v_BLHD))
-    if start == 0:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        # Query i sits at position start + i and sees keys 0 .. start + i.
-        L = k.shape[2]
-        pos_S1 = torch.arange(start, start + S, device=q.device)[:, None]
-        mask_SL = torch.arange(L, device=q.device)[None, :] <= pos_S1
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SL, scale=scale)
-    return out.transpose(1, 2).reshape(B, S, -1)
+Attend = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float | None, AttentionMask], torch.Tensor
+]
+"""``attend(q_BSHD, k_BLHD, v_BLHD, scale, mask) -> (B, S, H*Dv)``: the attention core."""
 
 
 class Attention(nn.Module):
@@ -110,7 +86,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, kv_out, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, kv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_out, cfg.dim, bias=cfg.out_bias)
-        self.attend: Attend = causal_attention
+        self.attend: Attend = attend
         self.qk_norm = cfg.qk_norm
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -125,9 +101,9 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        start = cache.length if cache is not None else 0
         q, k, v = self.wq(x_BSD), self.wk(x_BSD), self.wv(x_BSD)
         if self.qk_norm == "full":  # OLMoE: over the whole projection, before the head split
             q, k = self.q_norm(q), self.k_norm(k)
@@ -139,11 +115,13 @@ class Attention(nn.Module):
         v = v.view(B, S, -1, self.head_dim)
         if self.qk_norm == "head":  # Qwen3: each head's Dh values, one shared weight
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[start : start + S], sin[start : start + S]
+        cos, sin = rope_rows(cos, sin, S)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer_id, k, v)
-        return self.wo(self.attend(q, k, v, None, start))
+        if mask is None:  # causal attention of the new positions over all of them
+            mask = AttentionMask.causal(S, x_BSD.device, start=k.shape[1] - S)
+        return self.wo(self.attend(q, k, v, None, mask))
 
     def _rope(self, x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on each head's first ``rope_dim`` dims (all of them unless partial)."""
@@ -182,7 +160,7 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(C, H * (self.nope_dim + self.v_dim), bias=False)
         self.wk_rope = nn.Linear(D, self.rope_dim, bias=False)
         self.wo = nn.Linear(H * self.v_dim, D, bias=False)
-        self.attend: Attend = causal_attention
+        self.attend: Attend = attend
 
     def forward(
         self,
@@ -190,9 +168,9 @@ class LatentAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache | None = None,
+        mask: AttentionMask | None = None,
     ) -> torch.Tensor:
         B, S, _ = x_BSD.shape
-        start = cache.length if cache is not None else 0
         if self.wq is not None:
             q = self.wq(x_BSD)
         else:
@@ -205,14 +183,16 @@ class LatentAttention(nn.Module):
         )
         k_nope, v = kv_BSHE.split((self.nope_dim, self.v_dim), dim=-1)
         k_rope_BS1R = self.wk_rope(x_BSD).view(B, S, 1, self.rope_dim)
-        cos, sin = cos[start : start + S], sin[start : start + S]
+        cos, sin = rope_rows(cos, sin, S)
         q_rope = apply_rope(q_rope, cos, sin, self.rope_style)
         k_rope_BS1R = apply_rope(k_rope_BS1R, cos, sin, self.rope_style)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope_BS1R.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         if cache is not None:
             k, v = cache.extend(self.layer_id, k, v)
-        return self.wo(self.attend(q, k, v, self.scale, start))
+        if mask is None:  # causal attention of the new positions over all of them
+            mask = AttentionMask.causal(S, x_BSD.device, start=k.shape[1] - S)
+        return self.wo(self.attend(q, k, v, self.scale, mask))
 
 
 def build_attention(cfg: ModelConfig, layer_id: int) -> nn.Module:

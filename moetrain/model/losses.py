@@ -3,6 +3,13 @@
 Every loss here is a mean of per-group (or per-token) terms, so a batch split into equal
 micro-batches or equal data-parallel shards averages back to exactly the same value.
 
+Excluded tokens (padding, and under ``model.document_mask`` each document's separator: the
+tokens whose label the LM loss leaves out) are left out of every loss and statistic through
+``valid_T``: means are taken over the valid tokens of each group, and the choices counted are
+theirs. Under context parallelism a process holds 1/cp of every group's tokens;
+``token_weights`` then weighs its tokens so that the mean over the processes sharing the
+groups is the whole groups' value, however the valid tokens fall between them.
+
 Shape legend: T tokens, E experts, K top-k, G token groups.
 """
 
@@ -19,11 +26,28 @@ def balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
     return scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)
 
 
+def token_weights(
+    valid_T: torch.Tensor, num_groups: int, valid_all_T: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(G, T/G) weights of this process's tokens: valid ones get share / (valid tokens of
+    their whole group), the others 0, so that sum(w * x) over a group is this process's share
+    of the group's mean of x over its valid tokens (the shares of the processes holding the
+    group's tokens, share = whole group / this process's part of it, average to the mean).
+    ``valid_all_T``: validity of the whole groups' tokens (context parallelism)."""
+    G = num_groups
+    whole = valid_T if valid_all_T is None else valid_all_T
+    share = whole.numel() / valid_T.numel()
+    n_G = whole.reshape(G, -1).sum(1).clamp_min(1).to(torch.float32)
+    return valid_T.reshape(G, -1).to(torch.float32) * (share / n_G)[:, None]
+
+
 def load_balancing_loss(
     probs_TE: torch.Tensor,
     ids_TK: torch.Tensor,
     num_groups: int,
     ids_all_TK: torch.Tensor | None = None,
+    valid_T: torch.Tensor | None = None,
+    valid_all_T: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Switch load-balancing loss, mean over token groups of E * sum_e f_e * P_e.
 
@@ -36,29 +60,46 @@ def load_balancing_loss(
     averages this process's tokens. The loss is linear in P, so the mean of this value over
     the processes sharing the groups is the whole groups' loss (and so is its gradient,
     averaged over them as every gradient is).
+
+    ``valid_T`` (``valid_all_T`` for the whole groups under context parallelism): only the
+    valid tokens' probabilities and choices count, f and P are theirs (module doc).
     """
     T, E = probs_TE.shape
     G = num_groups
-    P_GE = probs_TE.view(G, T // G, E).mean(1)
     counted = ids_TK if ids_all_TK is None else ids_all_TK
     n = counted.numel() // G  # assignments per group
     counts_GE = torch.zeros(G, E, device=probs_TE.device, dtype=probs_TE.dtype)
-    counts_GE.scatter_add_(
-        1, counted.reshape(G, n), torch.ones_like(counted, dtype=probs_TE.dtype).view(G, n)
-    )
-    f_GE = counts_GE / n
+    if valid_T is None:
+        P_GE = probs_TE.view(G, T // G, E).mean(1)
+        counts_GE.scatter_add_(
+            1, counted.reshape(G, n), torch.ones_like(counted, dtype=probs_TE.dtype).view(G, n)
+        )
+        return E * (counts_GE / n * P_GE).sum(-1).mean()
+    w_GT = token_weights(valid_T, G, valid_all_T).to(probs_TE.dtype)
+    P_GE = (w_GT[..., None] * probs_TE.view(G, T // G, E)).sum(1)
+    whole = valid_T if valid_all_T is None else valid_all_T
+    K = counted.shape[1]
+    valid_A = whole.reshape(-1, 1).expand(-1, K).reshape(G, n).to(probs_TE.dtype)
+    counts_GE.scatter_add_(1, counted.reshape(G, n), valid_A)
+    f_GE = counts_GE / valid_A.sum(1, keepdim=True).clamp_min(1)
     return E * (f_GE * P_GE).sum(-1).mean()
 
 
-def z_loss(lse_T: torch.Tensor) -> torch.Tensor:
+def token_mean(x_T: torch.Tensor, w_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of per-token values over the tokens, or with ``token_weights`` (one group,
+    flattened) over the valid ones."""
+    return x_T.mean() if w_T is None else (w_T * x_T).sum()
+
+
+def z_loss(lse_T: torch.Tensor, w_T: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
-    return lse_T.float().pow(2).mean()
+    return token_mean(lse_T.float().pow(2), w_T)
 
 
-def router_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
+def router_entropy(probs_TE: torch.Tensor, w_T: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over tokens of the entropy (nats) of the routing distribution."""
     p = probs_TE.float().clamp_min(1e-20)
-    return -(p * p.log()).sum(-1).mean()
+    return token_mean(-(p * p.log()).sum(-1), w_T)
 
 
 class DeferredBalanceLoss(torch.autograd.Function):

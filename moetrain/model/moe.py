@@ -41,6 +41,7 @@ from moetrain.model.losses import (
     balance_probs,
     load_balancing_loss,
     router_entropy,
+    token_weights,
     z_loss,
 )
 from moetrain.model.sequence_shard import SequenceShard
@@ -258,10 +259,16 @@ class MoELayer(nn.Module):
             raise ValueError(f"moe.token_group_seqs={n} does not divide the micro-batch of {batch}")
         return batch // n
 
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """``valid_BS``: bool (B, S) over the whole sequences (every position, also under
+        context parallelism): False marks tokens left out of the LM loss (padding, a
+        document's separator under document masking), which are routed and computed like
+        any other but left out of every balancing loss and router statistic. None: all
+        count."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         backend = resolve_backend(self.cfg.kernels, x_TD.device)
+        valid_T, valid_all_T = self._valid(valid_BS, x_TD.device)
 
         replay_TK = None
         if self.training and self.replay_BSK is not None:
@@ -292,15 +299,36 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
 
+        counts_E = self._counted(r.ids_TK, plan, valid_T)
         if self.training:
             with torch.no_grad():
-                self.route_counts += plan.tokens_per_expert_E
+                self.route_counts += counts_E
         if self.counting:  # the engine's pre-pass: counted, nothing else recorded
             with torch.no_grad():
                 self.stat_rows += B
             return y_TD.view(B, S, D)
-        y_TD = self._balance(y_TD, r, plan, B, ids_all_TK)
+        y_TD = self._balance(y_TD, r, plan, B, ids_all_TK, counts_E, valid_T, valid_all_T)
         return y_TD.view(B, S, D)
+
+    def _valid(
+        self, valid_BS: torch.Tensor | None, device: torch.device
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(validity of this process's tokens (T,), of the whole sequences' tokens under
+        context parallelism, else None); (None, None) when every token counts."""
+        if valid_BS is None:
+            return None, None
+        valid_BS = valid_BS.to(device, torch.bool)
+        if self.seq_shard is None:
+            return valid_BS.reshape(-1), None
+        return valid_BS[:, self.seq_shard.positions(device)].reshape(-1), valid_BS.reshape(-1)
+
+    def _counted(
+        self, ids_TK: torch.Tensor, plan: DispatchPlan, valid_T: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Assignments per expert of the tokens that count (before dropping)."""
+        if valid_T is None:
+            return plan.tokens_per_expert_E
+        return torch.bincount(ids_TK[valid_T].flatten(), minlength=self.num_experts)
 
     def _whole_sequences(self, ids_TK: torch.Tensor, batch: int) -> torch.Tensor:
         """(batch, S, K) expert ids of the whole sequences: gathered over the processes that
@@ -337,20 +365,27 @@ class MoELayer(nn.Module):
         return ids_all_TK, plan
 
     def _balance(self, y_TD: torch.Tensor, r: RouteResult, plan: DispatchPlan,
-                 batch: int, ids_all_TK: torch.Tensor | None = None) -> torch.Tensor:
+                 batch: int, ids_all_TK: torch.Tensor | None, counts_E: torch.Tensor,
+                 valid_T: torch.Tensor | None = None,
+                 valid_all_T: torch.Tensor | None = None) -> torch.Tensor:
         """Compute the balancing losses, inject their gradient, record their values.
         ``ids_all_TK``: the choices of the whole sequences when this process holds part of
-        each (context parallelism): the assignment fractions f count them."""
+        each (context parallelism): the assignment fractions f count them. ``counts_E``:
+        the choices of the tokens that count; ``valid_T`` / ``valid_all_T``: which tokens
+        count (``_valid``; None: all)."""
         cfg = self.cfg
         probs_TE = balance_probs(r.scores_TE, cfg.score_func)
+        w_T = None if valid_T is None else token_weights(valid_T, 1, valid_all_T).flatten()
         values = {
             "aux_loss": (cfg.aux_loss_coef, lambda: load_balancing_loss(
-                probs_TE, r.ids_TK, self.token_groups(batch), ids_all_TK)),
+                probs_TE, r.ids_TK, self.token_groups(batch), ids_all_TK, valid_T,
+                valid_all_T)),
             "seq_aux_loss": (cfg.seq_aux_loss_coef, lambda: load_balancing_loss(
-                probs_TE, r.ids_TK, batch, ids_all_TK)),
-            "z_loss": (cfg.z_loss_coef, lambda: z_loss(r.lse_T)),
-            "entropy": (0.0, lambda: router_entropy(probs_TE)),
+                probs_TE, r.ids_TK, batch, ids_all_TK, valid_T, valid_all_T)),
+            "z_loss": (cfg.z_loss_coef, lambda: z_loss(r.lse_T, w_T)),
+            "entropy": (0.0, lambda: router_entropy(probs_TE, w_T)),
         }
+        mean_probs_E = probs_TE.mean(0) if w_T is None else (w_T[:, None] * probs_TE).sum(0)
         total = None
         stats = []
         for name in STAT_NAMES:
@@ -364,9 +399,8 @@ class MoELayer(nn.Module):
         if cfg.global_aux_loss_coef > 0 and torch.is_grad_enabled() and self.training:
             # E * sum_e f_e * P_e with f over the whole step (every micro-batch and dp rank):
             # f has no gradient, so only d/dP = E * f is needed, read at backward time.
-            counts_E = plan.tokens_per_expert_E.float()
-            local_f_E = counts_E / counts_E.sum().clamp_min(1)
-            term = DeferredBalanceLoss.apply(probs_TE.mean(0),
+            local_f_E = counts_E.float() / counts_E.sum().clamp_min(1)
+            term = DeferredBalanceLoss.apply(mean_probs_E,
                                              functools.partial(self._global_f, local_f_E))
             term = cfg.global_aux_loss_coef * term
             total = term if total is None else total + term
@@ -376,16 +410,19 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 self.stat_rows += batch
                 self.stat_sums += torch.stack(stats)
-                self.stat_tokens_per_expert += plan.tokens_per_expert_E.float()
+                self.stat_tokens_per_expert += counts_E.float()
+                scores_TE, dropped = r.scores_TE, plan.dropped
+                assignments = torch.tensor(float(r.ids_TK.numel()), device=y_TD.device)
+                if valid_T is not None:
+                    scores_TE = scores_TE[valid_T]
+                    dropped = ((plan.dest_TK < 0) & valid_T[:, None]).sum()
+                    assignments = valid_T.sum() * r.ids_TK.shape[1]
                 self.stat_counts += torch.stack([
-                    torch.ones((), device=y_TD.device),
-                    torch.tensor(float(r.ids_TK.numel()), device=y_TD.device),
-                    plan.dropped.float(),
-                ])
+                    torch.ones((), device=y_TD.device), assignments.float(), dropped.float()])
                 # All T*E router scores, binned: the TensorBoard score histograms.
-                self.stat_score_hist += torch.histc(r.scores_TE.detach().float(),
+                self.stat_score_hist += torch.histc(scores_TE.detach().float(),
                                                     bins=SCORE_HIST_BINS, min=0.0, max=1.0)
-                self.stat_probs_sum += probs_TE.detach().float().mean(0)
+                self.stat_probs_sum += mean_probs_E.detach().float()
         return y_TD
 
     @torch.no_grad()

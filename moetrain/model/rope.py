@@ -81,11 +81,19 @@ def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cos/sin rows of an attention call's S tokens: per-token rows (B, S, R/2) as they
+    are, or the first S rows of a table (S', R/2) whose row i is the call's i-th position
+    (the whole tables when the tokens are positions 0 .. S - 1)."""
+    return (cos, sin) if cos.dim() == 3 else (cos[:S], sin[:S])
+
+
 def apply_rope(
     x_BSHR: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor, style: str = "interleaved"
 ) -> torch.Tensor:
-    """Rotate the pairs of ``style`` of each head by position-dependent angles."""
-    cos, sin = cos_SR[:, None, :], sin_SR[:, None, :]
+    """Rotate the pairs of ``style`` of each head by position-dependent angles: one row of
+    angles per position (S, R/2), or per token (B, S, R/2)."""
+    cos, sin = cos_SR.unsqueeze(-2), sin_SR.unsqueeze(-2)
     x = x_BSHR.float()
     if style == "half":
         x1, x2 = x.chunk(2, dim=-1)

@@ -25,6 +25,9 @@ import torch
 
 
 class SequenceShard(Protocol):
+    seq_len: int
+    """S: positions of a whole sequence."""
+
     def positions(self, device: torch.device) -> torch.Tensor:
         """int64 (s,): the position in its sequence of each token this process holds of
         every sequence, in the order it holds them (the same for every sequence)."""

@@ -19,6 +19,7 @@ from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import Attention, KVCache, LatentAttention, build_attention
 from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.losses import AuxLossInjector
+from moetrain.model.masks import AttentionMask, document_positions
 from moetrain.model.moe import MoELayer
 from moetrain.model.mtp import mtp_loss
 from moetrain.model.norm import RMSNorm
@@ -61,12 +62,19 @@ class TransformerBlock(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         cache: KVCache | None = None,
+        mask: AttentionMask | None = None,
+        valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = self.attention_norm(x_BSD)
-        # The cache only travels when generating: training calls keep the 3-argument form
-        # that the tensor-parallel input hooks expect.
-        attn = self.attention(x, cos, sin) if cache is None else self.attention(x, cos, sin, cache)
+        # The cache only travels when generating and the mask by keyword: training calls keep
+        # the 3-positional-argument form that the tensor-parallel input hooks expect.
+        if cache is None:
+            attn = self.attention(x, cos, sin, mask=mask)
+        else:
+            attn = self.attention(x, cos, sin, cache, mask=mask)
         h = x_BSD + attn
+        if valid is not None and self.moe_enabled:
+            return h + self.ffn(self.ffn_norm(h), valid_BS=valid)
         return h + self.ffn(self.ffn_norm(h))
 
 
@@ -149,6 +157,8 @@ class Transformer(nn.Module):
         self,
         tokens: torch.Tensor,
         cache: KVCache | None = None,
+        documents: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V). A pipeline stage without the embedding
@@ -160,25 +170,26 @@ class Transformer(nn.Module):
         the balancing losses by ``set_aux_loss_scale``).
 
         ``cache`` (generation): the keys and values of the ``cache.length`` positions before
-        ``tokens``; this call appends the new ones and advances ``cache.length`` by S."""
+        ``tokens``; this call appends the new ones and advances ``cache.length`` by S.
+        ``documents``: int64 (B, S) document index of every position of the whole sequences
+        (all of them under context parallelism), for ``model.document_mask`` and
+        ``model.document_positions``; None: one document per sequence. ``valid``: bool
+        (B, S) over the whole sequences, False for the tokens left out of the LM loss, which
+        the MoE layers leave out of their balancing losses and statistics; None: all."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if cache is not None and cache.length + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{cache.length + tokens.shape[1]} positions exceed "
                              f"model.max_seq_len={self.cfg.max_seq_len}")
-        cos, sin = self.rope_cos, self.rope_sin
-        if self.seq_shard is not None and cache is None:
-            # Each attention slices its tables [0, S): hand it the rows of this process's
-            # positions (an early and a late chunk of every sequence under context parallelism).
-            pos = self.seq_shard.positions(cos.device)
-            cos, sin = cos[pos], sin[pos]
+        cos, sin, masks = self._positions(tokens.shape[1], cache, documents)
         n = self.cfg.n_layers
         for name, layer in self.layers.items():
             if int(name) >= n:
                 continue  # a multi-token-prediction module: below
+            mask = masks[int(name)]
             if cache is None:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, mask=mask, valid=valid)
             else:
-                h = layer(h, cos, sin, cache)
+                h = layer(h, cos, sin, cache, mask=mask)
         if cache is not None:
             cache.length += tokens.shape[1]
         hidden = h
@@ -202,6 +213,52 @@ class Transformer(nn.Module):
         """(sum of the multi-token-prediction losses, forwards) since the last call."""
         out = self.stat_mtp.clone()
         self.stat_mtp.zero_()
+        return out
+
+    def _positions(
+        self, S: int, cache: KVCache | None, documents: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, AttentionMask]]:
+        """RoPE rows and every layer's attention mask for this forward's tokens.
+
+        The rows: the whole tables when the tokens are positions 0 .. S - 1 (each attention
+        takes the first rows of the length it sees: under sequence parallelism only the
+        attention sees the whole sequence), the rows of this process's positions (context
+        parallelism) or of the new positions (a KV cache), or per-token rows (B, S, R/2)
+        when positions restart at every document."""
+        cfg = self.cfg
+        device = self.rope_cos.device
+        cos, sin = self.rope_cos, self.rope_sin
+        if cache is not None:
+            mask = AttentionMask.causal(S, device, start=cache.length,
+                                        backend=cfg.attention_backend)
+        elif self.seq_shard is not None:
+            # An early and a late chunk of every sequence under context parallelism.
+            pos = self.seq_shard.positions(device)
+            mask = AttentionMask.causal(positions=pos, kv_len=self.seq_shard.seq_len,
+                                        backend=cfg.attention_backend)
+        else:
+            mask = AttentionMask.causal(backend=cfg.attention_backend)
+        q_pos = mask.q_pos
+        if documents is not None and cfg.document_mask and cache is None:
+            documents = documents.to(device)
+            mask = mask.with_documents(documents)
+            if cfg.document_positions:
+                rows_BS = document_positions(documents)
+                rows_Bs = rows_BS if q_pos is None else rows_BS[:, q_pos]
+                return cos[rows_Bs], sin[rows_Bs], self._layer_masks(mask)
+        if q_pos is not None:
+            cos, sin = cos[q_pos], sin[q_pos]
+        return cos, sin, self._layer_masks(mask)
+
+    def _layer_masks(self, mask: AttentionMask) -> dict[int, AttentionMask]:
+        """Each layer's mask: ``mask`` itself, or one shared copy with the layer's window."""
+        shared: dict[int | None, AttentionMask] = {}
+        out = {}
+        for name in self.layers:
+            window = self.cfg.window(int(name))
+            if window not in shared:
+                shared[window] = mask.with_window(window)
+            out[int(name)] = shared[window]
         return out
 
     def moe_layers(self) -> dict[int, MoELayer]:

@@ -10,13 +10,15 @@ involved (the cp ranks of a data-parallel rank read the same sequences).
 Attention. Each rank computes queries, keys and values of its own tokens (RoPE at their true
 positions), then all-gathers the keys and values of the whole sequence over the cp group
 (before the grouped-query repeat: kv heads only), puts them in position order and attends
-with a causal mask by position. Exact: every query sees exactly the keys it sees in one
-process. Backward reduce-scatters the keys' and values' gradients. Per layer and
-micro-batch a rank sends (cp - 1)/cp of the whole sequence's K and V forward, and as much
-back (``analytic_cp_bytes``); it holds the whole sequence's K and V (and a 1/cp slice of the
-score matrix) while its layer runs. torch's context-parallel SDPA dispatches to the CUDA
-flash / efficient kernels and does not run on gloo (CPU); this small autograd
-implementation (the all-gather variant, as Llama 3 trained with) runs everywhere.
+under the mask the model built for the rank's positions (``moetrain.model.masks``: causal by
+position, and per document or within a sliding window when configured; the document
+indices are those of the whole sequences, which every cp rank of a sequence holds). Exact:
+every query sees exactly the keys it sees in one process. Backward reduce-scatters the keys'
+and values' gradients. Per layer and micro-batch a rank sends (cp - 1)/cp of the whole
+sequence's K and V forward, and as much back (``analytic_cp_bytes``); it holds the whole
+sequence's K and V (and a 1/cp slice of the score matrix) while its layer runs. torch's
+context-parallel SDPA dispatches to the CUDA flash / efficient kernels and does not run on
+gloo (CPU); this small autograd implementation (the all-gather variant, as Llama 3 trained with) runs everywhere.
 
 MoE. Routing is per token, but capacity and the balancing statistics are defined per token
 group of whole sequences: every MoE layer all-gathers its tokens' expert choices (and,
@@ -42,11 +44,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from moetrain.model.attention import Attention, LatentAttention, repeat_kv
+from moetrain.model.attention import Attention, LatentAttention
 from moetrain.model.ep_dispatch import AllGatherFunction
+from moetrain.model.masks import AttentionMask, attend
 from moetrain.model.moe import MoELayer
 
 
@@ -118,7 +120,9 @@ class ContextShard:
 class ContextParallelAttention:
     """The ``attend`` function of an attention module under context parallelism: this
     rank's queries over the keys and values of the whole sequence (all-gathered over the cp
-    group with autograd: backward reduce-scatters their gradients), causal by position."""
+    group with autograd: backward reduce-scatters their gradients), under the mask the model
+    built for this rank's positions (causal by position, and per document or sliding window
+    when configured: ``moetrain.model.masks``)."""
 
     def __init__(self, shard: ContextShard) -> None:
         self.shard = shard
@@ -129,26 +133,22 @@ class ContextParallelAttention:
         k_BsHD: torch.Tensor,
         v_BsHD: torch.Tensor,
         scale: float | None,
-        start: int,
+        mask: AttentionMask,
     ) -> torch.Tensor:
-        if start != 0:
-            raise ValueError("context parallelism is for training: no KV cache")
-        B, s = q_BsHD.shape[:2]
-        self.shard.check(s)
-        device = q_BsHD.device
-        order = self.shard.order(device)
+        if mask.q_pos is None or mask.kv_len != self.shard.seq_len:
+            raise ValueError(
+                "context parallelism: the attention mask is not one of this rank's positions "
+                "of whole sequences (a KV cache, or a model without the shard)"
+            )
+        self.shard.check(q_BsHD.shape[1])
+        order = self.shard.order(q_BsHD.device)
         k_BSHD, v_BSHD = (
             AllGatherFunction.apply(t.transpose(0, 1), self.shard.group)
             .index_select(0, order)
             .transpose(0, 1)
             for t in (k_BsHD, v_BsHD)
         )
-        k_BSHD, v_BSHD = repeat_kv(k_BSHD, v_BSHD, q_BsHD.shape[2])
-        pos_s = self.shard.positions(device)
-        mask_sS = torch.arange(k_BSHD.shape[1], device=device)[None, :] <= pos_s[:, None]
-        q, k, v = (t.transpose(1, 2) for t in (q_BsHD, k_BSHD, v_BSHD))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_sS, scale=scale)
-        return out.transpose(1, 2).reshape(B, s, -1)
+        return attend(q_BsHD, k_BSHD, v_BSHD, scale, mask)
 
 
 def apply_cp(model: nn.Module, cp_mesh: Any, seq_len: int) -> ContextShard | None:

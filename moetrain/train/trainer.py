@@ -41,6 +41,7 @@ from moetrain.train.metrics import (
     layer_summary,
     merge_stats,
     peak_flops,
+    synchronize,
 )
 from moetrain.train.replay import load_replay_step, save_record
 from moetrain.train.resilience import (
@@ -146,6 +147,8 @@ def _family_options(cfg: JobConfig) -> dict[str, Any]:
         "v_head_dim": m.v_head_dim,
         "dense_layers": list(e.dense_layers),
         "shared_expert_gate": e.shared_expert_gate,
+        "sliding_window": m.sliding_window,
+        "sliding_window_layers": m.sliding_window_layers,
     }
 
 
@@ -201,6 +204,13 @@ class Trainer:
 
         # Data first: a missing dataset or tokenizer must fail before any real work.
         check_data(cfg.data)
+        if cfg.model.document_mask:
+            # The model side of document masking is here; batches do not carry document
+            # boundaries yet, so the option would silently change nothing.
+            raise ConfigError(
+                "model.document_mask: the data path does not carry document boundaries yet "
+                "in this version; train without it"
+            )
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
@@ -363,8 +373,7 @@ class Trainer:
             self.engine.update_expert_bias(moe)
         self.step += 1
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe,
                           mtp_loss)  # fmt: skip
 

@@ -91,6 +91,10 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
     "mtp": [("no multi-token prediction", ["model.mtp_depth=0"]),
             ("multi-token prediction, depth 1 (DeepSeek-V3, GLM-4.5)",
              ["model.mtp_depth=1", "model.mtp_loss_weight=0.3"])],
+    "attention_span": [("full causal", ["model.sliding_window=null",
+                                        "model.sliding_window_layers=null"]),
+                       ("sliding window 5 on layers 0 and 2 (gpt-oss)",
+                        ["model.sliding_window=5", "model.sliding_window_layers=[0,2]"])],
     # MoE layers
     "moe_every": [("every layer", ["moe.every_n_layers=1"]),
                   ("every 2nd layer", ["moe.every_n_layers=2"])],

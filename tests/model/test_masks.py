@@ -1,0 +1,181 @@
+"""The attention-mask seam (``moetrain.model.masks``): every rule against a mask built by hand,
+the attention core against a per-query softmax written out, the two backends against each
+other, and the sliding window through the model (its receptive field, the layers that use it,
+generation over a KV cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.model.masks import (
+    AttentionMask,
+    attend,
+    document_ids,
+    document_lengths,
+    document_positions,
+)
+from moetrain.model.transformer import KVCache, build_model
+
+V = 32
+
+
+def test_document_indices_positions_and_lengths_by_hand() -> None:
+    ends = torch.tensor([[0, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]], dtype=torch.bool)
+    assert document_ids(ends).tolist() == [[0, 0, 0, 1, 1, 2], [0, 1, 1, 1, 1, 1]]
+    assert document_positions(document_ids(ends)).tolist() == [
+        [0, 1, 2, 0, 1, 0],
+        [0, 0, 1, 2, 3, 4],
+    ]
+    # pieces of every row, row after row: 3, 2, 1 | 1, 5
+    assert document_lengths(ends).tolist() == [3, 2, 1, 1, 5]
+
+
+def _hand_mask(q_pos, L, docs=None, window=None, B=1):
+    """The rules written out one (query, key) pair at a time."""
+    out = torch.zeros(B, len(q_pos), L, dtype=torch.bool)
+    for b in range(B):
+        for i, p in enumerate(q_pos):
+            for j in range(L):
+                ok = j <= p
+                if window is not None:
+                    ok = ok and p - j < window
+                if docs is not None:
+                    ok = ok and int(docs[b, p]) == int(docs[b, j])
+                out[b, i, j] = ok
+    return out
+
+
+DOCS = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1, 2, 2]])
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("documents", [False, True])
+@pytest.mark.parametrize("queries", ["whole", "cp rank 0 of 2", "cache of 5"])
+def test_dense_mask_is_the_hand_built_one(window, documents, queries) -> None:
+    L = 8
+    if queries == "whole":
+        mask, q_pos = AttentionMask.causal(), list(range(L))
+    elif queries == "cp rank 0 of 2":
+        pos = torch.tensor([0, 1, 6, 7])
+        mask, q_pos = AttentionMask.causal(positions=pos, kv_len=L), pos.tolist()
+    else:
+        mask, q_pos = AttentionMask.causal(3, "cpu", start=5), [5, 6, 7]
+    docs = DOCS if documents else None
+    mask = mask.with_documents(docs).with_window(window)
+    dense = mask.dense(len(q_pos), L, torch.device("cpu"))
+    expected = _hand_mask(q_pos, L, docs, window, B=2)
+    if docs is None:
+        assert dense.shape == (len(q_pos), L)
+        assert torch.equal(dense, expected[0])
+    else:
+        assert dense.shape == (2, 1, len(q_pos), L)
+        assert torch.equal(dense[:, 0], expected)
+    assert mask.plain_causal == (queries == "whole" and docs is None and window is None)
+
+
+def _reference_attention(q, k, v, scale, allowed_BsL):
+    """Per query: softmax of its scores over the keys it may see, in float64."""
+    B, s, H, _ = q.shape
+    out = torch.zeros(B, s, H, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for i in range(s):
+            keys = allowed_BsL[b, i].nonzero().flatten()
+            for h in range(H):
+                hk = h // (H // k.shape[2])
+                scores = (k[b, keys, hk].double() @ q[b, i, h].double()) * scale
+                out[b, i, h] = scores.softmax(0) @ v[b, keys, hk].double()
+    return out.reshape(B, s, -1)
+
+
+@pytest.mark.parametrize("rules", ["causal", "documents", "window", "documents+window"])
+def test_attend_is_a_softmax_over_the_allowed_keys(rules, assert_close) -> None:
+    g = torch.Generator().manual_seed(0)
+    B, S, H, Hkv, Dh, Dv = 2, 8, 4, 2, 6, 5  # grouped kv heads, a value width of its own
+    q = torch.randn(B, S, H, Dh, generator=g)
+    k = torch.randn(B, S, Hkv, Dh, generator=g)
+    v = torch.randn(B, S, Hkv, Dv, generator=g)
+    docs = DOCS if "documents" in rules else None
+    window = 3 if "window" in rules else None
+    mask = AttentionMask.causal().with_documents(docs).with_window(window)
+    out = attend(q, k, v, None, mask)
+    expected = _reference_attention(q, k, v, Dh**-0.5, _hand_mask(range(S), S, docs, window, B))
+    assert_close(out, expected.float(), what=f"attention, {rules}")
+
+
+@pytest.mark.slow  # FlexAttention compiles (about a minute on two cores)
+def test_flex_backend_gives_the_sdpa_numbers(assert_close) -> None:
+    g = torch.Generator().manual_seed(1)
+    B, S, H, Dh = 2, 40, 2, 8
+    q, k, v = (torch.randn(B, S, H, Dh, generator=g) for _ in range(3))
+    docs = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 40])
+    for window in (None, 5):
+        sdpa = AttentionMask.causal().with_documents(docs).with_window(window)
+        flex = AttentionMask.causal(backend="flex").with_documents(docs).with_window(window)
+        assert_close(
+            attend(q, k, v, None, flex),
+            attend(q, k, v, None, sdpa),
+            what=f"flex vs sdpa, window {window}",
+        )
+
+
+def test_a_document_index_of_another_length_is_refused() -> None:
+    mask = AttentionMask.causal(positions=torch.tensor([0, 3]), kv_len=4)
+    with pytest.raises(ValueError, match="cover 5 positions, the keys 4"):
+        mask.with_documents(torch.zeros(1, 5, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _cfgs(**model) -> tuple[ModelConfig, MoEConfig]:
+    base = {"vocab_size": V, "dim": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+            "ffn_dim": 24, "max_seq_len": 24}  # fmt: skip
+    moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8, kernels="torch")
+    return ModelConfig(**{**base, **model}), moe
+
+
+def _changed_from(model, tokens, p) -> torch.Tensor:
+    """Positions whose logits change when token ``p`` changes."""
+    changed = tokens.clone()
+    changed[:, p] = (changed[:, p] + 1) % V
+    with torch.no_grad():
+        diff = (model(changed) - model(tokens)).abs().amax(-1).amax(0)
+    return (diff > 1e-6).nonzero().flatten()
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_a_sliding_window_limits_what_each_layer_sees(attention) -> None:
+    """Window 3 on both of 2 layers: a token reaches 2 positions further per layer, so a
+    change at position p shows at p .. p + 4 and nowhere after; a full second layer lets
+    it reach the end of the sequence (the check can fail)."""
+    mla = {"attention": "mla", "kv_lora_rank": 8, "qk_nope_head_dim": 4, "qk_rope_head_dim": 4,
+           "v_head_dim": 4} if attention == "mla" else {}  # fmt: skip
+    tokens = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(0))
+    p = 5
+    windowed = build_model(*_cfgs(sliding_window=3, **mla), seed=0).eval()
+    assert _changed_from(windowed, tokens, p).tolist() == list(range(p, p + 5))
+    first_only = build_model(*_cfgs(sliding_window=3, sliding_window_layers=[0], **mla), seed=0)
+    assert _changed_from(first_only.eval(), tokens, p).tolist() == list(range(p, 16))
+
+
+def test_generation_over_a_kv_cache_applies_the_window(assert_close) -> None:
+    model = build_model(*_cfgs(sliding_window=4, sliding_window_layers=[1]), seed=0).eval()
+    tokens = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = model(tokens)
+        cache = KVCache()
+        steps = [model(tokens[:, :7], cache)] + [
+            model(tokens[:, i : i + 1], cache) for i in range(7, 12)
+        ]
+    assert_close(torch.cat(steps, 1), whole, what="cached steps vs one forward")
+
+
+def test_window_and_layers_are_validated() -> None:
+    with pytest.raises(ValueError, match="model.sliding_window_layers: \\[2\\] are not layers"):
+        _cfgs(sliding_window=3, sliding_window_layers=[0, 2])[0].validate()
+    with pytest.raises(ValueError, match="model.sliding_window_layers: needs model.sliding"):
+        _cfgs(sliding_window_layers=[0])[0].validate()
+    with pytest.raises(ValueError, match="model.sliding_window: must be >= 1"):
+        _cfgs(sliding_window=0)[0].validate()
