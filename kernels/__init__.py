@@ -6,7 +6,8 @@ Public API (T tokens, D model dim, E experts, K top-k, N permuted rows):
     grouped_mm(x_NK, w_EKM, offs_E, backend=...) -> y_NM
     gather_grouped_mm(x_TK, src_N, w_EKM, offs_E, backend=...) -> y_NM
     route(logits_TE, top_k, score_func=..., expert_bias_E=..., renormalize=..., backend=...,
-          n_groups=1, topk_groups=1) -> RouteResult(weights_TK, ids_TK, scores_TE, lse_T, counts_E)
+          n_groups=1, topk_groups=1, group_score="top2")
+        -> RouteResult(weights_TK, ids_TK, scores_TE, lse_T, counts_E)
     combine_weights(scores_TE, ids_TK, renormalize, score_func) -> weights_TK  (torch)
     permute(x_TD, dest_TK, num_rows, backend=...) -> x_ND
     unpermute(y_ND, dest_TK, weights_TK, backend=...) -> out_TD
@@ -109,17 +110,19 @@ def route(
     backend: str = "torch",
     n_groups: int = 1,
     topk_groups: int = 1,
+    group_score: str = "top2",
 ) -> RouteResult:
     """Top-k routing: scores = softmax|sigmoid(logits); ids = topk(scores + bias) (the bias
     steers selection only); weights = scores[ids], renormalised to sum 1 if asked.
     Gradients from weights, scores and lse flow back to the logits.
 
     Group-limited routing (``n_groups > 1``, DeepSeek-V3): the E experts form ``n_groups``
-    equal groups, each scored by the sum of its two highest biased scores; a token selects
-    among the experts of its ``topk_groups`` best groups only. The Triton router does not
+    equal groups, each scored by the sum of its two highest biased scores (``group_score``
+    "top2"; "max": its highest, DeepSeek-V2); a token selects among the experts of its
+    ``topk_groups`` best groups only. The Triton router does not
     implement it and refuses (route such layers with backend "torch")."""
     common.check_route("route", logits_TE, top_k, score_func, expert_bias_E)
-    common.check_groups("route", logits_TE.shape[1], top_k, n_groups, topk_groups)
+    common.check_groups("route", logits_TE.shape[1], top_k, n_groups, topk_groups, group_score)
     if resolve_backend(backend, logits_TE.device) == "triton":
         if n_groups > 1:
             raise ValueError(
@@ -130,7 +133,8 @@ def route(
 
         return router.route_triton(logits_TE, top_k, score_func, expert_bias_E, renormalize)
     return torch_ops.route_torch(
-        logits_TE, top_k, score_func, expert_bias_E, renormalize, n_groups, topk_groups
+        logits_TE, top_k, score_func, expert_bias_E, renormalize, n_groups, topk_groups,
+        group_score,
     )
 
 

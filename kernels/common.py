@@ -90,13 +90,27 @@ def check_gather(op: str, x_TK: torch.Tensor, src_N: torch.Tensor) -> None:
         _fail(op, f"src must be on x's device {x_TK.device}, got {src_N.device}")
 
 
-def check_groups(op: str, num_experts: int, top_k: int, n_groups: int, topk_groups: int) -> None:
+GROUP_SCORES = ("top2", "max")
+"""How group-limited routing scores a group: the sum of its two best entries (DeepSeek-V3's
+noaux_tc) or its best one (DeepSeek-V2's group_limited_greedy)."""
+
+
+def check_groups(
+    op: str,
+    num_experts: int,
+    top_k: int,
+    n_groups: int,
+    topk_groups: int,
+    group_score: str = "top2",
+) -> None:
     if n_groups < 1 or num_experts % n_groups:
         _fail(op, f"n_groups must be >= 1 and divide E={num_experts}, got {n_groups}")
+    if group_score not in GROUP_SCORES:
+        _fail(op, f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
     if n_groups == 1:
         return
     per_group = num_experts // n_groups
-    if per_group < 2:
+    if per_group < 2 and group_score == "top2":
         _fail(
             op,
             f"group-limited routing scores a group by its two best experts; {n_groups} "
@@ -112,11 +126,18 @@ def check_groups(op: str, num_experts: int, top_k: int, n_groups: int, topk_grou
         )
 
 
-def group_mask(select_TE: torch.Tensor, n_groups: int, topk_groups: int) -> torch.Tensor:
+def group_mask(
+    select_TE: torch.Tensor, n_groups: int, topk_groups: int, group_score: str = "top2"
+) -> torch.Tensor:
     """(T, E) bool: True for the experts of each token's ``topk_groups`` best groups, a group
-    scored by the sum of its two highest entries of ``select_TE`` (DeepSeek-V3)."""
+    scored by the sum of its two highest entries of ``select_TE`` (DeepSeek-V3, "top2") or
+    by its highest (DeepSeek-V2, "max")."""
     T, E = select_TE.shape
-    group_scores_TG = select_TE.view(T, n_groups, E // n_groups).topk(2, dim=-1).values.sum(-1)
+    grouped_TGE = select_TE.view(T, n_groups, E // n_groups)
+    if group_score == "max":
+        group_scores_TG = grouped_TGE.max(dim=-1).values
+    else:
+        group_scores_TG = grouped_TGE.topk(2, dim=-1).values.sum(-1)
     keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
     keep_TG.scatter_(1, group_scores_TG.topk(topk_groups, dim=-1).indices, True)
     return keep_TG.repeat_interleave(E // n_groups, dim=1)

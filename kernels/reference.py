@@ -61,6 +61,7 @@ def route_reference(
     renormalize: bool = True,
     n_groups: int = 1,
     topk_groups: int = 1,
+    group_score: str = "top2",
 ) -> RouteResult:
     """Scores, biased top-k selection (among each token's best expert groups when
     ``n_groups > 1``), (re)normalised weights, logsumexp and counts."""
@@ -73,13 +74,14 @@ def route_reference(
     if expert_bias_E is not None:
         select_TE = select_TE + expert_bias_E.float()
     if n_groups > 1:
-        # Token by token: rank the groups by the sum of their two best entries, then mask
-        # every expert outside the topk_groups best.
+        # Token by token: rank the groups by the sum of their two best entries (or their best
+        # one), then mask every expert outside the topk_groups best.
         per = logits_TE.shape[1] // n_groups
+        best = 1 if group_score == "max" else 2
         masked = []
         for row_E in select_TE:
             group_scores = [
-                sorted(row_E[g * per : (g + 1) * per].tolist())[-2:] for g in range(n_groups)
+                sorted(row_E[g * per : (g + 1) * per].tolist())[-best:] for g in range(n_groups)
             ]
             ranked = sorted(range(n_groups), key=lambda g: -sum(group_scores[g]))
             keep = set(ranked[:topk_groups])

@@ -131,6 +131,7 @@ def route_torch(
     renormalize: bool,
     n_groups: int = 1,
     topk_groups: int = 1,
+    group_score: str = "top2",
 ) -> RouteResult:
     """The unfused router: each step is its own torch op (and kernel launch)."""
     if score_func == "softmax":
@@ -141,7 +142,7 @@ def route_torch(
     if expert_bias_E is not None:
         select_TE = select_TE + expert_bias_E.to(torch.float32)
     if n_groups > 1:
-        keep_TE = group_mask(select_TE, n_groups, topk_groups)
+        keep_TE = group_mask(select_TE, n_groups, topk_groups, group_score)
         select_TE = select_TE.masked_fill(~keep_TE, float("-inf"))
     ids_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
     weights_TK = combine_weights(scores_TE, ids_TK, renormalize, score_func)

@@ -92,6 +92,11 @@ class ModelConfig:
     """llama3 RoPE scaling: ``low_freq_factor``."""
     rope_llama3_high_freq_factor: float = 4.0
     """llama3 RoPE scaling: ``high_freq_factor``."""
+    partial_rotary_factor: float = 1.0
+    """Fraction of each grouped-query attention head's q/k dims that RoPE rotates: the first
+    int(factor * head dim), in the pairing of ``rope_style``; the rest carry no position
+    (GLM-4.5: 0.5; MiniMax-M2: rotary_dim / head_dim). 1: every dim. Multi-head latent
+    attention has its own split (``qk_rope_head_dim``)."""
     qk_norm: Literal["none", "head", "full"] = "none"
     """RMSNorm on queries and keys before RoPE: "head" normalises each head's Dh values with
     one weight shared by the heads (Qwen3); "full" normalises the whole q and k projections
@@ -120,6 +125,15 @@ class ModelConfig:
     Required with attention=mla."""
     v_head_dim: int | None = None
     """MLA: per-head value width. Required with attention=mla."""
+    mtp_depth: int = 0
+    """Multi-token prediction modules D (DeepSeek-V3, GLM-4.5; config.json's
+    num_nextn_predict_layers): module k predicts each position's token k + 1 places ahead
+    from module k - 1's hidden state and the embedding of the token k places ahead, through
+    a transformer block of its own and the shared output head (docs/interop.md). Trained
+    with ``mtp_loss_weight``; inference ignores them. 0: none."""
+    mtp_loss_weight: float = 0.3
+    """lambda of the multi-token-prediction loss lambda / D * sum_k L^k, added to the LM loss
+    (DeepSeek-V3: 0.3, then 0.1)."""
     document_mask: bool = False
     """Block-causal attention over packed documents: a token attends only to the earlier
     tokens of its own document, and the separator that ends a document predicts nothing (its
@@ -179,10 +193,19 @@ class ModelConfig:
             if self.qk_rope_head_dim % 2:
                 _fail("model.qk_rope_head_dim", f"{self.qk_rope_head_dim} must be even for "
                       "RoPE")
+            if self.partial_rotary_factor != 1:
+                _fail("model.partial_rotary_factor", "applies to attention=gqa only; multi-head "
+                      "latent attention rotates model.qk_rope_head_dim")
             for name in ("qk_norm", "qkv_bias", "out_bias", "clip_qkv", "head_dim"):
                 if getattr(self, name) not in (None, False, "none"):
                     _fail(f"model.{name}", "applies to attention=gqa only; multi-head latent "
                           "attention has its own latent norms and no biases")
+        elif not 0 < self.partial_rotary_factor <= 1:
+            _fail("model.partial_rotary_factor", f"must be in (0, 1], got "
+                  f"{self.partial_rotary_factor}")
+        elif self.partial_rotary_factor != 1 and (self.rope_dim % 2 or self.rope_dim == 0):
+            _fail("model.partial_rotary_factor", f"rotates {self.rope_dim} dims of each head; "
+                  "RoPE needs an even number > 0")
         elif self.rope_dim % 2:
             key = "model.head_dim" if self.head_dim is not None else "model.dim"
             _fail(key, f"head dim {self.rope_dim} must be even for RoPE")
@@ -195,8 +218,14 @@ class ModelConfig:
         if self.rope_scaling != "none" and self.rope_scaling_factor < 1:
             _fail("model.rope_scaling_factor", f"must be >= 1 with model.rope_scaling="
                   f"{self.rope_scaling!r}, got {self.rope_scaling_factor}")
+        if self.mtp_depth:
+            for name in ("document_mask", "sliding_window"):
+                if getattr(self, name) not in (None, False):
+                    _fail(f"model.{name}", "is not supported with model.mtp_depth > 0 (the "
+                          "multi-token-prediction modules attend causally over the whole "
+                          "sequence)")
         for name in ("rope_yarn_mscale", "rope_yarn_mscale_all_dim", "upcycle_router_std",
-                     "upcycle_noise"):
+                     "upcycle_noise", "mtp_depth", "mtp_loss_weight"):
             if getattr(self, name) < 0:
                 _fail(f"model.{name}", f"must be >= 0, got {getattr(self, name)}")
         if self.rope_llama3_high_freq_factor <= self.rope_llama3_low_freq_factor:
@@ -243,7 +272,7 @@ class ModelConfig:
         if self.attention == "mla":
             assert self.qk_rope_head_dim is not None
             return self.qk_rope_head_dim
-        return self.attn_head_dim
+        return int(self.attn_head_dim * self.partial_rotary_factor)
 
 
 @dataclass
@@ -318,6 +347,10 @@ class MoEConfig:
     not implement it: the routing step then runs the torch router."""
     topk_groups: int = 1
     """Groups a token may route to under group-limited routing (DeepSeek-V3's topk_group)."""
+    group_score: Literal["top2", "max"] = "top2"
+    """How group-limited routing scores a group: "top2" the sum of its two highest
+    (bias-corrected) scores (DeepSeek-V3's noaux_tc, GLM-4.5), "max" its highest
+    (DeepSeek-V2's group_limited_greedy)."""
     routed_scaling_factor: float = 1.0
     """Multiplies the routed experts' combine weights, after renormalisation
     (DeepSeek-V3's routed_scaling_factor)."""
@@ -338,7 +371,7 @@ class MoEConfig:
                   f"{self.num_experts}, got {self.n_groups}")
         if self.n_groups > 1:
             per_group = self.num_experts // self.n_groups
-            if per_group < 2:
+            if per_group < 2 and self.group_score == "top2":
                 _fail("moe.n_groups", f"{self.n_groups} groups leave {per_group} expert per "
                       "group; a group is scored by its two best experts")
             if not 1 <= self.topk_groups <= self.n_groups:
@@ -507,7 +540,9 @@ class OptimConfig:
 @dataclass
 class TrainConfig:
     steps: int = 300
-    """Optimizer steps to train for."""
+    """Optimizer steps to train for. 0: save the starting model as checkpoint step 0 and stop
+    (a model upcycled or initialised from a Hugging Face checkpoint, written directly for
+    ``moetrain export-hf`` or ``generate``; a later run with more steps resumes from it)."""
     global_batch_size: int = 16
     """Sequences per optimizer step, over all data-parallel ranks and micro-batches."""
     micro_batch_size: int = 8
@@ -561,8 +596,10 @@ class TrainConfig:
     reads."""
 
     def validate(self) -> None:
-        _positive("train", self, "steps", "global_batch_size", "micro_batch_size",
-                  "eval_batches", "keep_last", "collective_timeout_s")
+        _positive("train", self, "global_batch_size", "micro_batch_size", "eval_batches",
+                  "keep_last", "collective_timeout_s")
+        if self.steps < 0:
+            _fail("train.steps", f"must be >= 0, got {self.steps}")
         if self.max_nonfinite_skips < 0:
             _fail("train.max_nonfinite_skips", f"must be >= 0, got {self.max_nonfinite_skips}")
         for name in ("eval_every", "checkpoint_every"):
@@ -777,6 +814,12 @@ class JobConfig:
         if late:
             _fail("moe.dense_layers", f"{late} are not layers of a model.n_layers="
                   f"{self.model.n_layers} model")
+        if self.model.mtp_depth:
+            for key, value in (("train.routing_replay", self.train.routing_replay is not None),
+                               ("train.record_routing", self.train.record_routing)):  # fmt: skip
+                if value:
+                    _fail(key, "is not supported with model.mtp_depth > 0 (routing files "
+                          "hold the main layers' routing)")
         if self.model.upcycle_from is not None and moe.num_experts == 0:
             _fail("model.upcycle_from", "needs MoE layers: set moe.num_experts > 0")
         if moe.token_group_seqs is not None and moe.num_experts:

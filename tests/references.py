@@ -83,6 +83,9 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "model.init_std": ("the documented std, measured", "tests/model/test_transformer.py::test_init_std_as_documented"),
     "model.head_dim": ("transformers' Qwen3-MoE (head_dim != dim / heads)", "hf"),
     "model.rope_style": ("transformers' rotate-half; DeepSeek-V3's interleave", "tests/interop/test_families.py::test_deepseek_rope_interleave_false"),
+    "model.partial_rotary_factor": ("transformers' GLM-4.5 and MiniMax-M2 modeling code (rotary on part of each head)", "hf"),
+    "model.mtp_depth": ("a position-by-position hand computation of the DeepSeek-V3 report's MTP equations (loss and every gradient)", "tests/model/test_mtp.py::test_mtp_loss_and_gradient_equal_the_reports_equations"),
+    "model.mtp_loss_weight": ("the same hand computation: the weighted mean of the MTP losses added to the LM loss", "tests/model/test_mtp.py::test_mtp_loss_and_gradient_equal_the_reports_equations"),
     "model.rope_scaling": ("transformers' YaRN (DeepSeek-V3) and llama3 (Llama); linear by hand", "hf"),
     "model.rope_scaling_factor": ("transformers' YaRN and llama3; linear: positions / factor", "closed"),
     "model.rope_original_max_seq_len": ("transformers' YaRN and llama3 tables", "hf"),
@@ -136,6 +139,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "moe.shared_expert_gate": ("transformers' Qwen2-MoE", "hf"),
     "moe.route_with_bias": ("transformers' DeepSeek-V3 score correction (and without it, not)", "hf_options"),
     "moe.n_groups": ("transformers' DeepSeek-V3 group-limited routing", "hf_options"),
+    "moe.group_score": ("the per-token routing loop of kernels/reference.py (top-2 sum vs best expert per group); transformers' DeepSeek-V2 group_limited_greedy", "tests/kernels/test_kernels_router.py::test_group_limited_routing_matches_reference"),
     "moe.topk_groups": ("transformers' DeepSeek-V3 group-limited routing", "hf_options"),
     "moe.routed_scaling_factor": ("transformers' DeepSeek-V3", "hf_options"),
     # data

@@ -51,6 +51,28 @@ class CheckpointInfo:
     model: ModelConfig
     moe: MoEConfig
     data: DataConfig
+    source: str | None = None
+    """The Hugging Face directory ``import-hf`` read it from (None: trained by moetrain)."""
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The checkpoint's extra state (step, config, source, model_type, dtype ...)."""
+
+    def read_dirs(self) -> list[tuple[str, str | None]]:
+        """(what, path) of every directory this checkpoint's model came from or reads: a
+        command writing output must not touch any of them."""
+        root = self.path.parent
+        dirs: list[tuple[str, str | None]] = []
+        if root.name == "checkpoints":
+            dirs.append(("its run directory", str(root.parent)))
+        dirs += [("its checkpoint root", str(root)), ("the checkpoint", str(self.path))]
+        tok = Path(self.data.tokenizer).expanduser()
+        if self.data.tokenizer != "default" and tok.is_dir():
+            dirs.append(("its tokenizer directory", str(tok)))
+        dirs += [
+            ("its model.init_from", self.model.init_from),
+            ("its model.upcycle_from", self.model.upcycle_from),
+            ("the directory it was imported from", self.source),
+        ]
+        return dirs
 
 
 def checkpoint_info(path: str | Path) -> CheckpointInfo:
@@ -68,7 +90,9 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
         moe.validate()
     except ConfigError as exc:
         raise CheckpointError(f"checkpoint {step_dir}: its config is invalid: {exc}") from None
-    return CheckpointInfo(step_dir, int(manifest["step"]), cfg, model, moe, data)
+    source = extra.get("source")
+    return CheckpointInfo(step_dir, int(manifest["step"]), cfg, model, moe, data,
+                          source if isinstance(source, str) else None, extra)  # fmt: skip
 
 
 def meta_model(model: ModelConfig, moe: MoEConfig) -> Transformer:
@@ -86,10 +110,31 @@ def tensor_groups(model: Transformer) -> list[list[str]]:
     return list(groups.values())
 
 
+def saved_dtypes(info: CheckpointInfo) -> dict[str, torch.dtype]:
+    """The dtype each model tensor was saved in (an import keeps the checkpoint's: bf16 stays
+    bf16; training saves fp32 master weights)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(info.path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): v.properties.dtype for k, v in md.items()
+            if k.startswith("model.") and hasattr(v, "properties")}  # fmt: skip
+
+
+def saved_dtype(info: CheckpointInfo) -> torch.dtype:
+    """The dtype of most of the saved floating-point weights (fp32 when none)."""
+    counts: dict[torch.dtype, int] = {}
+    for dtype in saved_dtypes(info).values():
+        if dtype.is_floating_point:
+            counts[dtype] = counts.get(dtype, 0) + 1
+    return max(counts, key=lambda d: counts[d]) if counts else torch.float32
+
+
 def read_groups(info: CheckpointInfo) -> Iterator[dict[str, torch.Tensor]]:
-    """The checkpoint's model tensors, one layer group at a time, as CPU tensors."""
+    """The checkpoint's model tensors, one layer group at a time, as CPU tensors in the dtype
+    they were saved in."""
     model = meta_model(info.model, info.moe)
-    shapes = {k: (v.shape, v.dtype) for k, v in model.state_dict().items()}
+    dtypes = saved_dtypes(info)
+    shapes = {k: (v.shape, dtypes.get(k, v.dtype)) for k, v in model.state_dict().items()}
     manager = CheckpointManager(info.path.parent, keep_last=1)
     for names in tensor_groups(model):
         group = {n: torch.empty(shapes[n][0], dtype=shapes[n][1]) for n in names}

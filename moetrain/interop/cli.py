@@ -1,12 +1,14 @@
 """The interop commands of ``moetrain``:
 
-    moetrain import-hf HF_DIR OUT_DIR
+    moetrain import-hf HF_DIR OUT_DIR [--force]
     moetrain export-hf CHECKPOINT_DIR OUT_DIR [--family F] [--dtype bf16] [--max-shard-gb N]
+                       [--force]
     moetrain generate CHECKPOINT_OR_HF_DIR --prompt TEXT [--max-new-tokens N]
                       [--temperature T] [--top-p P] [--seed S] [--device D]
 
 Bad input (a directory that is not what it should be, an architecture no family
-expresses) is one line on stderr and exit status 2.
+expresses, an output directory that is not empty or is one of the sources) is one line on
+stderr and exit status 2. Output is written beside OUT_DIR and renamed into place.
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ def import_hf_main(argv: list[str] | None = None) -> int:
         "(OUT_DIR/config.yaml).",
     )
     parser.add_argument("hf_dir", help="local directory with config.json and safetensors")
-    parser.add_argument("out_dir", help="where the checkpoint and config.yaml go")
+    parser.add_argument("out_dir", help="where the checkpoint and config.yaml go: a new or "
+                        "empty directory")  # fmt: skip
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR "
+                        "whole (never a training run or HF_DIR)")  # fmt: skip
     args = parser.parse_args(argv)
     from moetrain.interop.convert import import_hf
 
     try:
-        path = import_hf(args.hf_dir, args.out_dir)
+        path = import_hf(args.hf_dir, args.out_dir, force=args.force)
     except _user_errors() as exc:
         return _fail(exc)
     print(f"moetrain: imported {args.hf_dir} -> {path} (+ {Path(args.out_dir) / 'config.yaml'})")
@@ -66,26 +71,31 @@ def export_hf_main(argv: list[str] | None = None) -> int:
         "transformers' AutoModelForCausalLM.from_pretrained loads.",
     )
     parser.add_argument("checkpoint", help="a step_* directory, a checkpoints/ root or a run dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--family", help="transformers model_type (default: the first that "
-                        "expresses the architecture)")  # fmt: skip
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="tensor dtype (default: as "
-                        "saved, fp32)")  # fmt: skip
+    parser.add_argument("out_dir", help="a new or empty directory")
+    parser.add_argument("--family", help="transformers model_type (default: the first family "
+                        "that expresses the architecture, else moetrain's own model, loaded "
+                        "with trust_remote_code=True)")  # fmt: skip
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="tensor dtype (default: the "
+                        "dtype each tensor was saved in: an imported bf16 model stays bf16, a "
+                        "trained one is fp32)")  # fmt: skip
     parser.add_argument("--max-shard-gb", type=float, default=5.0)
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR "
+                        "whole (never the run, its tokenizer or its source)")  # fmt: skip
     args = parser.parse_args(argv)
     from moetrain.interop.convert import export_hf
 
     try:
-        out = export_hf(
+        exported = export_hf(
             args.checkpoint,
             args.out_dir,
             family=args.family,
             dtype=_DTYPES.get(args.dtype) if args.dtype else None,
             max_shard_bytes=int(args.max_shard_gb * 2**30),
+            force=args.force,
         )
     except _user_errors() as exc:
         return _fail(exc)
-    print(f"moetrain: exported {args.checkpoint} -> {out}")
+    print(f"moetrain: exported {args.checkpoint} -> {exported.path} {exported.describe()}")
     return 0
 
 
@@ -140,6 +150,14 @@ def generate_main(argv: list[str] | None = None) -> int:
     except _user_errors() as exc:
         return _fail(exc)
     print(args.prompt + tok.decode(ids))
+    limit = model.cfg.max_seq_len
+    if len(ids) < args.max_new_tokens and (not ids or ids[-1] != tok.eos_id):
+        print(
+            f"moetrain: generate: stopped after {len(ids)} of --max-new-tokens "
+            f"{args.max_new_tokens} tokens: the prompt ({len(prompt)} tokens) and the "
+            f"continuation fill the model's context of {limit} positions",
+            file=sys.stderr,
+        )
     if args.show_ids:
         print(f"prompt ids: {prompt}")
         print(f"generated ids: {ids}")

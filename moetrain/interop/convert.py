@@ -14,6 +14,7 @@ writes tensors layer by layer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -30,6 +31,7 @@ from moetrain.interop.checkpoints import (
     checkpoint_info,
     meta_model,
     read_groups,
+    saved_dtype,
 )
 from moetrain.interop.errors import HFCheckpointError
 from moetrain.interop.families import (
@@ -39,69 +41,97 @@ from moetrain.interop.families import (
     Family,
     export_family,
 )
+from moetrain.interop.families.moetrain import REMOTE_DIR
 from moetrain.interop.hf_files import TOKENIZER_FILES, HFDirectory, write_safetensors
 from moetrain.interop.load import checked_sources, sections
 from moetrain.interop.sources import read_full
+from moetrain.interop.target import staged_output
 from moetrain.model.rope import half_to_interleaved
 
 log = logging.getLogger("moetrain")
 
+HF_KEPT_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range")
+"""config.json keys that say nothing of the architecture but travel with a model: import-hf
+records them in the checkpoint, export-hf writes them back."""
 
-def architecture_yaml(m: ModelConfig, e: MoEConfig, source: str) -> str:
-    """The model and moe sections (architecture keys) as YAML, with where they came from."""
+
+def architecture_yaml(m: ModelConfig, e: MoEConfig, source: Path, out: Path) -> str:
+    """The config.yaml of an import: how to train from it (``model.init_from`` the source
+    directory, a run directory of its own), then the architecture keys of both sections."""
+    train_dir = out.parent / f"{out.name}-train"
     tree = {
-        "model": {k: getattr(m, k) for k in ARCH_MODEL_KEYS},
+        "model": {"init_from": str(source), **{k: getattr(m, k) for k in ARCH_MODEL_KEYS}},
         "moe": {k: getattr(e, k) for k in ARCH_MOE_KEYS},
+        "train": {"output_dir": str(train_dir)},
     }
-    head = f"# Architecture of {source} (moetrain import-hf). Add training sections to train.\n"
+    head = (
+        f"# {source}, imported by moetrain import-hf: its architecture (the model and moe keys\n"
+        "# below, from its config.json) and a weights-only checkpoint in checkpoints/ for\n"
+        "# moetrain generate and export-hf (no optimizer state: it is not resumed).\n"
+        "# To train from these weights, run this file (training keys not set here take their\n"
+        "# defaults, docs/config.md; add sections or key=value overrides as for any run):\n"
+        f"#   moetrain --config {out / 'config.yaml'}\n"
+        "# model.init_from reads the weights from the directory above (each rank only its\n"
+        "# slices) and replaces the architecture keys with its config.json's; the run writes\n"
+        "# to train.output_dir.\n"
+    )
     return head + yaml.safe_dump(tree, sort_keys=False)
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+def import_hf(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
     """Convert a transformers directory into OUT_DIR/config.yaml and a moetrain checkpoint
     at step 0 (model weights only; resume needs a training checkpoint, so train from it with
-    ``model.init_from: HF_DIR`` or generate / export from it). Returns the checkpoint."""
+    ``model.init_from: HF_DIR`` or generate / export from it). Returns the checkpoint.
+
+    OUT_DIR must be new or empty (``force``: a directory replaced whole, never a training
+    run nor HF_DIR); it is written beside and renamed into place (``staged_output``)."""
     from moetrain.train.checkpoint import CheckpointManager
     from moetrain.train.trainer import model_fingerprint
 
     hf = HFDirectory(hf_dir, key="import-hf HF_DIR")
     m, e, family = sections(hf)
     sources = checked_sources(hf, family, m, e)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(architecture_yaml(m, e, str(hf.path)))
-    from moetrain.config import JobConfig
+    staged = staged_output(out_dir, force=force, sources=[("HF_DIR", hf.path)],
+                           key="import-hf OUT_DIR", replaceable_run=True)  # fmt: skip
+    with staged as tmp:
+        out = Path(out_dir).expanduser().resolve()
+        (tmp / "config.yaml").write_text(architecture_yaml(m, e, hf.path.resolve(), out))
+        from moetrain.config import JobConfig
 
-    job = JobConfig(model=m, moe=e)
-    job.train.output_dir = str(out)
-    copied = [n for n in TOKENIZER_FILES if (hf.path / n).is_file()]
-    for name in copied:
-        shutil.copy2(hf.path / name, out / name)
-    if "tokenizer.json" in copied:  # the run's tokenizer: generate and export use it
-        job.data.tokenizer = str(out.resolve())
-    state = {}
-    params = {n for n, _ in meta_model(m, e).named_parameters(remove_duplicate=False)}
-    for name, t in meta_model(m, e).state_dict().items():
-        if name in sources:
-            state[name] = read_full(hf, sources[name])
-        elif name in params:
-            raise HFCheckpointError(f"import-hf: no source for parameter {name} (adapter bug)")
-        else:  # a buffer the family has no tensor for (the expert bias): its initial zeros
-            state[name] = torch.zeros(t.shape, dtype=t.dtype)
-    manager = CheckpointManager(out / "checkpoints", keep_last=1)
-    extra = {"step": 0, "config": job.to_dict(), "source": str(hf.path),
-             "model_type": family.model_type}  # fmt: skip
-    fingerprint = model_fingerprint(job, m.vocab_size or 0)
-    return manager.save(0, {"model": state}, extra, fingerprint=fingerprint)
+        job = JobConfig(model=m, moe=e)
+        job.train.output_dir = str(out)
+        copied = [n for n in TOKENIZER_FILES if (hf.path / n).is_file()]
+        for name in copied:
+            shutil.copy2(hf.path / name, tmp / name)
+        if "tokenizer.json" in copied:  # the run's tokenizer: generate and export use it
+            job.data.tokenizer = str(out)
+        state = {}
+        params = {n for n, _ in meta_model(m, e).named_parameters(remove_duplicate=False)}
+        for name, t in meta_model(m, e).state_dict().items():
+            if name in sources:
+                state[name] = read_full(hf, sources[name])
+            elif name in params:
+                raise HFCheckpointError(f"import-hf: no source for parameter {name} (adapter bug)")
+            else:  # a buffer the family has no tensor for (the expert bias): its initial zeros
+                state[name] = torch.zeros(t.shape, dtype=t.dtype)
+        manager = CheckpointManager(tmp / "checkpoints", keep_last=1)
+        kept = {k: hf.config[k] for k in HF_KEPT_KEYS if hf.config.get(k) is not None}
+        extra = {"step": 0, "config": job.to_dict(), "source": str(hf.path.resolve()),
+                 "model_type": family.model_type, "hf_config": kept}  # fmt: skip
+        fingerprint = model_fingerprint(job, m.vocab_size or 0)
+        saved = manager.save(0, {"model": state}, extra, fingerprint=fingerprint)
+    return out / "checkpoints" / saved.name
 
 
 # ----------------------------------------------------------------------------- export
 
 
-def _to_half_rows(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+def _to_half_rows(t: torch.Tensor, head_dim: int, rope_dim: int) -> torch.Tensor:
     """Rows of a q/k projection (or bias, or norm weight) from moetrain's interleaved RoPE
-    pairing to transformers' rotate-half: per head, interleaved row i is half row p[i]."""
-    inv = torch.argsort(half_to_interleaved(head_dim))
+    pairing to transformers' rotate-half: per head, interleaved row i is half row p[i] among
+    the first ``rope_dim`` rows (partial rotary leaves the others where they are)."""
+    inv = torch.cat((torch.argsort(half_to_interleaved(rope_dim)),
+                     torch.arange(rope_dim, head_dim)))  # fmt: skip
     heads = t.reshape(-1, head_dim, *t.shape[1:])
     return heads[:, inv].reshape(t.shape)
 
@@ -120,14 +150,15 @@ one head, whole-projection ones all heads)."""
 
 def _rope_rows_to_half(name: str, t: torch.Tensor, m: ModelConfig) -> torch.Tensor:
     if m.attention == "gqa" and m.rope_style == "interleaved" and name.endswith(_ROPE_ROWS):
-        return _to_half_rows(t, m.attn_head_dim)
+        return _to_half_rows(t, m.attn_head_dim, m.rope_dim)
     return t
 
 
 def hf_tensors(
     info: CheckpointInfo, family: Family, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) of every tensor of the exported checkpoint, layer by layer."""
+    """(HF name, tensor) of every tensor of the exported checkpoint, layer by layer, in
+    ``dtype`` or the dtype each was saved in."""
     m, e = info.model, info.moe
     sources = family.sources(m, e)
     if m.tie_embeddings:
@@ -141,13 +172,31 @@ def hf_tensors(
                         f"{name} is not zero but {family.model_type} has no selection bias"
                     )
                 continue
-            t = _rope_rows_to_half(name, t, m)
+            if not family.keeps_rope_style:
+                t = _rope_rows_to_half(name, t, m)
             for key, row0, piece in sources[name].export(t):
                 pieces.setdefault(key, []).append((row0, piece))
         for key, parts in pieces.items():
             parts.sort(key=lambda p: p[0])
             full = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
             yield key, full.to(dtype) if dtype is not None else full.contiguous()
+
+
+def hf_kept(info: CheckpointInfo) -> dict[str, Any]:
+    """The HF_KEPT_KEYS of the model's Hugging Face origin: recorded by import-hf, or read
+    from the config.json of the run's ``model.init_from`` / ``model.upcycle_from``."""
+    kept = info.extra.get("hf_config")
+    if isinstance(kept, dict):
+        return {k: v for k, v in kept.items() if k in HF_KEPT_KEYS}
+    for origin in (info.model.init_from, info.model.upcycle_from):
+        path = Path(origin).expanduser() / "config.json" if origin else None
+        if path is not None and path.is_file():
+            try:
+                cfg = json.loads(path.read_text())
+            except ValueError:
+                return {}
+            return {k: cfg[k] for k in HF_KEPT_KEYS if cfg.get(k) is not None}
+    return {}
 
 
 def _write_tokenizer(info: CheckpointInfo, out: Path, config: dict[str, Any]) -> None:
@@ -174,7 +223,28 @@ def _write_tokenizer(info: CheckpointInfo, out: Path, config: dict[str, Any]) ->
             "model_max_length": info.model.max_seq_len,
         }
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2) + "\n")
-    config["eos_token_id"] = tok.eos_id
+    config.setdefault("eos_token_id", tok.eos_id)  # an imported model keeps its own
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What ``export_hf`` wrote: where, as which family, and why no earlier family fit."""
+
+    path: Path
+    family: Family
+    passed_over: list[str]
+
+    def describe(self) -> str:
+        fam = self.family
+        if not fam.remote_files:
+            return f"as {fam.model_type} ({fam.architecture})"
+        # The families of the other kind (dense for an MoE model) need no explanation.
+        why = "; ".join(r for r in self.passed_over if "MoE layers" not in r)
+        return (
+            f"as moetrain's own {fam.architecture} (its modeling file beside the weights: "
+            f"load with trust_remote_code=True), since no transformers family expresses it"
+            + (f" ({why})" if why else "")
+        )
 
 
 def export_hf(
@@ -185,24 +255,35 @@ def export_hf(
     dtype: torch.dtype | None = None,
     max_shard_bytes: int = 5 * 2**30,
     tokenizer: bool = True,
-) -> Path:
-    """Write a moetrain checkpoint (saved under any layout) as a transformers directory."""
+    force: bool = False,
+) -> Exported:
+    """Write a moetrain checkpoint (saved under any layout) as a transformers directory: as
+    the first family that expresses it, else as moetrain's own self-contained model.
+
+    Tensors keep the dtype they were saved in unless ``dtype`` says otherwise. OUT_DIR must
+    be new or empty (``force``: a directory replaced whole); it is never the checkpoint's
+    run, its tokenizer or the directory it came from. Everything is written beside it and
+    renamed into place (``staged_output``)."""
     info = checkpoint_info(checkpoint)
-    fam = _family(info, family)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = fam.to_hf(info.model, info.moe)
-    if dtype is not None:
-        config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    if tokenizer:
-        _write_tokenizer(info, out, config)
-    write_safetensors(hf_tensors(info, fam, dtype), out, max_shard_bytes)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    fam, passed_over = _family(info, family)
+    staged = staged_output(out_dir, force=force, sources=info.read_dirs(),
+                           key="export-hf OUT_DIR")  # fmt: skip
+    with staged as tmp:
+        config = fam.to_hf(info.model, info.moe)
+        config.update(hf_kept(info))
+        config["dtype"] = str(dtype or saved_dtype(info)).removeprefix("torch.")
+        if tokenizer:
+            _write_tokenizer(info, tmp, config)
+        write_safetensors(hf_tensors(info, fam, dtype), tmp, max_shard_bytes)
+        for name in fam.remote_files:
+            shutil.copy2(REMOTE_DIR / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    out = Path(out_dir).expanduser().resolve()
     log.info("export-hf: %s (step %d) -> %s as %s", info.path, info.step, out, fam.model_type)
-    return out
+    return Exported(out, fam, passed_over)
 
 
-def _family(info: CheckpointInfo, name: str | None) -> Family:
+def _family(info: CheckpointInfo, name: str | None) -> tuple[Family, list[str]]:
     if name is None:
         return export_family(info.model, info.moe)
     if name not in FAMILIES:
@@ -213,4 +294,4 @@ def _family(info: CheckpointInfo, name: str | None) -> Family:
             f"export-hf --family {name}: the checkpoint has {', '.join(problems)}, which "
             f"{name} cannot express"
         )
-    return FAMILIES[name]
+    return FAMILIES[name], []

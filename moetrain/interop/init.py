@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from moetrain.config import ConfigError, JobConfig
 from moetrain.interop.errors import HFCheckpointError
-from moetrain.interop.families import family_of
+from moetrain.interop.families import Family, family_of
 from moetrain.interop.hf_files import HFDirectory
 from moetrain.interop.load import check_sources, load_sharded
 from moetrain.interop.sources import Source
-from moetrain.interop.upcycle import check_upcycle, upcycle_sources
+from moetrain.interop.upcycle import check_upcycle, upcycle_sources, warn_upcycle_routing
 
 log = logging.getLogger("moetrain")
 
@@ -51,14 +51,17 @@ def _replace(section: Any, name: str, values: dict[str, Any], source: str) -> No
             setattr(section, key, value)
 
 
-def prepare_hf_start(cfg: JobConfig) -> HFStart:
-    """Replace ``cfg``'s architecture with the Hugging Face checkpoint's and check it; raises
-    HFCheckpointError (a ConfigError) naming the problem."""
+def hf_architecture(cfg: JobConfig) -> tuple[HFDirectory, Family]:
+    """Replace ``cfg``'s architecture keys (and tokenizer) with those of the checkpoint that
+    ``model.init_from`` / ``model.upcycle_from`` names, each replaced value logged, and
+    validate the result; raises HFCheckpointError (a ConfigError) naming the problem. What
+    ``--print-config`` shows and what the run trains."""
     upcycle = cfg.model.upcycle_from is not None
     key = "model.upcycle_from" if upcycle else "model.init_from"
     hf = HFDirectory(cfg.model.upcycle_from if upcycle else cfg.model.init_from, key)
     family = family_of(hf.config, key)
     model_keys, moe_keys = family.to_moetrain(hf.config)
+    model_keys["mtp_depth"] = family.hf_mtp_depth(hf.config, set(hf.tensors))
     source = f"{hf.path}/config.json"
     _replace(cfg.model, "model", model_keys, source)
     if upcycle:
@@ -78,8 +81,18 @@ def prepare_hf_start(cfg: JobConfig) -> HFStart:
         raise HFCheckpointError(f"{key}: with the architecture of {hf.path}: {exc}") from None
     if hf.has_tokenizer():
         _replace(cfg.data, "data", {"tokenizer": str(hf.path)}, key)
+    return hf, family
+
+
+def prepare_hf_start(cfg: JobConfig) -> HFStart:
+    """``hf_architecture``, then the tokenizer against the vocabulary and every tensor's
+    shape against config.json: everything checked before a process group starts."""
+    hf, family = hf_architecture(cfg)
+    upcycle = cfg.model.upcycle_from is not None
+    key = "model.upcycle_from" if upcycle else "model.init_from"
     _check_vocabulary(cfg, key)
     if upcycle:
+        warn_upcycle_routing(cfg.moe)
         sources = upcycle_sources(family, cfg.model, cfg.moe, cfg.train.seed)
     else:
         sources = family.sources(cfg.model, cfg.moe)

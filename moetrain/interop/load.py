@@ -31,6 +31,7 @@ def sections(
     ``model`` / ``moe`` (defaults when None), validated."""
     family = family_of(hf.config, hf.key)
     model_keys, moe_keys = family.to_moetrain(hf.config)
+    model_keys["mtp_depth"] = family.hf_mtp_depth(hf.config, set(hf.tensors))
     m = dataclasses.replace(model or ModelConfig(), **model_keys)
     e = dataclasses.replace(moe or MoEConfig(), **moe_keys)
     try:

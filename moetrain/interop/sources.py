@@ -50,6 +50,9 @@ class Rows:
     shape: tuple[int, ...]
     row0: int = 0
     hf_rows: int | None = None
+    copies: tuple[str, ...] = ()
+    """More HF names that export writes the same tensor under (DeepSeek-V3's
+    multi-token-prediction layer keeps its own copy of the embedding and the head)."""
 
     def hf_shapes(self) -> dict[str, tuple[int, ...] | None]:
         return {self.key: (self.hf_rows or self.shape[0], *self.shape[1:])}
@@ -59,7 +62,7 @@ class Rows:
         return hf.read(self.key, (rows, *region[1:]))
 
     def export(self, t: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
-        return [(self.key, self.row0, t)]
+        return [(self.key, self.row0, t)] + [(key, self.row0, t.clone()) for key in self.copies]
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ the values depend on the seed, layer and expert only, so every rank draws the sa
 
 from __future__ import annotations
 
+import logging
+
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.interop.errors import HFCheckpointError
 from moetrain.interop.families import Family
@@ -40,6 +42,26 @@ def check_upcycle(family: Family, m: ModelConfig, e: MoEConfig, key: str) -> Non
         raise HFCheckpointError(
             f"{key}: moe.num_shared_experts must be 0 when upcycling (every routed expert is "
             "already a copy of the dense FFN; a shared one would add it twice)"
+        )
+
+
+log = logging.getLogger("moetrain")
+
+
+def warn_upcycle_routing(e: MoEConfig) -> None:
+    """Routing that keeps the upcycled model from starting where the dense one is."""
+    every_expert = e.score_func == "softmax" and e.top_k == e.num_experts  # weights sum to 1
+    if not e.renormalize and not every_expert:
+        log.warning(
+            "model.upcycle_from with moe.renormalize=%s (top_k=%d): a token's expert weights do "
+            "not sum to one, so the upcycled model does not start as the dense model (set "
+            "moe.renormalize=true to start there)", e.renormalize, e.top_k,
+        )  # fmt: skip
+    if e.routed_scaling_factor != 1.0:
+        log.warning(
+            "model.upcycle_from with moe.routed_scaling_factor=%g: the experts' output is "
+            "scaled, so the upcycled model does not start as the dense model",
+            e.routed_scaling_factor,
         )
 
 

@@ -78,6 +78,7 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.head_dim = cfg.attn_head_dim
+        self.rope_dim = cfg.rope_dim  # partial rotary: the first rope_dim dims of each head
         self.rope_style = cfg.rope_style
         self.clip = cfg.clip_qkv
         q_out, kv_out = cfg.n_heads * self.head_dim, cfg.kv_heads * self.head_dim
@@ -115,13 +116,19 @@ class Attention(nn.Module):
         if self.qk_norm == "head":  # Qwen3: each head's Dh values, one shared weight
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_rows(cos, sin, S)
-        q = apply_rope(q, cos, sin, self.rope_style)
-        k = apply_rope(k, cos, sin, self.rope_style)
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         if cache is not None:
             k, v = cache.extend(self.layer_id, k, v)
         if mask is None:  # causal attention of the new positions over all of them
             mask = AttentionMask.causal(S, x_BSD.device, start=k.shape[1] - S)
         return self.wo(self.attend(q, k, v, None, mask))
+
+    def _rope(self, x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on each head's first ``rope_dim`` dims (all of them unless partial)."""
+        if self.rope_dim == self.head_dim:
+            return apply_rope(x_BSHD, cos, sin, self.rope_style)
+        rot, rest = x_BSHD.split((self.rope_dim, self.head_dim - self.rope_dim), dim=-1)
+        return torch.cat((apply_rope(rot, cos, sin, self.rope_style), rest), dim=-1)
 
 
 class LatentAttention(nn.Module):

@@ -132,7 +132,7 @@ class Router(nn.Module):
         route_backend = "torch" if cfg.n_groups > 1 else backend
         r = route(logits_TE, cfg.top_k, score_func=cfg.score_func, expert_bias_E=bias,
                   renormalize=cfg.renormalize, backend=route_backend, n_groups=cfg.n_groups,
-                  topk_groups=cfg.topk_groups)
+                  topk_groups=cfg.topk_groups, group_score=cfg.group_score)
         if replay_ids_TK is not None:
             ids_TK = replay_ids_TK.to(r.ids_TK.device, torch.int64)
             weights_TK = combine_weights(r.scores_TE, ids_TK, cfg.renormalize, cfg.score_func)

@@ -18,13 +18,16 @@ from torch import nn
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import Attention, KVCache, LatentAttention, build_attention
 from moetrain.model.experts import FeedForward, GroupedExperts
+from moetrain.model.losses import AuxLossInjector
 from moetrain.model.masks import AttentionMask, document_positions
 from moetrain.model.moe import MoELayer
+from moetrain.model.mtp import mtp_loss
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope, rope_tables
 from moetrain.model.sequence_shard import SequenceShard
 
 __all__ = [
+    "MTPBlock",
     "Attention",
     "FeedForward",
     "KVCache",
@@ -75,6 +78,25 @@ class TransformerBlock(nn.Module):
         return h + self.ffn(self.ffn_norm(h))
 
 
+class MTPBlock(TransformerBlock):
+    """A multi-token-prediction module (``moetrain.model.mtp``): TRM_k with M_k
+    (``eh_proj``), the norms of its two inputs and its head's norm."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig, moe_cfg: MoEConfig):
+        super().__init__(layer_id, cfg, moe_cfg)
+        self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.head_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+
+    def forward(self, h_BSD, emb_BSD, cos, sin):  # type: ignore[override]
+        """(h^k, its head-normed copy) from h^{k-1} and the embeddings of t_{i+k}. The head's
+        norm runs here, inside the block's forward, where FSDP has its weights whole."""
+        x = self.eh_proj(torch.cat((self.enorm(emb_BSD), self.hnorm(h_BSD)), dim=-1))
+        h = super().forward(x, cos, sin)
+        return h, self.head_norm(h)
+
+
 def is_moe_layer(layer_id: int, moe_cfg: MoEConfig) -> bool:
     """Layer i is MoE when there are experts, i % every_n_layers == every_n_layers - 1
     (Qwen-MoE's decoder_sparse_step) and i is not one of ``moe.dense_layers``."""
@@ -98,6 +120,14 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, cfg, moe_cfg) for i in range(cfg.n_layers)}
         )
+        # Multi-token prediction: module k is layer n_layers + k - 1 (as in DeepSeek's and
+        # GLM's checkpoints), so that every per-layer transform and service covers it.
+        for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+            self.layers[str(i)] = MTPBlock(i, cfg, moe_cfg)
+        self.mtp_loss_scale = 1.0
+        # The multi-token-prediction loss of training forwards since the last pop_mtp_loss():
+        # (sum of lambda / D * sum_k L^k, forwards).
+        self.register_buffer("stat_mtp", torch.zeros(2), persistent=False)
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg)
@@ -129,9 +159,15 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         documents: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens (B, S) int64 -> logits (B, S, V). A pipeline stage without the embedding
         takes hidden states (B, S, D) instead, and one without the output returns them.
+
+        ``labels`` (B, S) (the next tokens; training with ``model.mtp_depth``): the
+        multi-token-prediction modules run too, and their loss lambda / D * sum_k L^k reaches
+        the optimizer through the returned logits' backward (``AuxLossInjector``, scaled like
+        the balancing losses by ``set_aux_loss_scale``).
 
         ``cache`` (generation): the keys and values of the ``cache.length`` positions before
         ``tokens``; this call appends the new ones and advances ``cache.length`` by S.
@@ -145,7 +181,10 @@ class Transformer(nn.Module):
             raise ValueError(f"{cache.length + tokens.shape[1]} positions exceed "
                              f"model.max_seq_len={self.cfg.max_seq_len}")
         cos, sin, masks = self._positions(tokens.shape[1], cache, documents)
+        n = self.cfg.n_layers
         for name, layer in self.layers.items():
+            if int(name) >= n:
+                continue  # a multi-token-prediction module: below
             mask = masks[int(name)]
             if cache is None:
                 h = layer(h, cos, sin, mask=mask, valid=valid)
@@ -153,9 +192,28 @@ class Transformer(nn.Module):
                 h = layer(h, cos, sin, cache, mask=mask)
         if cache is not None:
             cache.length += tokens.shape[1]
+        hidden = h
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        logits = self.output(h)
+        blocks = [self.layers[str(i)] for i in range(n, n + self.cfg.mtp_depth)]
+        if labels is not None and blocks and self.tok_embeddings is not None:
+            loss = mtp_loss(blocks, hidden, labels, self.tok_embeddings, self.output, cos, sin)
+            loss = loss * (self.cfg.mtp_loss_weight / len(blocks))
+            if self.training and torch.is_grad_enabled():  # not the engine's counting pass
+                logits = AuxLossInjector.apply(logits, loss, self.mtp_loss_scale)
+                with torch.no_grad():
+                    self.stat_mtp += torch.stack([loss.detach().float(), loss.new_ones(())])
+        return logits
+
+    @torch.no_grad()
+    def pop_mtp_loss(self) -> torch.Tensor:
+        """(sum of the multi-token-prediction losses, forwards) since the last call."""
+        out = self.stat_mtp.clone()
+        self.stat_mtp.zero_()
+        return out
 
     def _positions(
         self, S: int, cache: KVCache | None, documents: torch.Tensor | None
@@ -212,6 +270,7 @@ class Transformer(nn.Module):
         so that aux losses are averaged over micro-batches exactly like the LM loss."""
         for layer in self.moe_layers().values():
             layer.aux_loss_scale = scale
+        self.mtp_loss_scale = scale
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count (tied weights once). active=True counts only the top_k routed

@@ -181,6 +181,15 @@ class ParallelDims:
                     f"data.seq_len: {cfg.data.seq_len} is not divisible by "
                     f"parallel.tp={tp} (parallel.sequence_parallel splits it)"
                 )
+        if m.mtp_depth:
+            for name, degree in (("pp", self.pp), ("tp", tp), ("cp", self.cp)):
+                if degree > 1:
+                    raise ConfigError(
+                        f"model.mtp_depth: multi-token prediction is not supported with "
+                        f"parallel.{name}={degree} (it runs with data parallelism, ZeRO 0-3 "
+                        "and expert parallelism); set model.mtp_depth=0 or parallel."
+                        f"{name}=1"
+                    )
         stages = self.num_stages
         if m.n_layers % stages:
             raise ConfigError(

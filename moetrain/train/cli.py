@@ -28,7 +28,15 @@ def train_main(argv: list[str] | None = None) -> int:
         return 2
     if args.print_config:
         from moetrain.config import config_to_yaml
+        from moetrain.train.start import find_start
 
+        try:
+            # model.init_from / upcycle_from: the run's architecture is the checkpoint's (the
+            # start replaces it, and checks it, as training would); show that.
+            find_start(cfg)
+        except ConfigError as exc:
+            print(f"moetrain: config error: {exc}", file=sys.stderr)
+            return 2
         print(config_to_yaml(cfg), end="")
         return 0
     import datasets

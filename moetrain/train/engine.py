@@ -171,7 +171,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         else:
             self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
         self.schedulers = [
-            build_scheduler(opt, cfg.optim, cfg.train.steps) for opt in self.optimizers
+            build_scheduler(opt, cfg.optim, max(1, cfg.train.steps)) for opt in self.optimizers
         ]
         if self.schedule is not None:
             self._warm_up_pipeline(dims.micro_batch_size(cfg), cfg.data.seq_len)
@@ -274,7 +274,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
                 inputs = self._local_tokens(batch["input_ids"]).to(self.device, non_blocking=True)
                 labels = self._local_tokens(batch["labels"]).to(self.device, non_blocking=True)
                 with self._loss_ctx():
-                    loss = self._ce(model(inputs), labels)
+                    loss = self._ce(self._forward(model, inputs, labels), labels)
                     if self.probe is not None:
                         self.probe("forward")
                     if breadth == 1:
@@ -294,6 +294,21 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         if self.probe is not None:
             self.probe("backward")
         return self._mean_over_dp(total)
+
+    def _forward(self, model: Any, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's logits; with multi-token prediction its modules see the labels."""
+        if self.cfg.model.mtp_depth:
+            return model(inputs, labels=labels)
+        return model(inputs)
+
+    def pop_mtp_loss(self) -> float:
+        """The step's multi-token-prediction loss (lambda / D * sum_k L^k, mean over its
+        forwards and dp ranks); nan without it."""
+        if not self.cfg.model.mtp_depth:
+            return float("nan")
+        sums = sum(part.pop_mtp_loss() for part in self.parts)
+        mean = sums[0] / sums[1].clamp_min(1)
+        return float(self._mean_over_dp(mean))
 
     def _local_tokens(self, tokens_BS: torch.Tensor) -> torch.Tensor:
         """This rank's positions of every sequence (context parallelism), or all of them."""

@@ -53,9 +53,10 @@ class RoutingPasses:
                     self._pipeline_step(group, train=False)
                     continue
                 for batch in group:
-                    inputs = self._local_tokens(batch["input_ids"])
+                    inputs = self._local_tokens(batch["input_ids"]).to(self.device)
+                    labels = self._local_tokens(batch["labels"]).to(self.device)
                     with self._loss_ctx():
-                        self.parts[0](inputs.to(self.device, non_blocking=True))
+                        self._forward(self.parts[0], inputs, labels)
         finally:
             for i, layer in self.moe.items():
                 layer.counting = False
@@ -104,9 +105,10 @@ class RoutingPasses:
         return torch.cat(parts)
 
     def _eval_routing(self, micro_batches: list[Batch]) -> dict[str, Any]:
-        mine = {
+        mine = {  # multi-token-prediction modules do not run in evaluation
             i: torch.cat(layer.eval_record or []).to(self.device, torch.int64)
             for i, layer in self.moe.items()
+            if i < self.cfg.model.n_layers
         }
         ids = {i: self._gather_dp(t).to("cpu", torch.int16) for i, t in sorted(mine.items())}
         inputs = torch.cat([b["input_ids"] for b in micro_batches]).to(self.device)

@@ -160,6 +160,8 @@ class StepResult:
     tokens: int
     seconds: float
     moe: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    mtp_loss: float = float("nan")
+    """The multi-token-prediction loss (lambda / D * sum_k L^k); nan without it."""
 
 
 def world_size() -> int:
@@ -333,12 +335,14 @@ class Trainer:
                     "start a new train.output_dir"
                 )
             return
+        _refuse_weights_only(path)
         # Keys are full-model names under every layout: DCP reshards a checkpoint saved under
         # another layout on load. Data state is the global stream position (layout-free).
         state = self.engine.app_state()
         extra = self.ckpt.load(path, state, expected_fingerprint=self.fingerprint)
         self.engine.load_app_state(state)
-        self.engine.load_scheduler_state(extra["scheduler"])
+        if int(extra["step"]) > 0:  # a step-0 start (train.steps=0) keeps this run's schedule
+            self.engine.load_scheduler_state(extra["scheduler"])
         self.train_data.load_state_dict(extra["data"])
         set_rng_state(extra["rng"])
         self.step = int(extra["step"])
@@ -355,6 +359,7 @@ class Trainer:
             micro_batches, replay=replay, record=tcfg.record_routing
         )
         lr = self.engine.lr
+        mtp_loss = self.engine.pop_mtp_loss()
         if tcfg.record_routing:
             record = self.engine.routing_record()
             if self.is_main and record is not None:
@@ -369,7 +374,8 @@ class Trainer:
         self.step += 1
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
         synchronize(self.device)
-        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe)
+        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe,
+                          mtp_loss)  # fmt: skip
 
     def _replay(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
         """The routing ``train.routing_replay`` gives the next step, checked against the step's
@@ -478,7 +484,7 @@ class Trainer:
             self.peak_flops / 1e9,
             self.peak_source,
         )
-        if cfg.optim.warmup_steps >= tcfg.steps:
+        if 0 < tcfg.steps <= cfg.optim.warmup_steps:
             log.warning("optim.warmup_steps=%d >= train.steps=%d: the learning rate rises for "
                         "the whole run and never reaches optim.lr=%g", cfg.optim.warmup_steps,
                         tcfg.steps, cfg.optim.lr)  # fmt: skip
@@ -495,6 +501,9 @@ class Trainer:
         eval_loss = None
         with PreemptionGuard() as preempt:
             eval_loss = self._loop(end, window, bar, preempt)
+        if tcfg.steps == 0 and self.step == 0:
+            # The starting model itself (an upcycled or imported start), for export.
+            self.save_checkpoint()
         if bar is not None:
             bar.close()
         self.writer.warnings.flush()
@@ -568,6 +577,8 @@ class Trainer:
                 "perf/mfu": mfu,
                 "train/skipped_steps": self.nonfinite.skipped,
             }
+            if self.cfg.model.mtp_depth:
+                scalars["train/mtp_loss"] = res.mtp_loss
             self.writer.scalars(scalars, self.step)
             self.writer.moe_layers(res.moe, self.step)
             if self.is_main:
@@ -625,6 +636,22 @@ class Trainer:
             bar.write(line)
         else:
             log.info(line)
+
+
+def _refuse_weights_only(path: Path) -> None:
+    """A checkpoint that ``moetrain import-hf`` wrote holds model weights only: resuming it
+    would fail deep in DCP (no optimizer state). Say what to do instead."""
+    try:
+        extra = torch.load(Path(path) / "extra.pt", map_location="cpu", weights_only=True)
+    except Exception:
+        return  # not an import (per-rank extras, or unreadable: the load reports it)
+    if isinstance(extra, dict) and "source" in extra and "scheduler" not in extra:
+        raise CheckpointError(
+            f"train.resume: {path} holds only the weights that moetrain import-hf read from "
+            f"{extra['source']} (no optimizer state), and is not resumed; train from them with "
+            f"model.init_from: {extra['source']} and a train.output_dir of their own (the "
+            "config.yaml import-hf wrote beside it does both)"
+        )
 
 
 def run(cfg: JobConfig) -> dict[str, float]:

@@ -39,11 +39,31 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         qk_rope_head_dim=8, v_head_dim=16,
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        _ATTN, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, use_qk_norm=True,
+        attention_bias=True, partial_rotary_factor=0.5)),
+    "minimax_m2": ("MiniMaxM2Config", dict(_ATTN, head_dim=32, rotary_dim=16,
+                                           intermediate_size=32, num_local_experts=8,
+                                           num_experts_per_tok=2)),
+    "deepseek_v2": ("DeepseekV2Config", dict(
+        _ATTN, num_hidden_layers=3, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        first_k_dense_replace=1, routed_scaling_factor=2.0, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }  # fmt: skip
 """model_type -> (transformers config class, its arguments). Each exercises its family's
 options: Qwen3 a head_dim unrelated to the width and a dense mlp_only layer; OLMoE no
 renormalisation and clip_qkv; Qwen2 biases and a gated shared expert; DeepSeek-V3 MLA with
-q LoRA, group-limited sigmoid routing, scaling, a first dense layer and YaRN."""
+q LoRA, group-limited sigmoid routing, scaling, a first dense layer and YaRN; GLM-4.5 q/k/v
+biases, per-head q/k norms, partial rotary and V3's routing; MiniMax-M2 whole-projection q/k
+norms, a head_dim unrelated to the width, partial rotary (rotary_dim) and biased sigmoid
+routing; DeepSeek-V2 MLA without q LoRA, YaRN and softmax routing over groups scored by
+their best expert."""
 
 DENSE: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(_ATTN, intermediate_size=96, rope_scaling={
@@ -52,13 +72,16 @@ DENSE: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(_ATTN, intermediate_size=96, sliding_window=None)),
     "qwen3": ("Qwen3Config", dict(_ATTN, head_dim=32, intermediate_size=96,
                                   tie_word_embeddings=True)),
+    "qwen2": ("Qwen2Config", dict(_ATTN, intermediate_size=96)),
 }  # fmt: skip
 """Dense families (sparse-upcycling sources)."""
 
 MODELS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
           "olmoe": "OlmoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
           "deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
-          "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+          "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "qwen2": "Qwen2ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+          "minimax_m2": "MiniMaxM2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}  # fmt: skip
 
 
 def build_hf(model_type: str, seed: int = 0):
@@ -73,9 +96,12 @@ def build_hf(model_type: str, seed: int = 0):
     with torch.no_grad():
         for module in routers(model):
             module.weight.copy_(torch.randn(module.weight.shape, generator=gen) * 0.3)
-            bias = getattr(module, "e_score_correction_bias", None)
-            if bias is not None:
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)  # a router's or the block's
+            if isinstance(bias, torch.Tensor):
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.1)
     return model
 
 

@@ -61,14 +61,15 @@ def test_export_of_checkpoints_saved_under_layouts(tmp_path: Path) -> None:
         assert err <= LOGIT_ATOL, (family, err)
 
 
-def test_architecture_no_family_expresses_is_refused(tmp_path: Path) -> None:
-    """moetrain's default MoE (ungated shared experts beside softmax routing) has no
-    transformers family: export says what keeps each family out."""
+def test_a_family_that_cannot_express_the_model_is_refused(tmp_path: Path) -> None:
+    """``--family`` naming a family that cannot express the checkpoint says what keeps it out
+    (without it, export writes moetrain's own model: test_self_contained.py)."""
     from moetrain.interop import HFCheckpointError
     from moetrain.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
         Trainer(micro_config(out, "train.steps=1", "train.checkpoint_every=1")).fit()
-        expected = r"no family expresses this architecture: mixtral: .*shared experts.*; deepseek"
+        expected = r"export-hf --family mixtral: the checkpoint has an expert selection bias, "
         with pytest.raises(HFCheckpointError, match=expected):
-            export_hf(out, tmp_path / "hf")
+            export_hf(out, tmp_path / "hf", family="mixtral")
+        assert not (tmp_path / "hf").exists()

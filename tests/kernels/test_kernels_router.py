@@ -73,15 +73,18 @@ def test_bias_steers_selection_only(backend):
     assert_close(got.weights_TK[:, 0], torch.softmax(logits_TE, -1)[:, 0], "weight of expert 0")
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-def test_group_limited_routing_matches_reference(renormalize):
-    """DeepSeek-V3's group-limited routing (torch path) against the per-token reference, and
-    the choice really is confined to each token's best groups."""
+@pytest.mark.parametrize(
+    "renormalize, group_score", [(True, "top2"), (False, "top2"), (False, "max")]
+)
+def test_group_limited_routing_matches_reference(renormalize, group_score):
+    """Group-limited routing (torch path; DeepSeek-V3's groups scored by their two best
+    experts, DeepSeek-V2's by their best) against the per-token reference, and the choice
+    really is confined to each token's best groups."""
     gen = torch.Generator().manual_seed(11)
     logits_TE = torch.randn(40, 16, generator=gen).to(DEVICE).requires_grad_()
     bias_E = (0.2 * torch.randn(16, generator=gen)).to(DEVICE)
     kwargs = dict(score_func="sigmoid", expert_bias_E=bias_E, renormalize=renormalize,
-                  n_groups=4, topk_groups=2)  # fmt: skip
+                  n_groups=4, topk_groups=2, group_score=group_score)  # fmt: skip
     got = route(logits_TE, 4, backend="torch", **kwargs)
     ref = route_reference(logits_TE, 4, **kwargs)
     assert torch.equal(got.ids_TK, ref.ids_TK)
@@ -93,6 +96,9 @@ def test_group_limited_routing_matches_reference(renormalize):
     assert not torch.equal(plain.ids_TK.sort(-1).values, got.ids_TK.sort(-1).values), (
         "group limit changed nothing: the test cannot fail"
     )
+    other = "max" if group_score == "top2" else "top2"
+    swapped = route(logits_TE, 4, backend="torch", **{**kwargs, "group_score": other})
+    assert not torch.equal(swapped.ids_TK, got.ids_TK), "group scoring changed nothing"
     gen = torch.Generator().manual_seed(7)
     dw = torch.randn(got.weights_TK.shape, generator=gen).to(DEVICE)
     (dlogits,) = grads([got.weights_TK], [logits_TE], [dw])

@@ -1,6 +1,6 @@
 """The architecture options of the Hugging Face families under every parallel axis.
 
-Three option sets, each the micro MoE of ``tests/multirank.py`` with one family's options:
+Option sets, each the micro MoE of ``tests/multirank.py`` with one family's options:
 
 - Qwen-style: head_dim unrelated to the width, rotate-half RoPE with YaRN, per-head q/k
   RMSNorm, q/k/v and output biases, clip_qkv, a sigmoid-gated shared expert, a dense layer;
@@ -8,7 +8,13 @@ Three option sets, each the micro MoE of ``tests/multirank.py`` with one family'
   and the mean of squares reduced over tp ranks), clip_qkv;
 - DeepSeek-V3-style: multi-head latent attention with q LoRA and YaRN (its softmax scale),
   sigmoid routing with the score-correction bias, two expert groups of which a token may use
-  one, routed_scaling_factor, a first dense layer.
+  one, routed_scaling_factor, a first dense layer;
+- GLM-4.5-style: partial rotary over half of each head, per-head q/k norms, q/k/v biases
+  without an output bias, DeepSeek-V3's routing;
+- MiniMax-M2-style: whole-projection q/k norms with a head_dim unrelated to the width,
+  partial rotary, biased sigmoid routing without shared experts;
+- DeepSeek-V2-style: MLA without q LoRA, softmax routing over groups scored by their best
+  expert, no renormalisation, routed_scaling_factor.
 
 Each trains ``STEPS`` fp32 steps under tp=2 + sequence parallelism, pp=2 and ep=2 with ZeRO-3
 (one spawned 2-rank job) and must reproduce the single-process run on every rank: losses,
@@ -41,6 +47,23 @@ OPTION_SETS: dict[str, list[str]] = {
         "model.rope_yarn_mscale_all_dim=1.0", "moe.score_func=sigmoid",
         "moe.route_with_bias=true", "moe.n_groups=2", "moe.topk_groups=1",
         "moe.routed_scaling_factor=2.5", "moe.dense_layers=[0]",
+    ],
+    "glm-4.5": [
+        "model.partial_rotary_factor=0.5", "model.rope_style=half", "model.qk_norm=head",
+        "model.qkv_bias=true", "moe.score_func=sigmoid", "moe.route_with_bias=true",
+        "moe.n_groups=2", "moe.topk_groups=1", "moe.routed_scaling_factor=2.5",
+        "moe.dense_layers=[0]",
+    ],
+    "minimax-m2": [
+        "model.qk_norm=full", "model.head_dim=32", "model.partial_rotary_factor=0.5",
+        "model.rope_style=half", "moe.score_func=sigmoid", "moe.route_with_bias=true",
+        "moe.num_shared_experts=0",
+    ],
+    "deepseek-v2": [
+        "model.attention=mla", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
+        "model.qk_rope_head_dim=8", "model.v_head_dim=16", "moe.renormalize=false",
+        "moe.n_groups=2", "moe.topk_groups=1", "moe.group_score=max",
+        "moe.routed_scaling_factor=2.0", "moe.expert_bias_rate=0.0", "moe.dense_layers=[0]",
     ],
 }  # fmt: skip
 

@@ -23,7 +23,7 @@ ARCH_MODEL_KEYS = (
     "rope_yarn_beta_slow", "rope_yarn_mscale", "rope_yarn_mscale_all_dim",
     "rope_llama3_low_freq_factor", "rope_llama3_high_freq_factor", "qk_norm", "qkv_bias",
     "out_bias", "clip_qkv", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
-    "qk_rope_head_dim", "v_head_dim",
+    "qk_rope_head_dim", "v_head_dim", "partial_rotary_factor", "mtp_depth",
 )  # fmt: skip
 """Keys of the model section an HF config decides (the rest are training choices)."""
 
@@ -31,6 +31,7 @@ ARCH_MOE_KEYS = (
     "num_experts", "top_k", "every_n_layers", "dense_layers", "expert_ffn_dim",
     "num_shared_experts", "shared_expert_ffn_dim", "shared_expert_gate", "score_func",
     "renormalize", "route_with_bias", "n_groups", "topk_groups", "routed_scaling_factor",
+    "group_score",
 )  # fmt: skip
 """Keys of the moe section an HF config decides. Capacity, dropping, balancing losses,
 jitter, token groups and kernels stay the YAML's."""
@@ -58,11 +59,10 @@ def rope_from_hf(hf: dict, family: str) -> dict[str, Any]:
     params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     kind = params.get("rope_type") or params.get("type") or "default"
-    out: dict[str, Any] = {"rope_theta": float(theta)}
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    out: dict[str, Any] = {"rope_theta": float(theta), "partial_rotary_factor": float(partial)}
     if kind == "default":
         return out
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFCheckpointError(f"config.json: {family}: partial_rotary_factor is not supported")
     if kind == "linear":
         return {**out, "rope_scaling": "linear", "rope_scaling_factor": float(params["factor"])}
     original = params.get("original_max_position_embeddings")
@@ -141,6 +141,15 @@ class Family:
     prefix = "model.layers"
     moe_block = "mlp"  # Mixtral: block_sparse_moe
     expert_names = ("gate_proj", "up_proj", "down_proj")  # Mixtral: w1, w3, w2
+    mtp = False
+    """Whether the family's checkpoints carry multi-token-prediction layers (read and
+    written by moetrain; transformers drops them)."""
+    partial_rotary = False
+    """Whether transformers' modeling of the family rotates part of each head only."""
+    keeps_rope_style = False
+    """False: transformers' rotate-half pairing (export permutes interleaved q/k rows)."""
+    remote_files: tuple[str, ...] = ()
+    """Modeling files written beside the weights (loaded with trust_remote_code=True)."""
 
     # -- config -------------------------------------------------------------------------
 
@@ -168,6 +177,9 @@ class Family:
         )
         if model["n_kv_heads"] == heads:
             model["n_kv_heads"] = None
+        if model["partial_rotary_factor"] != 1.0 and not self.partial_rotary:
+            raise HFCheckpointError(f"config.json: {self.model_type}: partial_rotary_factor is "
+                                    "not supported")  # fmt: skip
         window = self.sliding_window(hf)
         if window is not None and window < model["max_seq_len"]:
             # Sliding-window attention equals full causal attention on sequences no longer
@@ -205,7 +217,6 @@ class Family:
             "hidden_act": "silu",
             "attention_dropout": 0.0,
             "initializer_range": m.init_std,
-            "torch_dtype": "float32",
             "use_cache": True,
             **rope_to_hf(m),
         }
@@ -216,11 +227,17 @@ class Family:
         out = []
         if m.attention != "gqa":
             out.append("multi-head latent attention")
+        if m.partial_rotary_factor != 1.0 and not self.partial_rotary:
+            out.append("partial rotary")
+        if m.mtp_depth and not self.mtp:
+            out.append("multi-token prediction")
         if (e.num_experts > 0) != self.moe:
             out.append("MoE layers" if e.num_experts else "no MoE layers")
         if e.num_experts:
             if e.n_groups > 1:
                 out.append("group-limited routing")
+            elif e.group_score != "top2":
+                out.append(f"group_score={e.group_score}")
             if e.routed_scaling_factor != 1.0:
                 out.append("routed_scaling_factor")
             if e.route_with_bias or e.expert_bias_rate > 0:
@@ -293,7 +310,8 @@ class Family:
                 "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight", (V, D)
             ),
         }
-        for i in range(m.n_layers):
+        mtp = range(m.n_layers, m.n_layers + m.mtp_depth)
+        for i in [*range(m.n_layers), *mtp]:
             p = f"{self.prefix}.{i}"
             out[f"layers.{i}.attention_norm.weight"] = Rows(f"{p}.input_layernorm.weight", (D,))
             out[f"layers.{i}.ffn_norm.weight"] = Rows(f"{p}.post_attention_layernorm.weight", (D,))
@@ -302,4 +320,41 @@ class Family:
                 out.update(self.moe_sources(i, m, e))
             else:
                 out.update(self.dense_ffn_sources(i, m))
+        if m.mtp_depth:
+            out.update(self.mtp_sources(m, out))
         return out
+
+    def mtp_sources(self, m: ModelConfig, out: dict[str, Source]) -> dict[str, Source]:
+        """The multi-token-prediction modules' own tensors (DeepSeek-V3's names: the extra
+        layers n_layers.. after the main ones, each with ``enorm``, ``hnorm``, ``eh_proj``,
+        ``shared_head.norm`` and copies of the embedding and the head, which moetrain
+        shares with the main model: read from the main ones, written to both)."""
+        D, V = m.dim, m.vocab_size
+        assert V is not None
+        mine: dict[str, Source] = {}
+        layers = [f"{self.prefix}.{i}" for i in range(m.n_layers, m.n_layers + m.mtp_depth)]
+        for i, p in zip(range(m.n_layers, m.n_layers + m.mtp_depth), layers, strict=True):
+            q = f"layers.{i}"
+            mine[f"{q}.enorm.weight"] = Rows(f"{p}.enorm.weight", (D,))
+            mine[f"{q}.hnorm.weight"] = Rows(f"{p}.hnorm.weight", (D,))
+            mine[f"{q}.eh_proj.weight"] = Rows(f"{p}.eh_proj.weight", (D, 2 * D))
+            mine[f"{q}.head_norm.weight"] = Rows(f"{p}.shared_head.norm.weight", (D,))
+        emb, head = out["tok_embeddings.weight"], out["output.weight"]
+        assert isinstance(emb, Rows) and isinstance(head, Rows)
+        mine["tok_embeddings.weight"] = Rows(
+            emb.key, (V, D), copies=tuple(f"{p}.embed_tokens.weight" for p in layers)
+        )
+        mine["output.weight"] = Rows(
+            head.key, (V, D), copies=tuple(f"{p}.shared_head.head.weight" for p in layers)
+        )
+        return mine
+
+    def hf_mtp_depth(self, hf: dict, tensors: set[str]) -> int:
+        """Multi-token-prediction layers config.json declares and the shards hold (transformers'
+        own save_pretrained writes the count but not the layers)."""
+        declared = int(hf.get("num_nextn_predict_layers") or 0) if self.mtp else 0
+        n = int(hf.get("num_hidden_layers") or 0)
+        held = 0
+        while held < declared and f"{self.prefix}.{n + held}.eh_proj.weight" in tensors:
+            held += 1
+        return held

@@ -14,51 +14,60 @@ from moetrain.interop.sources import Rows, Source
 
 class DeepseekV3(Family):
     model_type, architecture = "deepseek_v3", "DeepseekV3ForCausalLM"
+    mtp = True
 
-    def to_moetrain(self, hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
-        if hf.get("quantization_config"):
-            raise HFCheckpointError(
-                "config.json: deepseek_v3: quantized (fp8) checkpoints are "
-                "not supported; dequantize to bf16 first"
-            )
-        if hf.get("attention_bias"):
-            raise HFCheckpointError("config.json: deepseek_v3: attention_bias is not supported")
+    def check_routing(self, hf: dict) -> None:
         if (
             hf.get("scoring_func", "sigmoid") != "sigmoid"
             or hf.get("topk_method", "noaux_tc") != "noaux_tc"
         ):
             raise HFCheckpointError(
-                "config.json: deepseek_v3: only scoring_func=sigmoid with "
+                f"config.json: {self.model_type}: only scoring_func=sigmoid with "
                 "topk_method=noaux_tc (DeepSeek-V3's routing) is supported"
             )
+
+    def to_moetrain(self, hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
+        if hf.get("quantization_config"):
+            raise HFCheckpointError(
+                f"config.json: {self.model_type}: quantized (fp8) checkpoints are "
+                "not supported; dequantize to bf16 first"
+            )
+        if hf.get("attention_bias"):
+            raise HFCheckpointError(
+                f"config.json: {self.model_type}: attention_bias is not supported"
+            )
+        self.check_routing(hf)
         model, moe = super().to_moetrain(hf)
-        q_lora = hf.get("q_lora_rank")
         model.update(
             head_dim=None,
             n_kv_heads=None,
             attention="mla",
             rope_style="interleaved" if hf.get("rope_interleave", True) else "half",
-            q_lora_rank=q_lora,
+            q_lora_rank=hf.get("q_lora_rank"),
             kv_lora_rank=need(hf, "kv_lora_rank", self.model_type),
             qk_nope_head_dim=need(hf, "qk_nope_head_dim", self.model_type),
             qk_rope_head_dim=need(hf, "qk_rope_head_dim", self.model_type),
             v_head_dim=need(hf, "v_head_dim", self.model_type),
         )
-        n_shared = int(hf.get("n_shared_experts") or 0)
-        first_dense = int(hf.get("first_k_dense_replace") or 0)
+        moe.update(self.moe_keys(hf, model["n_layers"]))
+        return model, moe
+
+    def moe_keys(self, hf: dict, n_layers: int) -> dict[str, Any]:
+        """The moe section of DeepSeek-V3-style routing: sigmoid scores, the correction bias,
+        groups scored by their two best experts, shared experts, the first k layers dense."""
         every = int(hf.get("moe_layer_freq", 1))
         if every != 1:
             raise HFCheckpointError(
-                "config.json: deepseek_v3: moe_layer_freq != 1 is not supported"
+                f"config.json: {self.model_type}: moe_layer_freq != 1 is not supported"
             )
-        E = need(hf, "n_routed_experts", self.model_type)
+        first_dense = int(hf.get("first_k_dense_replace") or 0)
         groups = int(hf.get("n_group") or 1)
-        moe.update(
-            num_experts=E,
+        return dict(
+            num_experts=need(hf, "n_routed_experts", self.model_type),
             top_k=need(hf, "num_experts_per_tok", self.model_type),
             expert_ffn_dim=need(hf, "moe_intermediate_size", self.model_type),
-            dense_layers=list(range(min(first_dense, model["n_layers"]))),
-            num_shared_experts=n_shared,
+            dense_layers=list(range(min(first_dense, n_layers))),
+            num_shared_experts=int(hf.get("n_shared_experts") or 0),
             shared_expert_ffn_dim=None,
             score_func="sigmoid",
             renormalize=bool(hf.get("norm_topk_prob", True)),
@@ -67,7 +76,6 @@ class DeepseekV3(Family):
             topk_groups=int(hf.get("topk_group") or 1) if groups > 1 else 1,
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
         )
-        return model, moe
 
     def sliding_window(self, hf: dict) -> int | None:
         return None
@@ -75,7 +83,6 @@ class DeepseekV3(Family):
     def to_hf(self, m: ModelConfig, e: MoEConfig) -> dict[str, Any]:
         out = super().to_hf(m, e)
         del out["head_dim"]
-        first = len(e.dense_layers)
         out.update(
             num_key_value_heads=m.n_heads,
             q_lora_rank=m.q_lora_rank,
@@ -85,11 +92,18 @@ class DeepseekV3(Family):
             v_head_dim=m.v_head_dim,
             rope_interleave=m.rope_style == "interleaved",
             attention_bias=False,
+            **self.moe_to_hf(e),
+        )
+        out["num_nextn_predict_layers"] = m.mtp_depth
+        return out
+
+    def moe_to_hf(self, e: MoEConfig) -> dict[str, Any]:
+        return dict(
             moe_intermediate_size=e.expert_ffn_dim,
             n_routed_experts=e.num_experts,
             num_experts_per_tok=e.top_k,
             n_shared_experts=e.num_shared_experts,
-            first_k_dense_replace=first,
+            first_k_dense_replace=len(e.dense_layers),
             n_group=e.n_groups,
             topk_group=e.topk_groups,
             norm_topk_prob=e.renormalize,
@@ -98,17 +112,35 @@ class DeepseekV3(Family):
             topk_method="noaux_tc",
             num_nextn_predict_layers=0,
         )
-        return out
 
     def problems(self, m: ModelConfig, e: MoEConfig) -> list[str]:
         out = []
         if m.attention != "mla":
             out.append("grouped-query attention (DeepSeek-V3 uses MLA)")
+        if m.tie_embeddings:
+            out.append("tied embeddings")
+        return out + self.moe_problems(e)
+
+    def moe_problems(self, e: MoEConfig) -> list[str]:
         if e.num_experts == 0:
-            out.append("no MoE layers")
-            return out
+            return ["no MoE layers"]
+        out = []
         if e.score_func != "sigmoid":
             out.append("softmax router scores")
+        out += self.layer_problems(e)
+        if e.n_groups == 1 and e.topk_groups != 1:
+            out.append("topk_groups without groups")
+        if e.group_score != "top2":
+            out.append("groups scored by their best expert (DeepSeek-V3 sums the two best)")
+        if e.expert_bias_rate == 0 and not e.route_with_bias:
+            out.append("routing without the score-correction bias")
+        return out
+
+    @staticmethod
+    def layer_problems(e: MoEConfig) -> list[str]:
+        """The DeepSeek layout of MoE layers: the first k dense, ungated shared experts of
+        num_shared_experts * expert_ffn_dim."""
+        out = []
         if e.every_n_layers != 1 or e.dense_layers != list(range(len(e.dense_layers))):
             out.append("dense layers other than the first k")
         if e.shared_expert_gate:
@@ -118,12 +150,6 @@ class DeepseekV3(Family):
             e.num_shared_experts * e.expert_ffn_dim,
         ):
             out.append("shared_expert_ffn_dim other than num_shared_experts * expert_ffn_dim")
-        if e.n_groups == 1 and e.topk_groups != 1:
-            out.append("topk_groups without groups")
-        if e.expert_bias_rate == 0 and not e.route_with_bias:
-            out.append("routing without the score-correction bias")
-        if m.tie_embeddings:
-            out.append("tied embeddings")
         return out
 
     def attention_sources(self, i: int, m: ModelConfig) -> dict[str, Source]:

@@ -17,8 +17,8 @@ class Mixtral(Family):
     def to_moetrain(self, hf: dict) -> tuple[dict[str, Any], dict[str, Any]]:
         model, moe = super().to_moetrain(hf)
         moe.update(
-            num_experts=need(hf, "num_local_experts", "mixtral"),
-            top_k=need(hf, "num_experts_per_tok", "mixtral"),
+            num_experts=need(hf, "num_local_experts", self.model_type),
+            top_k=need(hf, "num_experts_per_tok", self.model_type),
             expert_ffn_dim=hf["intermediate_size"],
             renormalize=True,
         )
