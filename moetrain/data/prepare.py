@@ -117,7 +117,12 @@ def _tokenizer_info(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def tokenize_to_cache(
-    ds: Dataset, column: str, tokenizer: Tokenizer, final: Path, split: str
+    ds: Dataset,
+    column: str,
+    tokenizer: Tokenizer,
+    final: Path,
+    split: str,
+    literal_special_tokens: str = "text",
 ) -> None:
     """Tokenize one map-style split in this process into ``final``, a prepared dataset
     holding only ``split`` (the token cache of on-the-fly data). Several processes may do
@@ -135,7 +140,7 @@ def tokenize_to_cache(
     staging.mkdir()
     try:
         dtype = token_dtype(tokenizer.vocab_size)
-        worker = ShardTokenizer(tokenizer.to_str(), tokenizer.eos_id, dtype)
+        worker = ShardTokenizer(tokenizer.to_str(), tokenizer.eos_id, dtype, literal_special_tokens)
         shard_chars = int(CACHE_SHARD_MB * 1e6)
         entries = [
             worker.write(staging, split, i, texts)
@@ -144,7 +149,11 @@ def tokenize_to_cache(
         if not sum(e["n_docs"] for e in entries):
             raise DataError("data.dataset: the split has no non-empty documents")
         manifest = build_manifest(
-            _tokenizer_info(tokenizer), dtype, {split: entries}, {"cache": ds._fingerprint}
+            _tokenizer_info(tokenizer),
+            dtype,
+            {split: entries},
+            {"cache": ds._fingerprint},
+            literal_special_tokens,
         )
         write_json_atomic(staging / "manifest.json", manifest)
         publish_dir(staging, final)
@@ -249,7 +258,7 @@ def _run(
     ``workers`` is 0, else in a pool of that many spawned processes, with at most
     ``workers + 2`` shards of text in flight (memory bounded by the shard size)."""
     if workers == 0:
-        worker = ShardTokenizer(*init_args[:3])
+        worker = ShardTokenizer(*init_args[:4])
         for split, index, texts, rows in tasks:
             on_done(split, index, worker.write(directory, split, index, texts), rows)
         return
@@ -326,11 +335,13 @@ def prepare_dataset(
         "tokenizer": tokenizer.fingerprint,
         "dtype": dtype,
         "shard_chars": shard_chars,
+        "literal_special_tokens": cfg.literal_special_tokens,
         "source": _source_description(cfg, splits),
     }
     if is_prepared(out):
         manifest = read_manifest(out, "--out")
         same = manifest.tokenizer["fingerprint"] == tokenizer.fingerprint
+        same = same and manifest.literal_special_tokens == cfg.literal_special_tokens
         if not same or json.loads(json.dumps(plan["source"])) != manifest.data["source"]:
             raise DataError(
                 f"--out: {str(out)!r} already holds a dataset prepared from other data or "
@@ -394,7 +405,13 @@ def _prepare(
                 if (role, index) not in done:  # finished shards are read past, not redone
                     yield role, index, texts, rows
 
-    init_args = (tokenizer.to_str(), tokenizer.eos_id, dtype, workers == 1)
+    init_args = (
+        tokenizer.to_str(),
+        tokenizer.eos_id,
+        dtype,
+        cfg.literal_special_tokens,
+        workers == 1,
+    )
     try:
         _run(tasks(), workers, init_args, staging.dir, on_done)
     finally:
@@ -406,7 +423,9 @@ def _prepare(
     for role, entries in shards.items():
         if not sum(e["n_docs"] for e in entries):
             raise DataError(f"data.dataset: the {role} split has no non-empty documents")
-    manifest_data = build_manifest(_tokenizer_info(tokenizer), dtype, shards, plan["source"])
+    manifest_data = build_manifest(
+        _tokenizer_info(tokenizer), dtype, shards, plan["source"], cfg.literal_special_tokens
+    )
     write_json_atomic(staging.dir / "manifest.json", manifest_data)
     publish_dir(staging.dir, out)
     shutil.rmtree(out / _DONE, ignore_errors=True)  # bookkeeping of the staging directory

@@ -24,8 +24,13 @@ _worker: ShardTokenizer | None = None
 class ShardTokenizer:
     """Writes shards of token ids from lists of texts with one tokenizer."""
 
-    def __init__(self, tokenizer_json: str, eos_id: int, dtype: str) -> None:
+    def __init__(
+        self, tokenizer_json: str, eos_id: int, dtype: str, literal_special_tokens: str = "text"
+    ) -> None:
         self.tok = HFTokenizer.from_str(tokenizer_json)
+        # data.literal_special_tokens: "text" encodes special-token text inside a document as
+        # ordinary text; only the EOS appended below separates documents.
+        self.tok.encode_special_tokens = literal_special_tokens == "text"
         self.eos = np.array([eos_id], dtype=dtype)
         self.dtype = dtype
 
@@ -44,12 +49,14 @@ class ShardTokenizer:
             raise
 
 
-def init_worker(tokenizer_json: str, eos_id: int, dtype: str, parallel: bool) -> None:
+def init_worker(
+    tokenizer_json: str, eos_id: int, dtype: str, literal_special_tokens: str, parallel: bool
+) -> None:
     """Process-pool initializer: one tokenizer per worker process. ``parallel`` False turns
     off the tokenizer's own threads (the pool already uses the cores)."""
     global _worker
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
-    _worker = ShardTokenizer(tokenizer_json, eos_id, dtype)
+    _worker = ShardTokenizer(tokenizer_json, eos_id, dtype, literal_special_tokens)
 
 
 def write_shard(directory: str, split: str, index: int, texts: list[str]) -> dict[str, Any]:

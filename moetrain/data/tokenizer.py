@@ -54,8 +54,13 @@ class Tokenizer:
         self.fingerprint: str = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
         """Digest of the serialized tokenizer: token caches and prepared datasets carry it."""
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, without BOS/EOS (the packer adds the separators)."""
+    def encode_batch(
+        self, texts: list[str], literal_special_tokens: str = "text"
+    ) -> list[list[int]]:
+        """Token ids of each text, without BOS/EOS (the packer adds the separators). Text
+        that spells a special token is ordinary text ("text", ``data.literal_special_tokens``)
+        or that token's id ("special")."""
+        self._tok.encode_special_tokens = literal_special_tokens == "text"
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
