@@ -13,6 +13,7 @@ step: a dataset directory with a manifest is always complete.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import logging
@@ -33,6 +34,7 @@ from datasets import Dataset
 from moetrain.config import DataConfig
 from moetrain.data.dataset import AnyDataset, check_text, load_split, resolve_source
 from moetrain.data.errors import DataError
+from moetrain.data.fast_bpe import choose_engine
 from moetrain.data.prepared import (
     FORMAT_VERSION,
     TOKENIZER_FILE,
@@ -63,6 +65,9 @@ STREAM_SHARD_MB = 16.0
 CACHE_SHARD_MB = 256.0
 """Shard size of the token cache that on-the-fly tokenization writes."""
 
+PROOF_CHARS = 2_000_000
+"""Characters of the data on which tiktoken must give the tokenizer's ids before it is used."""
+
 _PLAN = "plan.json"
 _DONE = ".done"
 _LOCK = ".lock"
@@ -90,6 +95,21 @@ def _shard_texts(ds: AnyDataset, column: str, shard_chars: int) -> Iterator[tupl
                 texts, chars, rows = [], 0, 0
     if texts or rows:
         yield texts, rows
+
+
+def _sample_texts(ds: AnyDataset, column: str, chars: int = PROOF_CHARS) -> list[str]:
+    """The first non-empty texts of a split, about ``chars`` characters: the sample on which
+    a faster engine must give the tokenizer's ids (``fast_bpe.choose_engine``)."""
+    out: list[str] = []
+    total = 0
+    for batch in ds.iter(batch_size=256):
+        for value in batch[column]:
+            if isinstance(value, str) and value:
+                out.append(value)
+                total += len(value)
+        if total >= chars:
+            break
+    return out
 
 
 def auto_shard_chars(splits: dict[str, AnyDataset], column: str) -> int:
@@ -258,7 +278,7 @@ def _run(
     ``workers`` is 0, else in a pool of that many spawned processes, with at most
     ``workers + 2`` shards of text in flight (memory bounded by the shard size)."""
     if workers == 0:
-        worker = ShardTokenizer(*init_args[:4])
+        worker = ShardTokenizer(*init_args[:5])
         for split, index, texts, rows in tasks:
             on_done(split, index, worker.write(directory, split, index, texts), rows)
         return
@@ -300,11 +320,15 @@ def prepare_dataset(
     workers: int | None = None,
     shard_mb: float | None = None,
     progress: bool = True,
+    arrow_cache: bool = False,
 ) -> Manifest:
     """Tokenize ``cfg``'s train and eval splits into the prepared dataset ``out``.
 
     ``workers``: tokenizing processes (None: one per CPU core; 0: this process).
     ``shard_mb``: millions of characters of text per shard (None: ``auto_shard_chars``).
+    Local files (and the default corpus) are streamed in record batches: memory stays flat
+    in the corpus size and no Arrow copy of the corpus is left behind; ``arrow_cache`` reads
+    them through ``datasets``' Arrow cache instead (a second copy of the corpus, kept).
     Resumes an interrupted run with the same settings; returns the finished manifest.
     """
     out = Path(out).expanduser().absolute()
@@ -324,7 +348,9 @@ def prepare_dataset(
         raise DataError(
             f"--out: {str(out)!r} exists and is not a prepared dataset; choose a new directory"
         )
-    splits = {role: load_split(cfg, role) for role in _ROLES}
+    stream = not arrow_cache and resolve_source(cfg).kind != "hub"
+    read_cfg = dataclasses.replace(cfg, streaming=True) if stream else cfg
+    splits = {role: load_split(read_cfg, role) for role in _ROLES}
     dtype = token_dtype(tokenizer.vocab_size)
     if shard_mb is None:
         shard_chars = auto_shard_chars(splits, cfg.text_column)
@@ -405,11 +431,16 @@ def _prepare(
                 if (role, index) not in done:  # finished shards are read past, not redone
                     yield role, index, texts, rows
 
+    engine = choose_engine(
+        tokenizer.to_str(), _sample_texts(splits["train"], cfg.text_column),
+        cfg.literal_special_tokens,
+    )  # fmt: skip
     init_args = (
         tokenizer.to_str(),
         tokenizer.eos_id,
         dtype,
         cfg.literal_special_tokens,
+        engine,
         workers == 1,
     )
     try:
@@ -489,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--arrow-cache",
+        action="store_true",
+        help="read local files through datasets' Arrow cache (a second copy of the corpus, "
+        "kept under data.cache_dir) instead of streaming them in record batches",
+    )
+    parser.add_argument(
         "--verify",
         metavar="DIR",
         help="check every shard of a prepared dataset against its checksum",
@@ -519,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workers,
             args.shard_mb,
             progress=not args.no_progress and sys.stderr.isatty(),
+            arrow_cache=args.arrow_cache,
         )
         train = manifest.split("train")
         print(

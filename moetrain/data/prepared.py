@@ -172,7 +172,7 @@ def build_manifest(
     dtype: str,
     splits: dict[str, list[dict[str, Any]]],
     source: dict[str, Any],
-    literal_special_tokens: str,
+    literal_special_tokens: str = "text",
 ) -> dict[str, Any]:
     """The manifest of a dataset whose shards (per split, in order) are ``splits``."""
     return {

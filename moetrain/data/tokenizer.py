@@ -64,7 +64,9 @@ class Tokenizer:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of one text, without BOS/EOS."""
+        """Token ids of one text, without BOS/EOS; text that spells a special token is that
+        token (a prompt may hold one)."""
+        self._tok.encode_special_tokens = False
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def to_str(self) -> str:

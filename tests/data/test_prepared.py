@@ -369,7 +369,7 @@ def _newer(root: Path) -> str:
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["format_version"] = 99
     (root / "manifest.json").write_text(json.dumps(manifest))
-    return f"'{root / 'manifest.json'}' is format version 99; this moetrain reads versions up to 1"
+    return f"'{root / 'manifest.json'}' is format version 99; this moetrain reads versions up to 2"
 
 
 def _garbled(root: Path) -> str:
