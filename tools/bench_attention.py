@@ -17,13 +17,15 @@ CPU: its forward + backward is left empty there. Rows are appended to ``docs/att
 from __future__ import annotations
 
 import argparse
-import csv
+import os
 import platform
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
 import torch
 
 from moetrain.model.masks import AttentionMask, attend, document_ids
@@ -32,15 +34,6 @@ CSV = Path(__file__).resolve().parent.parent / "docs" / "attention_bench.csv"
 FIELDS = ["machine", "commit", "batch", "heads", "head_dim", "seq", "docs", "backend",
           "ms_fwd", "fwd_vs_causal_sdpa", "ms_fwd_bwd", "fwd_bwd_vs_causal_sdpa",
           "max_abs_diff"]  # fmt: skip
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, cwd=CSV.parent, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _machine(device: torch.device) -> str:
@@ -105,7 +98,7 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
             results[name] = (fwd, both, diff)
         base_fwd, base_both, _ = results["causal sdpa (no document mask)"]
         for name, (fwd, both, diff) in results.items():
-            row = {"machine": _machine(device), "commit": _commit(), "batch": B, "heads": H,
+            row = {"machine": _machine(device), "commit": bc.git_commit(), "batch": B, "heads": H,
                    "head_dim": D, "seq": S, "docs": args.docs, "backend": name,
                    "ms_fwd": round(fwd, 2), "fwd_vs_causal_sdpa": round(fwd / base_fwd, 3),
                    "ms_fwd_bwd": "" if both is None else round(both, 2),
@@ -132,12 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = run(args)
     if not args.no_write:
-        new = not CSV.is_file()
-        with open(CSV, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        bc.append_rows(str(CSV), rows, FIELDS)
         print(f"appended {len(rows)} rows to {CSV}")
     return 0
 

@@ -30,7 +30,6 @@ Rows are appended to ``docs/bench_prepare.csv``; ``docs/data.md`` quotes them.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import platform
@@ -41,6 +40,9 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_common as bc  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CSV = REPO / "docs" / "bench_prepare.csv"
@@ -78,7 +80,7 @@ def build_corpus(path: Path, mb: float) -> int:
         epoch = 0
         while written < want:
             for text in texts:
-                if n % 5000 == 4999:  # a literal special token in some documents' text
+                if n % 500 == 499:  # a literal special token in some documents' text
                     text = f"{text}\n# the model ends a document with {EOT} here\n"
                 line = json.dumps({"text": f"# copy {epoch}\n{text}" if epoch else text}) + "\n"
                 out.write(line)
@@ -106,18 +108,21 @@ def build_tokenizer(corpus: Path, path: Path, vocab: int) -> None:
 
 # ----------------------------------------------------------------------------- the peers
 
+# The peer runs as __main__ behind a guard: worker processes started with spawn import the
+# main module again, and must not run the peer themselves.
 _MEASURE = textwrap.dedent(
     """
     import json, resource, sys, time
-    start = time.perf_counter()
-    exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"))
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
-    print("MEASURE " + json.dumps({
-        "wall_s": time.perf_counter() - start,
-        "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
-        "peak_rss_mb": me.ru_maxrss / 1024, "worker_rss_mb": kids.ru_maxrss / 1024,
-        **RESULT}))
+    if __name__ == "__main__":
+        start = time.perf_counter()
+        exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"))
+        me = resource.getrusage(resource.RUSAGE_SELF)
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        print("MEASURE " + json.dumps({
+            "wall_s": time.perf_counter() - start,
+            "cpu_s": me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime,
+            "peak_rss_mb": me.ru_maxrss / 1024, "worker_rss_mb": kids.ru_maxrss / 1024,
+            **RESULT}))
     """
 )
 
@@ -209,14 +214,6 @@ def run_peer(name: str, body: str, values: dict[str, object], work: Path) -> dic
     return out
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, cwd=REPO, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=300.0, help="corpus size (MB of JSON lines)")
@@ -276,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {label} / {peer}: {rate / (other['tokens'] / other['cpu_s']):.2f}x "
                       "tokens per CPU-second")  # fmt: skip
         rows.append({
-            "machine": machine, "commit": _commit(), "corpus_mb": args.mb, "docs": n_docs,
+            "machine": machine, "commit": bc.git_commit(), "corpus_mb": args.mb, "docs": n_docs,
             "peer": label + (f" [{r['engine']}]" if "engine" in r else ""),
             "wall_s": round(r["wall_s"], 1), "cpu_s": round(r["cpu_s"], 1), "tokens": r["tokens"],
             "tokens_per_cpu_s": round(rate), "peak_rss_mb": round(r["peak_rss_mb"]),
@@ -284,12 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             "ids_identical": r["digest"] == bare["digest"] if "x corpus" not in label else "",
         })  # fmt: skip
     if not args.no_write:
-        new = not CSV.is_file()
-        with open(CSV, "a", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        bc.append_rows(str(CSV), rows, FIELDS)
         print(f"appended {len(rows)} rows to {CSV}")
     return 0
 
