@@ -72,7 +72,7 @@ class FullStateGather:
                 if g is None:
                     g = torch.zeros_like(local(p))
                 if isinstance(p, DTensor) and not isinstance(g, DTensor):
-                    g = DTensor.fromlocal(g, p.device_mesh, p.placements, run_check=False)
+                    g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
                 mine[fqn(name)] = full_cpu(g)
             if experts:  # gathered over EP (and TP under expert TP), like the weights
                 full = gather_expert_tensors(experts, self.ep_mesh, self.etp_mesh)
