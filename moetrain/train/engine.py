@@ -385,8 +385,13 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.first_stage else ()
         # The model's keyword inputs reach every stage (the schedule splits them by
-        # micro-batch like the inputs).
-        kwargs: dict[str, Any] = {k: torch.cat([p[2][k] for p in parts]) for k in parts[0][2]}
+        # micro-batch like the inputs); a micro-batch whose labels all count has no
+        # ``valid`` of its own when another one has.
+        keys = {k for p in parts for k in p[2]}
+        for p, b in zip(parts, micro_batches, strict=True):
+            if "valid" in keys and "valid" not in p[2]:  # whole sequences, like the others
+                p[2]["valid"] = torch.ones(b["labels"].shape, dtype=torch.bool, device=self.device)
+        kwargs: dict[str, Any] = {k: torch.cat([p[2][k] for p in parts]) for k in sorted(keys)}
         if self.last_stage:
             kwargs.update(target=labels, losses=losses)
         with self._loss_ctx():

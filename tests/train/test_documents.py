@@ -92,3 +92,29 @@ def test_without_the_mask_the_step_is_not_the_documents_alone(tmp_path: Path) ->
     name = "layers.1.attention.wq.weight"
     with pytest.raises(AssertionError):
         torch.testing.assert_close(grads[0][name], ref_grads[name], **FP32)
+
+
+def test_padding_labels_are_left_out_of_the_loss_and_the_router(tmp_path: Path) -> None:
+    """A batch whose labels hold -100 (padding): the step's loss is the mean cross-entropy of
+    the other labels of each micro-batch (computed here by hand), and the MoE layers count
+    only the other tokens."""
+    cfg = micro_config(tmp_path / "run", "train.steps=1", *OPTIONS)
+    trainer = Trainer(cfg)
+    model = copy.deepcopy(trainer.engine.parts[0]).train()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(0, 4096, (2, 33), generator=g)
+        labels = ids[:, 1:].clone()
+        labels[0, 20:] = -100  # the tail of the first sequence is padding
+        batches.append({"input_ids": ids[:, :-1], "labels": labels})
+    loss = trainer.engine.forward_backward(batches)
+    want = sum(
+        F.cross_entropy(model(b["input_ids"]).flatten(0, 1), b["labels"].flatten()).item()
+        for b in batches
+    ) / len(batches)
+    assert abs(loss - want) <= FP32["atol"] + FP32["rtol"] * abs(want)
+    stats = trainer.engine.moe_stats()
+    counted = sum(int((b["labels"] != -100).sum()) for b in batches)
+    for layer in stats.values():
+        assert float(layer["tokens_per_expert"].sum()) == counted * cfg.moe.top_k
