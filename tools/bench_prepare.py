@@ -19,10 +19,11 @@ each peer tokenizes the corpus in its own process:
 Reported per peer: wall seconds, CPU seconds (user + system of the process and its children),
 tokens, tokens per CPU-second and the ratio to each peer, peak resident memory (the parent and,
 for prepare-data, its largest worker), and whether the ids are identical to the bare
-tokenizer's (every document's ids, compared as a multiset of per-document digests: the
-prepared dataset holds out its eval documents in its own order). Literal special tokens: the
-bare tokenizer encodes them as text, as prepare-data does by default; the count of documents
-that spell one and the false boundaries the special-id encoding would make are reported.
+tokenizer's (every non-empty document's ids, compared as a multiset of per-document
+digests: the prepared dataset holds out its eval documents in its own order). Literal
+special tokens: the bare tokenizer encodes them as text, as prepare-data does by default; the
+count of documents that spell one and the false boundaries the special-id encoding would make
+are reported.
 ``--scales`` repeats prepare-data on the corpus repeated k times (memory must stay flat).
 Rows are appended to ``docs/bench_prepare.csv``; ``docs/data.md`` quotes them.
 """
@@ -153,6 +154,7 @@ tok = Tokenizer.from_file(TOKENIZER)
 tok.encode_special_tokens = True
 eos = tok.token_to_id("<|endoftext|>")
 ds = datasets.load_dataset("json", data_files=CORPUS, split="train", cache_dir=CACHE + "/hf")
+ds = ds.filter(lambda batch: [bool(t) for t in batch["text"]], batched=True)  # as prepare-data
 def encode(batch):
     encoded = tok.encode_batch(batch["text"], add_special_tokens=False)
     return {"ids": [e.ids + [eos] for e in encoded]}
@@ -183,6 +185,8 @@ def flush(batch):
 with open(CORPUS) as f:
     for line in f:
         text = json.loads(line)["text"]
+        if not text:  # prepare-data leaves empty documents out
+            continue
         if "<|endoftext|>" in text:
             spelled += 1
             tok.encode_special_tokens = False
