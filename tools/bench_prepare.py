@@ -223,8 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mb", type=float, default=300.0, help="corpus size (MB of JSON lines)")
     parser.add_argument("--vocab", type=int, default=32_000)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--scales", type=int, nargs="+", default=[1],
-                        help="also prepare the corpus repeated k times (memory at k x)")
+    parser.add_argument(
+        "--scales",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="also prepare the corpus repeated k times (memory at k x)",
+    )
     parser.add_argument(
         "--work", default=str(Path(tempfile.gettempdir()) / "moetrain-bench-prepare")
     )
@@ -267,8 +272,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"M tok/CPU-s  peak {r['peak_rss_mb']:7.0f} MB (workers {r['worker_rss_mb']:.0f})"
                   f" {r.get('engine', '')}")  # fmt: skip
     bare = results["bare tokenizer, 1 thread"]
-    print(f"{bare['spelled']} documents spell {EOT}: {bare['false_ends']} false boundaries "
-          "with the special-id encoding")
+    print(
+        f"{bare['spelled']} documents spell {EOT}: {bare['false_ends']} false boundaries "
+        "with the special-id encoding"
+    )
     for label, r in results.items():
         rate = r["tokens"] / r["cpu_s"]
         for peer in ("datasets.map", "bare tokenizer, 1 thread"):

@@ -118,3 +118,30 @@ def test_padding_labels_are_left_out_of_the_loss_and_the_router(tmp_path: Path) 
     counted = sum(int((b["labels"] != -100).sum()) for b in batches)
     for layer in stats.values():
         assert float(layer["tokens_per_expert"].sum()) == counted * cfg.moe.top_k
+
+
+def test_document_lengths_histogram_and_flops_follow_the_documents(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moetrain.model.masks import document_lengths
+
+    cfg = micro_config(tmp_path / "run", "train.steps=2", f"data.dataset={short_docs_dataset()}",
+                       "model.document_mask=true", "log.tensorboard=true",
+                       "log.histogram_every=2", *OPTIONS)  # fmt: skip
+    trainer = Trainer(cfg)
+    tok = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
+    data = PackedBatches(cfg.data, tok, "train", 8, cfg.train.micro_batch_size)
+    ends = torch.cat([b["doc_ends"] for _ in range(2) for b in data.next_step()])
+    first = trainer.train_step()
+    lengths = document_lengths(ends[:8])
+    model = trainer.engine.parts[0]
+    want = model.dense_flops_per_token() + model.attention_flops(lengths) / 8 / 32
+    assert abs(first.flops_per_token - want) <= 1e-9 * want
+    assert first.flops_per_token < trainer.flops_per_token  # pieces cost less than sequences
+    trainer.fit()
+    acc = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"histograms": 0})
+    acc.Reload()
+    (event,) = acc.Histograms("data/document_lengths")
+    assert event.step == 2
+    assert event.histogram_value.num == len(document_lengths(ends))
+    assert event.histogram_value.sum == 2 * 8 * 32
