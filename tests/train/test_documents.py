@@ -55,11 +55,16 @@ def _reference(model, micro_batches) -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss.detach()), grads
 
 
+MLA = ("model.attention=mla", "model.q_lora_rank=24", "model.kv_lora_rank=16",
+       "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16")  # fmt: skip
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
 @pytest.mark.parametrize("positions", [False, True], ids=["positions run on", "restart"])
-def test_a_masked_step_is_the_documents_run_alone(tmp_path: Path, positions) -> None:
+def test_a_masked_step_is_the_documents_run_alone(tmp_path: Path, positions, attention) -> None:
     cfg = micro_config(tmp_path / "run", "train.steps=1", f"data.dataset={short_docs_dataset()}",
                        "model.document_mask=true", f"model.document_positions={positions}",
-                       *OPTIONS)  # fmt: skip
+                       *OPTIONS, *(MLA if attention == "mla" else ()))  # fmt: skip
     trainer = Trainer(cfg)
     model = copy.deepcopy(trainer.engine.parts[0]).train()
     tok = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
