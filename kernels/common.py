@@ -36,6 +36,14 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def check_triton_device(op: str, t: torch.Tensor) -> None:
+    """The Triton backend launches on CUDA tensors, or on CPU ones under the interpreter."""
+    if t.device.type != "cuda" and not interpreter_enabled():
+        raise RuntimeError(
+            f"{op}: triton backend needs a CUDA tensor or TRITON_INTERPRET=1, got {t.device}"
+        )
+
+
 def _fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
 

@@ -25,38 +25,54 @@ _INTERP_BLOCKS = {"BLOCK_N": 64, "BLOCK_M": 64, "BLOCK_K": 64}
 _INTERP_WGRAD_BLOCKS = {"BLOCK_K": 64, "BLOCK_M": 64, "BLOCK_R": 64}
 
 
+# Autotune configurations, (BLOCK_N|BLOCK_K, BLOCK_M, BLOCK_K|BLOCK_R, num_warps, num_stages).
+# Tensor-core tiles serve bf16 and fp16 (warpgroup MMA on Hopper, tcgen05 on Blackwell).
+_FWD_TC = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 256, 64, 8, 4),
+           (256, 128, 64, 8, 3), (64, 128, 64, 4, 5), (64, 256, 64, 8, 4),
+           (128, 64, 64, 4, 5)]  # fmt: skip
+_WGRAD_TC = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
+             (256, 128, 64, 8, 3), (64, 128, 128, 4, 4), (128, 128, 128, 8, 3),
+             (64, 64, 128, 4, 5)]  # fmt: skip
+# fp32 computes with input_precision="ieee", on the FMA units, where Triton's dot holds a
+# BLOCK_K-deep slice of both operands in registers: the tensor-core tiles (64-deep, 3-5
+# stages of 4-byte operands) spill to local memory and outgrow shared memory in fp32
+# (docs/kernels_compiled.md). Shallow K tiles instead, none spilling on sm_90 or sm_100.
+_FWD_FMA = [(128, 128, 8, 8, 4), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 16, 8, 3),
+            (64, 64, 16, 4, 4), (64, 64, 32, 4, 3)]  # fmt: skip
+_WGRAD_FMA = [(128, 128, 16, 8, 3), (128, 128, 32, 8, 3), (64, 128, 16, 4, 3),
+              (128, 64, 16, 4, 3), (64, 64, 32, 4, 3)]  # fmt: skip
+_FMA_CONFIGS: set[int] = set()  # ids of the fp32 configurations
+
+
+def _configs(names: tuple[str, str, str], tc: list, fma: list) -> list[triton.Config]:
+    def make(shapes):
+        return [triton.Config(dict(zip(names, (a, b, c), strict=True)), num_warps=w,
+                              num_stages=st) for a, b, c, w, st in shapes]  # fmt: skip
+
+    fma_configs = make(fma)
+    _FMA_CONFIGS.update(id(c) for c in fma_configs)
+    return make(tc) + fma_configs
+
+
 def _fwd_configs() -> list[triton.Config]:
-    """Hopper-oriented tiles; configs that do not fit in shared memory are skipped by autotune."""
-    shapes = [
-        (128, 128, 64, 4, 4),
-        (128, 128, 64, 8, 4),
-        (128, 256, 64, 8, 3),
-        (128, 256, 64, 8, 4),
-        (256, 128, 64, 8, 3),
-        (64, 128, 64, 4, 5),
-        (64, 256, 64, 8, 4),
-        (128, 64, 64, 4, 5),
-    ]
-    return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bn, bm, bk, w, s in shapes
-    ]
+    return _configs(("BLOCK_N", "BLOCK_M", "BLOCK_K"), _FWD_TC, _FWD_FMA)
 
 
 def _wgrad_configs() -> list[triton.Config]:
-    shapes = [
-        (128, 128, 64, 4, 4),
-        (128, 128, 64, 8, 4),
-        (128, 256, 64, 8, 3),
-        (256, 128, 64, 8, 3),
-        (64, 128, 128, 4, 4),
-        (128, 128, 128, 8, 3),
-        (64, 64, 128, 4, 5),
-    ]
-    return [
-        triton.Config({"BLOCK_K": bk, "BLOCK_M": bm, "BLOCK_R": br}, num_warps=w, num_stages=s)
-        for bk, bm, br, w, s in shapes
-    ]
+    return _configs(("BLOCK_K", "BLOCK_M", "BLOCK_R"), _WGRAD_TC, _WGRAD_FMA)
+
+
+def _prune_by_dtype(configs: list, named_args: dict, **kwargs) -> list:
+    """The autotuner tries the FMA tiles for fp32 inputs, the tensor-core tiles otherwise."""
+    fp32 = named_args["x_ptr"].dtype == torch.float32
+    return [c for c in configs if (id(c) in _FMA_CONFIGS) == fp32]
+
+
+def first_configs(configs: list) -> list:
+    """The first tensor-core and the first FMA configuration (one per dtype class: what
+    MOETRAIN_TEST_AUTOTUNE=first keeps)."""
+    return [next(c for c in configs if id(c) not in _FMA_CONFIGS),
+            next(c for c in configs if id(c) in _FMA_CONFIGS)]  # fmt: skip
 
 
 @triton.jit
@@ -226,15 +242,18 @@ if _INTERPRET:
     _fwd_launch = _grouped_mm_kernel
     _wgrad_launch = _grouped_wgrad_kernel
 else:
-    # Keyed on the layer's feature sizes, not the row count, which changes every step.
-    _fwd_launch = triton.autotune(configs=_fwd_configs(), key=["K", "M", "HAS_SRC"])(
+    # Keyed on the layer's feature sizes (and, by Triton, the dtypes), not the row count.
+    _prune = {"early_config_prune": _prune_by_dtype}
+    _fwd_launch = triton.autotune(
+        configs=_fwd_configs(), key=["K", "M", "HAS_SRC"], prune_configs_by=_prune
+    )(
         triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
             _grouped_mm_kernel
         )
     )
-    _wgrad_launch = triton.autotune(configs=_wgrad_configs(), key=["K", "M", "HAS_SRC"])(
-        _grouped_wgrad_kernel
-    )
+    _wgrad_launch = triton.autotune(
+        configs=_wgrad_configs(), key=["K", "M", "HAS_SRC"], prune_configs_by=_prune
+    )(_grouped_wgrad_kernel)
 
 
 def _dot_flags(dtype: torch.dtype) -> dict:
@@ -246,13 +265,6 @@ def _dot_flags(dtype: torch.dtype) -> dict:
     }
 
 
-def _check_device(op: str, t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(
-            f"{op}: triton backend needs a CUDA tensor or TRITON_INTERPRET=1, got {t.device}"
-        )
-
-
 def launch_grouped_mm(
     x: torch.Tensor,
     src_N: torch.Tensor | None,
@@ -262,7 +274,7 @@ def launch_grouped_mm(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """y (num_rows, M) = x[src or row] @ w[group]; w may be any strided view (dgrad)."""
-    _check_device("grouped_mm", x)
+    common.check_triton_device("grouped_mm", x)
     assert offs_E.dtype == torch.int32 and offs_E.is_contiguous(), "offs must be int32, contiguous"
     assert src_N is None or (src_N.dtype == torch.int64 and src_N.shape == (num_rows,))
     num_experts, k_dim, m_dim = w_EKM.shape

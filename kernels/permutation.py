@@ -162,13 +162,6 @@ def _row_blocks(d_dim: int) -> tuple[int, int]:
     return block_r, block_d
 
 
-def _check_device(op: str, t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(
-            f"{op}: triton backend needs a CUDA tensor or TRITON_INTERPRET=1, got {t.device}"
-        )
-
-
 def _invert(dest_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     inv_N = torch.full((num_rows,), -1, dtype=torch.int64, device=dest_TK.device)
     num_slots = dest_TK.numel()
@@ -215,12 +208,16 @@ def _rowdot(y_ND, dest_TK, dout_TD, out_dtype: torch.dtype) -> torch.Tensor:
     d_dim = y_ND.shape[1]
     dw_TK = torch.empty(num_tokens, top_k, dtype=out_dtype, device=y_ND.device)
     if num_tokens and d_dim:
-        block_d = min(triton.next_power_of_2(d_dim), 256 if _INTERPRET else 512)
+        # The K row loads of a token block are all in flight at once: 16 x BLOCK_D tiles of
+        # 16 KiB (512 bf16 or 256 fp32 columns) fill 128 registers per thread of 8 warps at
+        # K=8; 512 fp32 columns spilled (docs/kernels_compiled.md).
+        block_d = min(triton.next_power_of_2(d_dim),
+                      256 if _INTERPRET else 1024 // y_ND.element_size())  # fmt: skip
         block_t = 64 if _INTERPRET else 16
         _rowdot_kernel[(triton.cdiv(num_tokens, block_t),)](
             y_ND, dest_TK, dout_TD, dw_TK, num_tokens, d_dim, y_ND.stride(0), dout_TD.stride(0),
             TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_D=block_d,
-            num_warps=8,  # 16x512 tiles, K=8: ~250 registers and no spills at 8 warps (sm_90)
+            num_warps=8,
         )  # fmt: skip
     return dw_TK
 
@@ -228,7 +225,7 @@ def _rowdot(y_ND, dest_TK, dout_TD, out_dtype: torch.dtype) -> torch.Tensor:
 class PermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, dest_TK, num_rows):  # type: ignore[override]
-        _check_device("permute", x_TD)
+        common.check_triton_device("permute", x_TD)
         x_TD = x_TD.contiguous()
         dest_TK = dest_TK.contiguous()
         inv_N = _invert(dest_TK, num_rows)
@@ -245,7 +242,7 @@ class PermuteFunction(torch.autograd.Function):
 class UnpermuteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_ND, dest_TK, weights_TK):  # type: ignore[override]
-        _check_device("unpermute", y_ND)
+        common.check_triton_device("unpermute", y_ND)
         y_ND = y_ND.contiguous()
         dest_TK = dest_TK.contiguous()
         weights_TK = weights_TK.contiguous()

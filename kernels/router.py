@@ -175,16 +175,10 @@ def _block_t(num_experts: int) -> int:
     return max(1, min(256, budget // triton.next_power_of_2(num_experts)))
 
 
-def _check_device(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and not _INTERPRET:
-        raise RuntimeError(f"route: triton backend needs a CUDA tensor or TRITON_INTERPRET=1, "
-                           f"got {t.device}")  # fmt: skip
-
-
 class RouteFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, expert_bias_E, top_k, score_func, renormalize):  # type: ignore[override]
-        _check_device(logits_TE)
+        common.check_triton_device("route", logits_TE)
         logits_TE = logits_TE.contiguous()
         num_tokens, num_experts = logits_TE.shape
         dev = logits_TE.device

@@ -22,6 +22,7 @@ import contextlib
 import importlib.util
 import re
 import shlex
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,7 @@ def parse_only(main: Callable[[list[str]], Any], argv: list[str]) -> argparse.Na
 def _load_tool(path: Path) -> Any:
     spec = importlib.util.spec_from_file_location(f"_docs_tool_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a tool's dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -28,6 +28,8 @@ text lives in the script). Every figure is measured: ratios are taken side by si
 run against a named peer (`torch._grouped_mm`, the unfused torch path, MegaBlocks'
 `grouped_gemm` where it builds) or against a ceiling measured in the same run (a dense bf16
 matmul of the same FLOPs, a device-to-device copy for HBM bandwidth).
+What each kernel compiles to for Hopper and Blackwell (registers, spills, shared memory,
+instruction mix), checked in CI without a GPU: [kernels_compiled.md](kernels_compiled.md).
 
 """
 

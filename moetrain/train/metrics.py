@@ -72,6 +72,13 @@ def merge_stats(
     return {k: (b[k].clone() if k == "expert_bias" else a[k] + b[k]) for k in b}
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously; a CPU op has finished
+    when it returns): a wall-clock time taken after this covers the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def peak_flops(device: torch.device, seconds: float = 0.2) -> tuple[float, str]:
     """Peak FLOP/s for the MFU denominator and where it came from.
 
@@ -94,8 +101,7 @@ def peak_flops(device: torch.device, seconds: float = 0.2) -> tuple[float, str]:
     while time.perf_counter() - start < seconds:
         a @ b
         reps += 1
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return 2 * n**3 * reps / (time.perf_counter() - start), "measured fp32 matmul"
 
 

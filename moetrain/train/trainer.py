@@ -42,6 +42,7 @@ from moetrain.train.metrics import (
     layer_summary,
     merge_stats,
     peak_flops,
+    synchronize,
 )
 from moetrain.train.replay import load_replay_step, save_record
 from moetrain.train.resilience import (
@@ -374,8 +375,7 @@ class Trainer:
         self.step += 1
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
         flops = self._step_flops_per_token(micro_batches)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)
         seconds = time.perf_counter() - start
         return StepResult(loss, grad_norm, lr, tokens, seconds, moe, flops)
 

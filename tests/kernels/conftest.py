@@ -4,8 +4,9 @@ TRITON_INTERPRET must be set before any @triton.jit definition runs, i.e. before
 moetrain.kernels Triton modules are imported, hence at conftest import time.
 
 On a GPU, MOETRAIN_TEST_AUTOTUNE=first (set by tools/gpu_suite.py) keeps only the first
-autotune config of the grouped GEMM kernels: the tests' many small shapes would otherwise
-each tune every config, minutes of compiling that prove nothing more about correctness.
+autotune config of the grouped GEMM kernels per dtype class (a tensor-core tile for bf16, an
+FMA tile for fp32): the tests' many small shapes would otherwise each tune every config,
+minutes of compiling that prove nothing more about correctness.
 The benchmarks check the tuned configs against torch._grouped_mm on the anchor shapes.
 """
 
@@ -19,4 +20,4 @@ elif os.environ.get("MOETRAIN_TEST_AUTOTUNE", "full") == "first":
     from moetrain.kernels import grouped_gemm
 
     for _launcher in (grouped_gemm._fwd_launch, grouped_gemm._wgrad_launch):
-        _launcher.configs = _launcher.configs[:1]  # triton.autotune: one config, no tuning
+        _launcher.configs = grouped_gemm.first_configs(_launcher.configs)  # no tuning

@@ -133,3 +133,33 @@ class TestGroupedMMGPU:
     @pytest.mark.parametrize("case", list(GPU_CASES))
     def test_gather_grouped_mm(self, backend, dtype, case):
         _check_gather(backend, *self.GPU_CASES[case], dtype, num_tokens=200)
+
+
+def _fma_tiles():
+    from moetrain.kernels import grouped_gemm
+
+    fwd, wgrad = grouped_gemm._FWD_FMA, grouped_gemm._WGRAD_FMA
+    return [pytest.param(fwd[i], wgrad[i % len(wgrad)], id=f"fwd{fwd[i][:3]}-wgrad"
+                         f"{wgrad[i % len(wgrad)][:3]}") for i in range(len(fwd))]  # fmt: skip
+
+
+@pytest.mark.parametrize("fwd,wgrad", _fma_tiles())
+def test_fp32_autotune_tiles_match_reference(fwd, wgrad, monkeypatch):
+    """The fp32 (FMA) autotune tiles, each at its own block sizes under the interpreter
+    (which otherwise runs one 64x64x64 tile): forward, dgrad, wgrad, with and without the
+    gather, K a multiple of the tile and not."""
+    from moetrain.kernels import grouped_gemm
+
+    monkeypatch.setattr(
+        grouped_gemm,
+        "_INTERP_BLOCKS",
+        dict(zip(("BLOCK_N", "BLOCK_M", "BLOCK_K"), fwd[:3], strict=True)),
+    )
+    monkeypatch.setattr(
+        grouped_gemm,
+        "_INTERP_WGRAD_BLOCKS",
+        dict(zip(("BLOCK_K", "BLOCK_M", "BLOCK_R"), wgrad[:3], strict=True)),
+    )
+    for case in ("uneven_empty_tail", "seven_rows_even_k"):
+        _check_grouped_mm("triton", *CASES[case], torch.float32)
+        _check_gather("triton", *CASES[case], torch.float32)

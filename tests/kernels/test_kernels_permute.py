@@ -34,8 +34,11 @@ def _dest(num_tokens, top_k, num_rows, drop, seed=0):
 @pytest.mark.parametrize("case", list(CASES))
 def test_permute_matches_reference(backend, dtype, case):
     num_tokens, top_k, d_dim, num_rows, drop = CASES[case]
-    dest_TK = _dest(num_tokens, top_k, num_rows, drop)
-    x_TD = torch.randn(num_tokens, d_dim).to(DEVICE, dtype).requires_grad_()
+    _check_permute(backend, dtype, _dest(num_tokens, top_k, num_rows, drop), d_dim, num_rows)
+
+
+def _check_permute(backend, dtype, dest_TK, d_dim, num_rows):
+    x_TD = torch.randn(dest_TK.shape[0], d_dim).to(DEVICE, dtype).requires_grad_()
     out = permute(x_TD, dest_TK, num_rows, backend=backend)
     ref = permute_reference(x_TD, dest_TK, num_rows)
     assert torch.equal(out, ref), "permute is a copy: it must be exact"
@@ -49,8 +52,12 @@ def test_permute_matches_reference(backend, dtype, case):
 def test_unpermute_matches_reference(backend, dtype, case):
     num_tokens, top_k, d_dim, num_rows, drop = CASES[case]
     dest_TK = _dest(num_tokens, top_k, num_rows, drop, seed=1)
+    _check_unpermute(backend, dtype, dest_TK, d_dim, num_rows)
+
+
+def _check_unpermute(backend, dtype, dest_TK, d_dim, num_rows):
     y_ND = torch.randn(num_rows, d_dim).to(DEVICE, dtype).requires_grad_()
-    w_TK = torch.rand(num_tokens, top_k).to(DEVICE).requires_grad_()
+    w_TK = torch.rand(*dest_TK.shape).to(DEVICE).requires_grad_()
     out = unpermute(y_ND, dest_TK, w_TK, backend=backend)
     ref = unpermute_reference(y_ND, dest_TK, w_TK)
     assert_close(out, ref, "out")
@@ -85,3 +92,17 @@ def test_permute_large_rows_gpu(backend):
     w_TK = torch.rand(300, 4, device=DEVICE, requires_grad=True)
     y = unpermute(out, dest_TK, w_TK, backend=backend)
     assert_close(y, unpermute_reference(ref, dest_TK, w_TK), "unpermute")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_gpu_block_sizes_match_reference(dtype, monkeypatch):
+    """The block sizes the launchers pick on a GPU (rows 1024 wide, row-dot tiles of 16
+    tokens x 512 bf16 / 256 fp32 columns), run under the interpreter, at K=8 and a D that
+    is no multiple of them: permute and unpermute, forward and backward."""
+    from moetrain.kernels import permutation
+
+    monkeypatch.setattr(permutation, "_INTERPRET", False)
+    num_tokens, top_k, d_dim, num_rows = 40, 8, 600, 330
+    dest_TK = _dest(num_tokens, top_k, num_rows, 0.1, seed=2)
+    _check_permute("triton", dtype, dest_TK, d_dim, num_rows)
+    _check_unpermute("triton", dtype, dest_TK, d_dim, num_rows)

@@ -1,0 +1,365 @@
+"""CUDA-only code paths: each one runs in a CPU test with a fake, or docs/cuda_paths.md lists
+it as untested on CPU with its reason.
+
+The scan reads the package's source (moetrain/ and kernels/) and finds every CUDA-only site:
+`torch.cuda.*` / `torch.backends.cuda*` use, a comparison with or a value of the strings
+"cuda" and "nccl", `non_blocking=` and `pin_memory` (asynchronous copies from pinned memory),
+`.record_stream`, `.cuda()`, `torch.Stream` / `torch.Event`. Sites are grouped per function;
+the docs table must name every function that has one, with exactly its sites, and say which
+test below fakes it or why it is untested. A new CUDA branch that is in neither fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import re
+import types
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "cuda_paths.md"
+PACKAGE_DIRS = ("moetrain", "kernels")
+
+CUDA_STRINGS = {"cuda", "nccl"}
+CUDA_MODULES = ("torch.cuda", "torch.backends.cuda", "torch.backends.cudnn")
+CUDA_NAMES = {"torch.Stream", "torch.Event"}
+CUDA_KEYWORDS = {"non_blocking", "pin_memory"}
+CUDA_METHODS = {"pin_memory", "record_stream", "cuda"}
+
+
+def _dotted(node: ast.AST) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return ".".join([node.id, *reversed(parts)])
+    return None
+
+
+class _Scanner(ast.NodeVisitor):
+    """Collects {qualified function name: {site tokens}} from one module."""
+
+    def __init__(self) -> None:
+        self.scope: list[str] = []
+        self.sites: dict[str, set[str]] = {}
+
+    def _add(self, token: str) -> None:
+        self.sites.setdefault(".".join(self.scope) or "<module>", set()).add(token)
+
+    def _scoped(self, node: ast.AST) -> None:
+        self.scope.append(node.name)
+        # Annotations name types, they do not branch (`device: Literal["cpu", "cuda"]`).
+        for child in ast.iter_child_nodes(node):
+            if child is not getattr(node, "returns", None):
+                self.visit(child)
+        self.scope.pop()
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _scoped
+
+    def visit_arg(self, node: ast.arg) -> None:
+        pass  # an argument's annotation
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        self.visit(node.target)
+        if node.value is not None:
+            self.visit(node.value)
+
+    def visit_Constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str) and node.value in CUDA_STRINGS:
+            self._add(f'"{node.value}"')
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        name = _dotted(node)
+        if name and (name in CUDA_NAMES or any(name == m or name.startswith(m + ".")
+                                               for m in CUDA_MODULES)):  # fmt: skip
+            self._add(name)
+            return  # the longest chain only: torch.cuda.synchronize, not torch.cuda too
+        if node.attr in CUDA_METHODS:
+            self._add(f".{node.attr}")
+        self.generic_visit(node)
+
+    def visit_keyword(self, node: ast.keyword) -> None:
+        if node.arg in CUDA_KEYWORDS:
+            self._add(f"{node.arg}=")
+        self.generic_visit(node)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.module and any(node.module.startswith(m) for m in CUDA_MODULES):
+            self._add(f"from {node.module} import")
+
+
+def scan_source(source: str) -> dict[str, set[str]]:
+    scanner = _Scanner()
+    scanner.visit(ast.parse(source))
+    return scanner.sites
+
+
+@functools.cache
+def _scan_package() -> dict[tuple[str, str], frozenset[str]]:
+    found = {}
+    for top in PACKAGE_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for func, tokens in scan_source(path.read_text()).items():
+                found[(rel, func)] = frozenset(tokens)
+    return found
+
+
+def scan_package() -> dict[tuple[str, str], set[str]]:
+    """{(file relative to the repo, function): {site tokens}} over the whole package."""
+    return {key: set(tokens) for key, tokens in _scan_package().items()}
+
+
+ROW = re.compile(r"^\|\s*`([^`]+)`\s*\|\s*`([^`]+)`\s*\|(.*)\|(.*)\|\s*$")
+
+
+def documented() -> dict[tuple[str, str], tuple[set[str], str]]:
+    """The docs table: {(file, function): ({site tokens}, how it is covered)}."""
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        m = ROW.match(line)
+        if m:
+            tokens = set(re.findall(r"`([^`]+)`", m.group(3)))
+            rows[(m.group(1), m.group(2))] = (tokens, m.group(4).strip())
+    return rows
+
+
+TEST_REF = re.compile(r"`(tests/[\w/]+\.py)::(\w+)`")
+
+
+def coverage_problems(
+    found: dict[tuple[str, str], set[str]], doc: dict[tuple[str, str], tuple[set[str], str]]
+) -> list[str]:
+    """What keeps the docs table from matching the scan (empty when it matches)."""
+    problems = []
+    for key, tokens in sorted(found.items()):
+        where = f"{key[0]}::{key[1]}"
+        if key not in doc:
+            problems.append(f"{where}: CUDA-only code {sorted(tokens)} is not in {DOC.name}: "
+                            "fake it in a CPU test or list it as untested")  # fmt: skip
+            continue
+        listed, how = doc[key]
+        if listed != tokens:
+            problems.append(f"{where}: the scan finds {sorted(tokens)}, {DOC.name} lists "
+                            f"{sorted(listed)}")  # fmt: skip
+        refs = TEST_REF.findall(how)
+        if not refs and not how.startswith("untested on CPU:"):
+            problems.append(f"{where}: coverage must name a test (`tests/x.py::test_y`) or "
+                            "start with 'untested on CPU:' and say why")  # fmt: skip
+        for path, name in refs:
+            file = ROOT / path
+            if not file.is_file() or f"def {name}(" not in file.read_text():
+                problems.append(f"{where}: {path}::{name} does not exist")
+    for key in sorted(set(doc) - set(found)):
+        problems.append(f"{key[0]}::{key[1]}: listed in {DOC.name} but has no CUDA-only code")
+    return problems
+
+
+def test_every_cuda_path_is_faked_or_listed():
+    problems = coverage_problems(scan_package(), documented())
+    assert not problems, "\n".join(problems)
+
+
+def test_scan_finds_a_new_cuda_branch():
+    """The check can fail: a CUDA branch added to a copy of a listed function, and a new
+    function with one, are both reported; an annotation naming "cuda" is not a site."""
+    found = scan_package()
+    doc = documented()
+    key = ("moetrain/train/trainer.py", "pick_dtype")
+    assert found[key] == doc[key][0]
+    extra = scan_source(
+        "def pick_dtype(name, device):\n"
+        "    torch.cuda.set_sync_debug_mode(1)\n"
+        "def new(x, device: 'cuda'):\n"
+        "    x.pin_memory()\n"
+        "    return x.to(device, non_blocking=True)\n"
+    )
+    assert extra == {"pick_dtype": {"torch.cuda.set_sync_debug_mode"},
+                     "new": {".pin_memory", "non_blocking="}}  # fmt: skip
+    found[key] = found[key] | extra["pick_dtype"]
+    found[("moetrain/train/trainer.py", "new")] = extra["new"]
+    problems = coverage_problems(found, doc)
+    assert len(problems) == 2, problems
+    assert any("pick_dtype: the scan finds" in p for p in problems), problems
+    assert any("trainer.py::new: CUDA-only code" in p for p in problems), problems
+    # A row whose function lost its CUDA code, and a row naming a test that does not exist.
+    doc[("moetrain/gone.py", "f")] = ({'"cuda"'}, "`tests/test_cuda_paths.py::test_nothing`")
+    found[("moetrain/gone.py", "f")] = {'"cuda"'}
+    problems = coverage_problems(found, doc)
+    assert any("test_nothing does not exist" in p for p in problems), problems
+    del found[("moetrain/gone.py", "f")]
+    problems = coverage_problems(found, doc)
+    assert any("gone.py::f: listed" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA paths, run on CPU with a fake torch.cuda
+# ---------------------------------------------------------------------------------------------
+
+
+class FakeCuda:
+    """Stands in for torch.cuda: a machine with `count` devices; records what was called."""
+
+    def __init__(self, count: int = 2, name: str = "NVIDIA H100 80GB HBM3", capability=(9, 0)):
+        self.count, self.name, self.capability = count, name, capability
+        self.calls: list[tuple] = []
+        self.rng = [torch.tensor([i], dtype=torch.uint8) for i in range(count)]
+
+    def is_available(self) -> bool:
+        return self.count > 0
+
+    def get_device_name(self, device) -> str:
+        return self.name
+
+    def get_device_capability(self, device) -> tuple[int, int]:
+        return self.capability
+
+    def synchronize(self, device) -> None:
+        self.calls.append(("synchronize", device))
+
+    def set_device(self, device) -> None:
+        self.calls.append(("set_device", device))
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [s.clone() for s in self.rng]
+
+    def set_rng_state_all(self, states) -> None:
+        self.calls.append(("set_rng_state_all", [s.clone() for s in states]))
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = FakeCuda()
+    for name in ("is_available", "get_device_name", "get_device_capability", "synchronize",
+                 "set_device", "get_rng_state_all", "set_rng_state_all"):  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    return fake
+
+
+CUDA0 = torch.device("cuda", 0)
+
+
+def test_pick_device_and_dtype(fake_cuda, monkeypatch):
+    from moetrain.config import ConfigError
+    from moetrain.train.trainer import pick_device, pick_dtype
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert pick_device("auto") == torch.device("cuda", 1)  # torchrun's local rank
+    assert pick_device("cuda") == torch.device("cuda", 1)
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_dtype("auto", CUDA0) == torch.bfloat16
+    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert pick_dtype("fp32", CUDA0) == torch.float32
+    fake_cuda.count = 0
+    assert pick_device("auto") == torch.device("cpu")
+    with pytest.raises(ConfigError, match="train.device: 'cuda' requested but no CUDA"):
+        pick_device("cuda")
+
+
+def test_rng_state_carries_every_cuda_generator(fake_cuda):
+    from moetrain.train.trainer import rng_state, set_rng_state
+
+    state = rng_state()
+    assert [s.tolist() for s in state["cuda"]] == [[0], [1]]
+    fake_cuda.rng = [torch.tensor([7], dtype=torch.uint8)] * 2  # the generators move on
+    set_rng_state(state)
+    (call,) = fake_cuda.calls
+    assert call[0] == "set_rng_state_all" and [s.tolist() for s in call[1]] == [[0], [1]]
+    # A checkpoint saved without CUDA restores none; one saved with CUDA, resumed without, too.
+    fake_cuda.calls.clear()
+    set_rng_state({k: v for k, v in state.items() if k != "cuda"})
+    fake_cuda.count = 0
+    set_rng_state(state)
+    assert fake_cuda.calls == []
+
+
+def test_init_distributed_picks_nccl_and_the_local_device(fake_cuda, monkeypatch):
+    import torch.distributed as dist
+
+    from moetrain.train import trainer
+
+    started = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, timeout: started.append((backend, timeout)))  # fmt: skip
+    trainer.init_distributed(torch.device("cuda", 1), 30)
+    trainer.init_distributed(torch.device("cpu"), 30)
+    assert fake_cuda.calls == [("set_device", torch.device("cuda", 1))]
+    assert started == [("nccl", timedelta(seconds=30)), ("gloo", timedelta(seconds=30))]
+
+
+def test_synchronize_and_peak_flops_on_cuda(fake_cuda):
+    from moetrain.train.metrics import _PEAK_FLOPS, peak_flops, synchronize
+
+    synchronize(CUDA0)
+    synchronize(torch.device("cpu"))
+    assert fake_cuda.calls == [("synchronize", CUDA0)]
+    flops, source = peak_flops(CUDA0)
+    assert flops == _PEAK_FLOPS["H100"] and source == "NVIDIA H100 80GB HBM3 bf16 peak"
+
+
+def test_generate_defaults_to_cuda(fake_cuda, monkeypatch, capsys):
+    from moetrain.config import ConfigError
+    from moetrain.interop import cli
+
+    devices = []
+
+    def load(path, device):
+        devices.append(device)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(cli, "load_for_generation", load)
+    assert cli.generate_main(["run", "--prompt", "x"]) != 0
+    fake_cuda.count = 0
+    assert cli.generate_main(["run", "--prompt", "x"]) != 0
+    assert devices == ["cuda", "cpu"]
+
+
+def test_resolve_backend_and_device_check_on_cuda(monkeypatch):
+    from moetrain.kernels import common
+
+    from moetrain import kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernels, "_triton_available", lambda: True)
+    assert kernels.resolve_backend("auto", CUDA0) == "triton"
+    assert kernels.resolve_backend("triton", CUDA0) == "triton"
+    assert kernels.resolve_backend("auto", "cpu") == "torch"
+    with pytest.raises(RuntimeError, match="needs the Triton CPU interpreter"):
+        kernels.resolve_backend("triton", "cpu")
+    common.check_triton_device("op", types.SimpleNamespace(device=CUDA0))
+    with pytest.raises(RuntimeError, match="op: triton backend needs a CUDA tensor"):
+        common.check_triton_device("op", torch.zeros(1))
+
+
+class _OnCuda:
+    """A CPU tensor that reports a CUDA device (what torch_ops' eligibility check reads)."""
+
+    def __init__(self, t: torch.Tensor):
+        self._t = t
+        self.device = CUDA0
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def test_torch_grouped_mm_eligibility_on_cuda(fake_cuda):
+    from moetrain.kernels.torch_ops import _native_ok
+
+    def ok(dtype, capability):
+        fake_cuda.capability = capability
+        a = _OnCuda(torch.zeros(64, 32, dtype=dtype))
+        b = _OnCuda(torch.zeros(4, 32, 16, dtype=dtype))
+        return _native_ok(a, b, 16)
+
+    # CUTLASS's sm90 bf16 grouped GEMM: Hopper and newer, bf16 only.
+    assert ok(torch.bfloat16, (9, 0)) and ok(torch.bfloat16, (10, 0))
+    assert not ok(torch.bfloat16, (8, 0))
+    assert not ok(torch.float32, (9, 0)) and not ok(torch.float16, (9, 0))
