@@ -19,6 +19,7 @@ from moetrain.data._cache import publish
 from moetrain.data.corpus import corpus_dir, corpus_files
 from moetrain.data.dataset import load_local_files
 from moetrain.data.errors import DataError
+from moetrain.data.fast_bpe import tokenizers_ids
 
 EOS_TOKEN = "<|endoftext|>"
 """Special token of the default tokenizer; it separates documents in the packed stream."""
@@ -60,8 +61,7 @@ class Tokenizer:
         """Token ids of each text, without BOS/EOS (the packer adds the separators). Text
         that spells a special token is ordinary text ("text", ``data.literal_special_tokens``)
         or that token's id ("special")."""
-        self._tok.encode_special_tokens = literal_special_tokens == "text"
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        return tokenizers_ids(self._tok, texts, literal_special_tokens)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of one text, without BOS/EOS; text that spells a special token is that
