@@ -267,13 +267,12 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         ``len(micro_batches) * dp_cp / V`` (V: the counted labels of the whole step, over
         every data-parallel rank; collective) makes the step's loss and gradient the mean
         over its counted labels, whatever the layout: the usual averaging over
-        micro-batches and dp x cp ranks then sums the shares. Otherwise None: every
-        micro-batch counts all its labels, the mean per micro-batch is that share."""
+        micro-batches and dp x cp ranks then sums the shares. Otherwise None: a micro-batch's
+        loss is the mean over its counted labels (all of them unless the batch pads)."""
         if not self.cfg.model.document_mask:
             self._loss_scale = None
             return
-        mask = self.cfg.model.document_mask
-        count = sum(int((counted_labels(b, mask) != IGNORE_INDEX).sum()) for b in micro_batches)
+        count = sum(int((counted_labels(b, True) != IGNORE_INDEX).sum()) for b in micro_batches)
         total = torch.tensor(float(count), dtype=torch.float64, device=self.device)
         if self.seq_group is not None:  # whole sequences: cp ranks counted the same ones
             dist.all_reduce(total, group=self.seq_group)
