@@ -442,6 +442,12 @@ class DataConfig:
     tokenizer.json file, or a local Hugging Face tokenizer folder."""
     seq_len: int = 256
     """Tokens per packed training sequence."""
+    literal_special_tokens: Literal["text", "special"] = "text"
+    """How the text of a special token inside a document (such as "<|endoftext|>") is
+    encoded: "text", as the ordinary text it is (its characters' tokens), so that only the
+    separator moetrain appends after each document carries the end-of-text id; "special",
+    as the special token's id (moetrain's earlier behaviour, and what a tokenizer's plain
+    encode does: such text then reads as a document boundary)."""
     seed: int = 0
     """Seed of the document shuffle; the data order depends on it alone."""
     cache_dir: str | None = None

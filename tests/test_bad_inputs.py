@@ -113,6 +113,17 @@ CASES = [
         "train.device:",
     ),
     (
+        "config-flex-on-cpu",
+        lambda f: ["model.attention_backend=flex", "model.document_mask=true"]
+        + ([] if not _cuda() else ["train.device=cpu"]),
+        "model.attention_backend: flex trains on CUDA only",
+    ),
+    (
+        "config-positions-without-mask",
+        lambda f: ["model.document_positions=true"],
+        "model.document_positions: needs model.document_mask=true",
+    ),
+    (
         "layout-world-size",
         lambda f: ["parallel.tp=2"],
         "config error: parallel.pp * parallel.dp_replicate * parallel.tp = 1 * 1 * 2 = 2 does "

@@ -288,22 +288,28 @@ class Results:
         print(f"appended {len(rows)} rows to {path}")
 
 
-def append_rows(path: str, rows: list[dict]) -> None:
-    """Append rows to a CSV of CSV_FIELDS, writing the header when the file is new."""
+def append_rows(path: str, rows: list[dict], fields: list[str] | None = None) -> None:
+    """Append rows to a CSV of ``fields`` (default CSV_FIELDS), writing the header when the
+    file is new."""
+    fields = CSV_FIELDS if fields is None else fields
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     new_file = not os.path.exists(path) or os.path.getsize(path) == 0
     if not new_file:
         with open(path, newline="") as f:
             header = next(csv.reader(f), [])
-        if header != CSV_FIELDS:  # an older schema: rewrite it in this one first
-            rows = read_rows(path) + list(rows)
+        if header != fields:  # an older schema: rewrite it in this one first
+            if fields is CSV_FIELDS:
+                rows = read_rows(path) + list(rows)
+            else:
+                with open(path, newline="") as f:
+                    rows = list(csv.DictReader(f)) + list(rows)
             os.remove(path)
             new_file = True
     with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new_file:
             writer.writeheader()
-        writer.writerows({k: r.get(k, "") for k in CSV_FIELDS} for r in rows)
+        writer.writerows({k: r.get(k, "") for k in fields} for r in rows)
 
 
 def read_rows(path: str) -> list[dict]:

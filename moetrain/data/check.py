@@ -5,12 +5,13 @@ from __future__ import annotations
 from moetrain.config import DataConfig
 from moetrain.data.dataset import load_split
 from moetrain.data.domains import check_domain_column
+from moetrain.data.errors import DataError
 from moetrain.data.prepared import is_prepared
 from moetrain.data.tokenizer import load_tokenizer
 from moetrain.data.verify import check_prepared
 
 
-def check_data(cfg: DataConfig) -> None:
+def check_data(cfg: DataConfig, document_mask: bool = False) -> None:
     """Raise ``DataError`` (naming the key) if training on ``cfg`` would fail for its data.
 
     Loads the tokenizer. A prepared dataset (or each one of ``data.mix``) is checked through
@@ -20,6 +21,9 @@ def check_data(cfg: DataConfig) -> None:
     data: both splits are loaded, and the path, splits, text column, row types and that
     there is text are checked, and ``data.domain_column`` when it is set. The default corpus
     and tokenizer are built here on first use.
+
+    ``document_mask`` (``model.document_mask``): a prepared dataset of format 1 is refused,
+    since it encoded special-token text inside documents as special tokens.
     """
     tokenizer = load_tokenizer(cfg.tokenizer, cfg.cache_dir)
     check_domain_column(cfg)
@@ -27,9 +31,18 @@ def check_data(cfg: DataConfig) -> None:
     if not prepared and is_prepared(cfg.dataset):
         prepared = [(cfg.dataset, "data.dataset")]
     for path, key in prepared:
-        check_prepared(
+        manifest = check_prepared(
             path, tokenizer.fingerprint, tokenizer.eos_id, tokenizer.source, cfg.cache_dir, key
         )
+        if document_mask and manifest.literal_special_tokens is None:
+            raise DataError(
+                f"{key}: {path!r} was prepared by an earlier moetrain (format 1), which "
+                "encoded special-token text inside documents (such as '<|endoftext|>') as "
+                "the separator id: its documents may hold separators that end nothing, "
+                "while model.document_mask=true takes the separator for a document's end; "
+                "prepare it again with `moetrain prepare-data` (or set "
+                "model.document_mask=false)"
+            )
     if prepared:
         return
     for role in ("train", "eval"):

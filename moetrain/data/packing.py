@@ -62,8 +62,11 @@ class IndexedStream:
         if self.doc >= self.source.n_docs and self.offset == 0:
             self.epoch, self.doc = self.epoch + 1, 0
 
-    def advance(self, n: int, out: list[np.ndarray] | None = None) -> None:
-        """Move ``n`` tokens on; append the tokens passed to ``out`` when it is given."""
+    def advance(
+        self, n: int, out: list[np.ndarray] | None = None, ends: list[bool] | None = None
+    ) -> None:
+        """Move ``n`` tokens on; append the tokens passed to ``out`` when it is given, and
+        to ``ends`` whether each of those pieces ends its document."""
         src = self.source
         while n > 0:
             if self.doc >= src.n_docs:
@@ -90,6 +93,8 @@ class IndexedStream:
                     start = self.offset if j == 0 else 0
                     stop = end if j == last else int(lens[j])
                     out.append(src.read(int(ids[j]), start, stop))
+                    if ends is not None:
+                        ends.append(stop == int(lens[j]))
             n -= int(avail[last]) - (int(lens[last]) - end)
             if end == lens[last]:
                 self.doc, self.offset = self.doc + last + 1, 0
@@ -119,7 +124,9 @@ class SequentialStream:
             close()
         self._docs = self._current = None
 
-    def advance(self, n: int, out: list[np.ndarray] | None = None) -> None:
+    def advance(
+        self, n: int, out: list[np.ndarray] | None = None, ends: list[bool] | None = None
+    ) -> None:
         while n:
             if self._current is None:
                 if self._docs is None:
@@ -139,6 +146,8 @@ class SequentialStream:
             k = min(len(cur) - self.offset, n)
             if out is not None:
                 out.append(cur[self.offset : self.offset + k])
+                if ends is not None:
+                    ends.append(self.offset + k == len(cur))
             self.offset += k
             n -= k
             if self.offset == len(cur):
@@ -150,10 +159,18 @@ class SequentialStream:
 Stream = IndexedStream | SequentialStream
 
 
-def _take(stream: Stream, n: int) -> np.ndarray:
+def _take(stream: Stream, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The next ``n`` tokens and, for each, whether it is the last of its document (its
+    separator): the boundaries come from the source's documents, never from token ids."""
     parts: list[np.ndarray] = []
-    stream.advance(n, parts)
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    ends: list[bool] = []
+    stream.advance(n, parts, ends)
+    if not parts:
+        return np.zeros(0, np.int64), np.zeros(0, bool)
+    doc_end = np.zeros(n, dtype=bool)
+    last = np.cumsum([len(p) for p in parts]) - 1
+    doc_end[last[np.asarray(ends, dtype=bool)]] = True
+    return np.concatenate(parts), doc_end
 
 
 # ----------------------------------------------------------------------------- rows
@@ -165,12 +182,15 @@ class _SingleRows:
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
 
-    def next_rows(self, total: int, lo: int, hi: int, row_len: int) -> np.ndarray:
-        """Rows ``[lo, hi)`` of the next ``total`` sequences; moves past all ``total``."""
+    def next_rows(
+        self, total: int, lo: int, hi: int, row_len: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows ``[lo, hi)`` of the next ``total`` sequences and their document ends (each
+        token: the last of its document?); moves past all ``total``."""
         self.stream.advance(lo * row_len)
-        rows = _take(self.stream, (hi - lo) * row_len).reshape(hi - lo, row_len)
+        tokens, ends = _take(self.stream, (hi - lo) * row_len)
         self.stream.advance((total - hi) * row_len)
-        return rows
+        return tokens.reshape(hi - lo, row_len), ends.reshape(hi - lo, row_len)
 
     def state(self) -> dict[str, int]:
         s = self.stream
@@ -200,18 +220,23 @@ class _MixedRows:
         self.key = key
         self.sequences = 0
 
-    def next_rows(self, total: int, lo: int, hi: int, row_len: int) -> np.ndarray:
+    def next_rows(
+        self, total: int, lo: int, hi: int, row_len: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         picks = weighted_choice(self.key, self.weights, self.sequences, total)
         rows = np.empty((hi - lo, row_len), dtype=np.int64)
+        row_ends = np.zeros((hi - lo, row_len), dtype=bool)
         for k, stream in enumerate(self.streams):
             mine = picks[lo:hi] == k
             stream.advance(int((picks[:lo] == k).sum()) * row_len)
             n = int(mine.sum())
             if n:
-                rows[mine] = _take(stream, n * row_len).reshape(n, row_len)
+                tokens, ends = _take(stream, n * row_len)
+                rows[mine] = tokens.reshape(n, row_len)
+                row_ends[mine] = ends.reshape(n, row_len)
             stream.advance(int((picks[hi:] == k).sum()) * row_len)
         self.sequences += total
-        return rows
+        return rows, row_ends
 
     def state(self) -> dict[str, Any]:
         return {
@@ -268,7 +293,11 @@ class PackedBatches:
 
     ``next_step()`` returns this rank's micro-batches of the next optimizer step: a list of
     ``global_batch_size / (dp_size * micro_batch_size)`` dicts with ``input_ids`` and
-    ``labels``, LongTensors of shape [micro_batch_size, seq_len]. The "train" split is
+    ``labels``, LongTensors of shape [micro_batch_size, seq_len], and ``doc_ends``, a bool
+    tensor of that shape: True where an input token is the last of its document (its
+    separator; the label there is the next document's first token). The boundaries are the
+    source's documents (a prepared dataset's index, the documents a stream reads), never
+    guessed from token ids. The "train" split is
     shuffled by ``data.seed`` with a new order per epoch; the "eval" split is read in stored
     order, and ``reset()`` rewinds it so every evaluation reads the same sequences.
     """
@@ -319,25 +348,28 @@ class PackedBatches:
         """Micro-batches this rank runs per optimizer step (gradient accumulation steps)."""
         return self.global_batch_size // (self.dp_size * self.micro_batch_size)
 
-    def _next_rows(self, lo: int, hi: int) -> np.ndarray:
+    def _next_rows(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
         rows = self._rows.next_rows(self.global_batch_size, lo, hi, self.seq_len + 1)
         self.steps += 1
         return rows
 
     def next_global_batch(self) -> np.ndarray:
         """The step's global batch: [global_batch_size, seq_len + 1] tokens (all ranks')."""
-        return self._next_rows(0, self.global_batch_size)
+        return self._next_rows(0, self.global_batch_size)[0]
 
     def next_step(self) -> list[Batch]:
         """This rank's micro-batches of the next optimizer step (reading only its rows)."""
         per_rank = self.global_batch_size // self.dp_size
         lo = self.dp_rank * per_rank
-        mine = torch.from_numpy(self._next_rows(lo, lo + per_rank).astype(np.int64))
+        rows, ends = self._next_rows(lo, lo + per_rank)
+        mine = torch.from_numpy(rows.astype(np.int64))
+        doc_ends = torch.from_numpy(ends[:, :-1])
         mb = self.micro_batch_size
         return [
             {
                 "input_ids": mine[i : i + mb, :-1].contiguous(),
                 "labels": mine[i : i + mb, 1:].contiguous(),
+                "doc_ends": doc_ends[i : i + mb].contiguous(),
             }
             for i in range(0, per_rank, mb)
         ]

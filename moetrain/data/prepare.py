@@ -13,6 +13,7 @@ step: a dataset directory with a manifest is always complete.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fcntl
 import json
 import logging
@@ -33,6 +34,7 @@ from datasets import Dataset
 from moetrain.config import DataConfig
 from moetrain.data.dataset import AnyDataset, check_text, load_split, resolve_source
 from moetrain.data.errors import DataError
+from moetrain.data.fast_bpe import choose_engine
 from moetrain.data.prepared import (
     FORMAT_VERSION,
     TOKENIZER_FILE,
@@ -63,6 +65,9 @@ STREAM_SHARD_MB = 16.0
 CACHE_SHARD_MB = 256.0
 """Shard size of the token cache that on-the-fly tokenization writes."""
 
+PROOF_CHARS = 2_000_000
+"""Characters of the data on which tiktoken must give the tokenizer's ids before it is used."""
+
 _PLAN = "plan.json"
 _DONE = ".done"
 _LOCK = ".lock"
@@ -92,6 +97,21 @@ def _shard_texts(ds: AnyDataset, column: str, shard_chars: int) -> Iterator[tupl
         yield texts, rows
 
 
+def _sample_texts(ds: AnyDataset, column: str, chars: int = PROOF_CHARS) -> list[str]:
+    """The first non-empty texts of a split, about ``chars`` characters: the sample on which
+    a faster engine must give the tokenizer's ids (``fast_bpe.choose_engine``)."""
+    out: list[str] = []
+    total = 0
+    for batch in ds.iter(batch_size=256):
+        for value in batch[column]:
+            if isinstance(value, str) and value:
+                out.append(value)
+                total += len(value)
+        if total >= chars:
+            break
+    return out
+
+
 def auto_shard_chars(splits: dict[str, AnyDataset], column: str) -> int:
     """Characters per shard: 1/64 of the text (so that the workers stay evenly busy to the
     end), between ``MIN_SHARD_MB`` and ``MAX_SHARD_MB`` million. It depends on the data
@@ -117,7 +137,12 @@ def _tokenizer_info(tokenizer: Tokenizer) -> dict[str, Any]:
 
 
 def tokenize_to_cache(
-    ds: Dataset, column: str, tokenizer: Tokenizer, final: Path, split: str
+    ds: Dataset,
+    column: str,
+    tokenizer: Tokenizer,
+    final: Path,
+    split: str,
+    literal_special_tokens: str = "text",
 ) -> None:
     """Tokenize one map-style split in this process into ``final``, a prepared dataset
     holding only ``split`` (the token cache of on-the-fly data). Several processes may do
@@ -135,7 +160,7 @@ def tokenize_to_cache(
     staging.mkdir()
     try:
         dtype = token_dtype(tokenizer.vocab_size)
-        worker = ShardTokenizer(tokenizer.to_str(), tokenizer.eos_id, dtype)
+        worker = ShardTokenizer(tokenizer.to_str(), tokenizer.eos_id, dtype, literal_special_tokens)
         shard_chars = int(CACHE_SHARD_MB * 1e6)
         entries = [
             worker.write(staging, split, i, texts)
@@ -144,7 +169,11 @@ def tokenize_to_cache(
         if not sum(e["n_docs"] for e in entries):
             raise DataError("data.dataset: the split has no non-empty documents")
         manifest = build_manifest(
-            _tokenizer_info(tokenizer), dtype, {split: entries}, {"cache": ds._fingerprint}
+            _tokenizer_info(tokenizer),
+            dtype,
+            {split: entries},
+            {"cache": ds._fingerprint},
+            literal_special_tokens,
         )
         write_json_atomic(staging / "manifest.json", manifest)
         publish_dir(staging, final)
@@ -249,7 +278,7 @@ def _run(
     ``workers`` is 0, else in a pool of that many spawned processes, with at most
     ``workers + 2`` shards of text in flight (memory bounded by the shard size)."""
     if workers == 0:
-        worker = ShardTokenizer(*init_args[:3])
+        worker = ShardTokenizer(*init_args[:5])
         for split, index, texts, rows in tasks:
             on_done(split, index, worker.write(directory, split, index, texts), rows)
         return
@@ -291,11 +320,15 @@ def prepare_dataset(
     workers: int | None = None,
     shard_mb: float | None = None,
     progress: bool = True,
+    arrow_cache: bool = False,
 ) -> Manifest:
     """Tokenize ``cfg``'s train and eval splits into the prepared dataset ``out``.
 
     ``workers``: tokenizing processes (None: one per CPU core; 0: this process).
     ``shard_mb``: millions of characters of text per shard (None: ``auto_shard_chars``).
+    Local files (and the default corpus) are streamed in record batches: memory stays flat
+    in the corpus size and no Arrow copy of the corpus is left behind; ``arrow_cache`` reads
+    them through ``datasets``' Arrow cache instead (a second copy of the corpus, kept).
     Resumes an interrupted run with the same settings; returns the finished manifest.
     """
     out = Path(out).expanduser().absolute()
@@ -315,7 +348,9 @@ def prepare_dataset(
         raise DataError(
             f"--out: {str(out)!r} exists and is not a prepared dataset; choose a new directory"
         )
-    splits = {role: load_split(cfg, role) for role in _ROLES}
+    stream = not arrow_cache and resolve_source(cfg).kind != "hub"
+    read_cfg = dataclasses.replace(cfg, streaming=True) if stream else cfg
+    splits = {role: load_split(read_cfg, role) for role in _ROLES}
     dtype = token_dtype(tokenizer.vocab_size)
     if shard_mb is None:
         shard_chars = auto_shard_chars(splits, cfg.text_column)
@@ -326,11 +361,13 @@ def prepare_dataset(
         "tokenizer": tokenizer.fingerprint,
         "dtype": dtype,
         "shard_chars": shard_chars,
+        "literal_special_tokens": cfg.literal_special_tokens,
         "source": _source_description(cfg, splits),
     }
     if is_prepared(out):
         manifest = read_manifest(out, "--out")
         same = manifest.tokenizer["fingerprint"] == tokenizer.fingerprint
+        same = same and manifest.literal_special_tokens == cfg.literal_special_tokens
         if not same or json.loads(json.dumps(plan["source"])) != manifest.data["source"]:
             raise DataError(
                 f"--out: {str(out)!r} already holds a dataset prepared from other data or "
@@ -394,7 +431,18 @@ def _prepare(
                 if (role, index) not in done:  # finished shards are read past, not redone
                     yield role, index, texts, rows
 
-    init_args = (tokenizer.to_str(), tokenizer.eos_id, dtype, workers == 1)
+    engine = choose_engine(
+        tokenizer.to_str(), _sample_texts(splits["train"], cfg.text_column),
+        cfg.literal_special_tokens,
+    )  # fmt: skip
+    init_args = (
+        tokenizer.to_str(),
+        tokenizer.eos_id,
+        dtype,
+        cfg.literal_special_tokens,
+        engine,
+        workers == 1,
+    )
     try:
         _run(tasks(), workers, init_args, staging.dir, on_done)
     finally:
@@ -406,7 +454,9 @@ def _prepare(
     for role, entries in shards.items():
         if not sum(e["n_docs"] for e in entries):
             raise DataError(f"data.dataset: the {role} split has no non-empty documents")
-    manifest_data = build_manifest(_tokenizer_info(tokenizer), dtype, shards, plan["source"])
+    manifest_data = build_manifest(
+        _tokenizer_info(tokenizer), dtype, shards, plan["source"], cfg.literal_special_tokens
+    )
     write_json_atomic(staging.dir / "manifest.json", manifest_data)
     publish_dir(staging.dir, out)
     shutil.rmtree(out / _DONE, ignore_errors=True)  # bookkeeping of the staging directory
@@ -470,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
+        "--arrow-cache",
+        action="store_true",
+        help="read local files through datasets' Arrow cache (a second copy of the corpus, "
+        "kept under data.cache_dir) instead of streaming them in record batches",
+    )
+    parser.add_argument(
         "--verify",
         metavar="DIR",
         help="check every shard of a prepared dataset against its checksum",
@@ -500,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             args.workers,
             args.shard_mb,
             progress=not args.no_progress and sys.stderr.isatty(),
+            arrow_cache=args.arrow_cache,
         )
         train = manifest.split("train")
         print(

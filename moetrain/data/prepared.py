@@ -34,8 +34,10 @@ import numpy as np
 from moetrain.data.errors import DataError
 
 FORMAT = "moetrain-prepared"
-FORMAT_VERSION = 1
-"""Version of the format this code writes, and the newest it reads."""
+FORMAT_VERSION = 2
+"""Version of the format this code writes, and the newest it reads. 2: the manifest records
+``literal_special_tokens`` (how special-token text inside documents was encoded); version 1
+encoded it as the special tokens, so the separator id may occur inside its documents."""
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
 SPLITS = ("train", "eval")
@@ -46,6 +48,7 @@ OPEN_SHARDS = 64
 def token_dtype(vocab_size: int) -> str:
     """Smallest unsigned dtype holding every id (uint16 for vocabularies up to 65536)."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
 
 _CHUNK = 1 << 24  # bytes per read while hashing a file
 
@@ -169,11 +172,13 @@ def build_manifest(
     dtype: str,
     splits: dict[str, list[dict[str, Any]]],
     source: dict[str, Any],
+    literal_special_tokens: str = "text",
 ) -> dict[str, Any]:
     """The manifest of a dataset whose shards (per split, in order) are ``splits``."""
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "literal_special_tokens": literal_special_tokens,
         "tokenizer": tokenizer_info,
         "dtype": dtype,
         "source": source,
@@ -219,6 +224,12 @@ class Manifest:
     @property
     def tokenizer(self) -> dict[str, Any]:
         return self.data["tokenizer"]
+
+    @property
+    def literal_special_tokens(self) -> str | None:
+        """How special-token text inside documents was encoded ("text" or "special"); None
+        for format 1, which encoded it as special tokens without saying so."""
+        return self.data.get("literal_special_tokens")
 
     def split(self, name: str) -> dict[str, Any]:
         return self.data["splits"][name]

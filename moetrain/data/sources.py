@@ -151,8 +151,10 @@ class StreamingDocs:
         seed: int | None,
         buffer_size: int = STREAM_SHUFFLE_BUFFER,
         prefetch: int = PREFETCH_DOCS,
+        literal_special_tokens: str = "text",
     ) -> None:
         self.ds = ds
+        self.literal_special_tokens = literal_special_tokens
         self.tokenizer = tokenizer
         self.column = column
         self.seed = seed
@@ -188,7 +190,7 @@ class StreamingDocs:
         dtype = token_dtype(self.tokenizer.vocab_size)
         eos = np.array([self.tokenizer.eos_id], dtype=dtype)
         while batch := list(itertools.islice(texts, _STREAM_ENCODE_BATCH)):
-            for ids in self.tokenizer.encode_batch(batch):
+            for ids in self.tokenizer.encode_batch(batch, self.literal_special_tokens):
                 yield np.concatenate([np.asarray(ids, dtype=dtype), eos])
 
     def docs(self, epoch: int, start: int) -> Iterator[np.ndarray]:
@@ -242,7 +244,9 @@ def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:
         # Eval reads its documents in stored order: the same sequences whatever data.seed
         # is, and a streamed eval needs no shuffle buffer to fill before the first batch.
         seed = cfg.seed if role == "train" else None
-        return StreamingDocs(ds, tokenizer, cfg.text_column, seed)
+        return StreamingDocs(
+            ds, tokenizer, cfg.text_column, seed, literal_special_tokens=cfg.literal_special_tokens
+        )
     path = None
     if cfg.dataset == "default":
         split, _, _ = plan_split(cfg, role, "default")
@@ -256,11 +260,15 @@ def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:
         if not is_prepared(path):
             from moetrain.data.prepare import tokenize_to_cache
 
-            tokenize_to_cache(ds, cfg.text_column, tokenizer, path, role)
+            tokenize_to_cache(
+                ds, cfg.text_column, tokenizer, path, role, cfg.literal_special_tokens
+            )
     manifest = read_manifest(path, "data.dataset", splits=(role,))
     return PreparedSplit(manifest, role)
 
 
 def _token_cache(cfg: DataConfig, data_key: str, split: str, tokenizer: Tokenizer) -> Path:
-    key = short_hash(data_key, split, cfg.text_column, tokenizer.fingerprint)
+    key = short_hash(
+        data_key, split, cfg.text_column, tokenizer.fingerprint, cfg.literal_special_tokens
+    )
     return cache_root(cfg.cache_dir) / "tokens" / key

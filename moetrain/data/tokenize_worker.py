@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
+from moetrain.data.fast_bpe import tiktoken_encoding, tiktoken_ids, tokenizers_ids
 from moetrain.data.prepared import ShardWriter
 
 ENCODE_BATCH = 256
@@ -24,7 +25,19 @@ _worker: ShardTokenizer | None = None
 class ShardTokenizer:
     """Writes shards of token ids from lists of texts with one tokenizer."""
 
-    def __init__(self, tokenizer_json: str, eos_id: int, dtype: str) -> None:
+    def __init__(
+        self,
+        tokenizer_json: str,
+        eos_id: int,
+        dtype: str,
+        literal_special_tokens: str = "text",
+        engine: str = "tokenizers",
+    ) -> None:
+        # data.literal_special_tokens: "text" encodes special-token text inside a document as
+        # ordinary text; only the EOS appended below separates documents.
+        self.literal_special_tokens = literal_special_tokens
+        # engine "tiktoken": proven to give the tokenizer's ids (fast_bpe.choose_engine).
+        self.tiktoken = tiktoken_encoding(tokenizer_json) if engine == "tiktoken" else None
         self.tok = HFTokenizer.from_str(tokenizer_json)
         self.eos = np.array([eos_id], dtype=dtype)
         self.dtype = dtype
@@ -36,20 +49,32 @@ class ShardTokenizer:
         try:
             for i in range(0, len(texts), ENCODE_BATCH):
                 batch = texts[i : i + ENCODE_BATCH]
-                for enc in self.tok.encode_batch(batch, add_special_tokens=False):
-                    writer.add(np.concatenate([np.asarray(enc.ids, dtype=self.dtype), self.eos]))
+                for ids in self._encode(batch):
+                    writer.add(np.concatenate([np.asarray(ids, dtype=self.dtype), self.eos]))
             return writer.close()
         except BaseException:
             writer.abort()
             raise
 
+    def _encode(self, texts: list[str]) -> list[list[int]]:
+        if self.tiktoken is not None:
+            return tiktoken_ids(self.tiktoken, texts, self.literal_special_tokens)
+        return tokenizers_ids(self.tok, texts, self.literal_special_tokens)
 
-def init_worker(tokenizer_json: str, eos_id: int, dtype: str, parallel: bool) -> None:
+
+def init_worker(
+    tokenizer_json: str,
+    eos_id: int,
+    dtype: str,
+    literal_special_tokens: str,
+    engine: str,
+    parallel: bool,
+) -> None:
     """Process-pool initializer: one tokenizer per worker process. ``parallel`` False turns
     off the tokenizer's own threads (the pool already uses the cores)."""
     global _worker
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
-    _worker = ShardTokenizer(tokenizer_json, eos_id, dtype)
+    _worker = ShardTokenizer(tokenizer_json, eos_id, dtype, literal_special_tokens, engine)
 
 
 def write_shard(directory: str, split: str, index: int, texts: list[str]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from moetrain.data._cache import publish
 from moetrain.data.corpus import corpus_dir, corpus_files
 from moetrain.data.dataset import load_local_files
 from moetrain.data.errors import DataError
+from moetrain.data.fast_bpe import tokenizers_ids
 
 EOS_TOKEN = "<|endoftext|>"
 """Special token of the default tokenizer; it separates documents in the packed stream."""
@@ -54,12 +55,18 @@ class Tokenizer:
         self.fingerprint: str = hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:16]
         """Digest of the serialized tokenizer: token caches and prepared datasets carry it."""
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, without BOS/EOS (the packer adds the separators)."""
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+    def encode_batch(
+        self, texts: list[str], literal_special_tokens: str = "text"
+    ) -> list[list[int]]:
+        """Token ids of each text, without BOS/EOS (the packer adds the separators). Text
+        that spells a special token is ordinary text ("text", ``data.literal_special_tokens``)
+        or that token's id ("special")."""
+        return tokenizers_ids(self._tok, texts, literal_special_tokens)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of one text, without BOS/EOS."""
+        """Token ids of one text, without BOS/EOS; text that spells a special token is that
+        token (a prompt may hold one)."""
+        self._tok.encode_special_tokens = False
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def to_str(self) -> str:

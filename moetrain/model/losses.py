@@ -85,21 +85,27 @@ def load_balancing_loss(
     return E * (f_GE * P_GE).sum(-1).mean()
 
 
-def token_mean(x_T: torch.Tensor, w_T: torch.Tensor | None = None) -> torch.Tensor:
-    """Mean of per-token values over the tokens, or with ``token_weights`` (one group,
-    flattened) over the valid ones."""
-    return x_T.mean() if w_T is None else (w_T * x_T).sum()
+def token_mean(x_T: torch.Tensor, w_GT: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of per-token values (T, ...) over the tokens, or with ``token_weights`` (G, T/G)
+    the mean over the token groups of each group's mean over its valid tokens (so that a
+    micro-batch cut into other micro-batches averages back to the same value)."""
+    if w_GT is None:
+        return x_T.mean(0)
+    G = w_GT.shape[0]
+    x_GtX = x_T.reshape(G, -1, *x_T.shape[1:])
+    w = w_GT.reshape(*w_GT.shape, *([1] * (x_T.dim() - 1))).to(x_T.dtype)
+    return (w * x_GtX).sum(1).mean(0)
 
 
-def z_loss(lse_T: torch.Tensor, w_T: torch.Tensor | None = None) -> torch.Tensor:
+def z_loss(lse_T: torch.Tensor, w_GT: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2."""
-    return token_mean(lse_T.float().pow(2), w_T)
+    return token_mean(lse_T.float().pow(2), w_GT)
 
 
-def router_entropy(probs_TE: torch.Tensor, w_T: torch.Tensor | None = None) -> torch.Tensor:
+def router_entropy(probs_TE: torch.Tensor, w_GT: torch.Tensor | None = None) -> torch.Tensor:
     """Mean over tokens of the entropy (nats) of the routing distribution."""
     p = probs_TE.float().clamp_min(1e-20)
-    return token_mean(-(p * p.log()).sum(-1), w_T)
+    return token_mean(-(p * p.log()).sum(-1), w_GT)
 
 
 class DeferredBalanceLoss(torch.autograd.Function):

@@ -41,6 +41,7 @@ from moetrain.model.losses import (
     balance_probs,
     load_balancing_loss,
     router_entropy,
+    token_mean,
     token_weights,
     z_loss,
 )
@@ -375,17 +376,19 @@ class MoELayer(nn.Module):
         count (``_valid``; None: all)."""
         cfg = self.cfg
         probs_TE = balance_probs(r.scores_TE, cfg.score_func)
-        w_T = None if valid_T is None else token_weights(valid_T, 1, valid_all_T).flatten()
+        groups = self.token_groups(batch)
+        # Means over valid tokens are taken per token group and averaged over the groups:
+        # the same value however the groups are cut into micro-batches.
+        w_GT = None if valid_T is None else token_weights(valid_T, groups, valid_all_T)
         values = {
             "aux_loss": (cfg.aux_loss_coef, lambda: load_balancing_loss(
-                probs_TE, r.ids_TK, self.token_groups(batch), ids_all_TK, valid_T,
-                valid_all_T)),
+                probs_TE, r.ids_TK, groups, ids_all_TK, valid_T, valid_all_T)),
             "seq_aux_loss": (cfg.seq_aux_loss_coef, lambda: load_balancing_loss(
                 probs_TE, r.ids_TK, batch, ids_all_TK, valid_T, valid_all_T)),
-            "z_loss": (cfg.z_loss_coef, lambda: z_loss(r.lse_T, w_T)),
-            "entropy": (0.0, lambda: router_entropy(probs_TE, w_T)),
+            "z_loss": (cfg.z_loss_coef, lambda: z_loss(r.lse_T, w_GT)),
+            "entropy": (0.0, lambda: router_entropy(probs_TE, w_GT)),
         }
-        mean_probs_E = probs_TE.mean(0) if w_T is None else (w_T[:, None] * probs_TE).sum(0)
+        mean_probs_E = token_mean(probs_TE, w_GT)
         total = None
         stats = []
         for name in STAT_NAMES:

@@ -11,6 +11,7 @@ Shape legend: B batch, S sequence, D model dim, H heads, Hkv kv heads, Dh head d
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -289,18 +290,40 @@ class Transformer(nn.Module):
         return total
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 * active non-embedding params + causal attention."""
+        """Training FLOPs per token: 6 * active non-embedding params + causal attention over
+        whole sequences of ``seq_len`` (each layer's window applied)."""
+        return self.dense_flops_per_token() + self.attention_flops([seq_len]) / seq_len
+
+    def dense_flops_per_token(self) -> float:
+        """Training FLOPs per token of everything but the attention scores: 6 * active
+        non-embedding parameters."""
         n_active = self.num_params(active=True)
         if self.tok_embeddings is not None:
             n_active -= self.tok_embeddings.weight.numel() if not self.cfg.tie_embeddings else 0
+        return 6 * n_active
+
+    def attention_flops(self, lengths: Any) -> float:
+        """Training FLOPs of the attention scores and their values (forward and backward:
+        12 * width per query-key pair) over sequences of ``lengths`` tokens that attend
+        within themselves (the document pieces of a step under document masking), causally
+        and within each layer's window: n^2 / 2 pairs of a length-n piece, or
+        w^2 / 2 + (n - w) w with a window w < n."""
         c = self.cfg
         if c.attention == "mla":
             assert c.qk_nope_head_dim and c.qk_rope_head_dim and c.v_head_dim
             width = c.n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim) / 2
         else:
             width = c.n_heads * c.attn_head_dim
-        attn = 6 * c.n_layers * width * seq_len  # 12*L*width*S / 2 for causal
-        return 6 * n_active + attn
+        n = torch.as_tensor(lengths, dtype=torch.float64)
+        total = 0.0
+        for layer in range(c.n_layers):
+            w = c.window(layer)
+            if w is None:
+                pairs = n * n / 2
+            else:
+                pairs = torch.where(n <= w, n * n / 2, w * w / 2 + (n - w) * w)
+            total += 12 * width * float(pairs.sum())
+        return total
 
 
 def build_model(

@@ -18,7 +18,8 @@ and values' gradients. Per layer and micro-batch a rank sends (cp - 1)/cp of the
 sequence's K and V forward, and as much back (``analytic_cp_bytes``); it holds the whole
 sequence's K and V (and a 1/cp slice of the score matrix) while its layer runs. torch's
 context-parallel SDPA dispatches to the CUDA flash / efficient kernels and does not run on
-gloo (CPU); this small autograd implementation (the all-gather variant, as Llama 3 trained with) runs everywhere.
+gloo (CPU); this small autograd implementation (the all-gather variant, as Llama 3 trained
+with) runs everywhere.
 
 MoE. Routing is per token, but capacity and the balancing statistics are defined per token
 group of whole sequences: every MoE layer all-gathers its tokens' expert choices (and,

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config import JobConfig
 from moetrain.model import Transformer
+from moetrain.model.masks import document_ids
 from moetrain.model.moe import SCORE_HIST_BINS, STAT_NAMES
 from moetrain.parallel.accounting import params_before_dp
 from moetrain.parallel.context_parallel import sequence_index
@@ -56,6 +57,22 @@ from moetrain.train.tensors import local, process_group, shard_dims
 from moetrain.train.zero1_state import build_zero1_optimizers
 
 _NORM_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+IGNORE_INDEX = -100
+"""Label of a position left out of the loss (``F.cross_entropy``'s default ignore_index):
+padding, and under ``model.document_mask`` each document's separator, whose label is the next
+document's first token."""
+
+
+def counted_labels(batch: Batch, document_mask: bool) -> torch.Tensor:
+    """A micro-batch's labels with the positions left out of the loss set to
+    ``IGNORE_INDEX``: those already so (padding) and, under document masking, every
+    document's separator (``doc_ends``)."""
+    labels = batch["labels"]
+    ends = batch.get("doc_ends")
+    if document_mask and ends is not None:
+        labels = labels.masked_fill(ends.to(labels.device, torch.bool), IGNORE_INDEX)
+    return labels
 
 
 class Engine(RoutingPasses, StateViews, FullStateGather):
@@ -133,6 +150,9 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         )
         self.params_at_rest = params_before_dp(self.parts)
         self._record_inputs: torch.Tensor | None = None  # forward_backward(record=True)
+        # Under document masking: the step's share of its mean over counted labels that a
+        # micro-batch's summed cross-entropy is multiplied by (``_set_loss_scale``).
+        self._loss_scale: float | None = None
         # Accounting hook: called with "forward", "backward" and "step" (memory probes).
         self.probe: Callable[[str], None] | None = None
         # Called once per optimizer step with the engine, after the gradients are reduced
@@ -184,7 +204,10 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         that is not in the data. Doing it here, then dropping gradients and statistics,
         keeps every real step exact whatever the torch version's inference does."""
         dummy = [{"input_ids": torch.zeros(mbs, seq_len, dtype=torch.long)}] * self.n_micro
-        dummy = [{**b, "labels": b["input_ids"]} for b in dummy]
+        dummy = [
+            {**b, "labels": b["input_ids"], "doc_ends": torch.zeros(mbs, seq_len, dtype=torch.bool)}
+            for b in dummy
+        ]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             self._pipeline_step(dummy[: self.breadth], train=True)
             with torch.no_grad():  # the forward-only schedule infers its shapes once too
@@ -206,13 +229,55 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             stack.enter_context(torch.autocast(device_type=self.device.type, dtype=self.dtype))
         return stack
 
-    @staticmethod
-    def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _ce(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss: the mean cross-entropy over its counted labels, or, under
+        document masking, their sum times ``_loss_scale`` (its share of the step's mean over
+        every counted label: micro-batches and cp shards count different numbers)."""
         with torch.autocast(device_type=labels.device.type, enabled=False):
-            return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            logits, labels = logits.float().flatten(0, 1), labels.flatten()
+            if self._loss_scale is None:
+                return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+            ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+            return ce * self._loss_scale
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._ce(logits, labels) / self.n_micro
+
+    def _batch_inputs(
+        self, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """(this rank's input tokens, its labels, the model's keyword inputs) of a
+        micro-batch, on the device. Keyword inputs cover the whole sequences (every cp rank
+        needs the keys' documents): ``documents`` under document masking, and ``valid``
+        (the labels that count) when some do not."""
+        document_mask = self.cfg.model.document_mask
+        labels = counted_labels(batch, document_mask)
+        kwargs: dict[str, torch.Tensor] = {}
+        ends = batch.get("doc_ends")
+        if document_mask and ends is not None:
+            kwargs["documents"] = document_ids(ends).to(self.device, non_blocking=True)
+        valid = labels != IGNORE_INDEX
+        if document_mask or not bool(valid.all()):
+            kwargs["valid"] = valid.to(self.device, non_blocking=True)
+        inputs = self._local_tokens(batch["input_ids"]).to(self.device, non_blocking=True)
+        return inputs, self._local_tokens(labels).to(self.device, non_blocking=True), kwargs
+
+    def _set_loss_scale(self, micro_batches: list[Batch]) -> None:
+        """Under document masking, each micro-batch's summed cross-entropy times
+        ``len(micro_batches) * dp_cp / V`` (V: the counted labels of the whole step, over
+        every data-parallel rank; collective) makes the step's loss and gradient the mean
+        over its counted labels, whatever the layout: the usual averaging over
+        micro-batches and dp x cp ranks then sums the shares. Otherwise None: a micro-batch's
+        loss is the mean over its counted labels (all of them unless the batch pads)."""
+        if not self.cfg.model.document_mask:
+            self._loss_scale = None
+            return
+        count = sum(int((counted_labels(b, True) != IGNORE_INDEX).sum()) for b in micro_batches)
+        total = torch.tensor(float(count), dtype=torch.float64, device=self.device)
+        if self.seq_group is not None:  # whole sequences: cp ranks counted the same ones
+            dist.all_reduce(total, group=self.seq_group)
+        n = float(total)
+        self._loss_scale = len(micro_batches) * self.dims.dp_cp / n if n else 0.0
 
     # ------------------------------------------------------------------ steps
 
@@ -253,6 +318,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
                     (gbs, seq, K), -1, dtype=torch.int64, device=self.device
                 )
         self._record_inputs = torch.cat([b["input_ids"] for b in micro_batches]) if record else None
+        self._set_loss_scale(micro_batches)
         n, breadth = len(micro_batches), self.breadth
         # Decided from the whole model, not this rank's layers: under a pipeline every stage
         # runs the counting pass, including stages without an MoE layer (it is a schedule run).
@@ -271,10 +337,9 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             model = self.parts[0]
             pending = []  # breadth-first: every forward of the pass, then one backward
             for batch in group:
-                inputs = self._local_tokens(batch["input_ids"]).to(self.device, non_blocking=True)
-                labels = self._local_tokens(batch["labels"]).to(self.device, non_blocking=True)
+                inputs, labels, kwargs = self._batch_inputs(batch)
                 with self._loss_ctx():
-                    loss = self._ce(self._forward(model, inputs, labels), labels)
+                    loss = self._ce(self._forward(model, inputs, labels, kwargs), labels)
                     if self.probe is not None:
                         self.probe("forward")
                     if breadth == 1:
@@ -295,11 +360,18 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             self.probe("backward")
         return self._mean_over_dp(total)
 
-    def _forward(self, model: Any, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The model's logits; with multi-token prediction its modules see the labels."""
+    def _forward(
+        self,
+        model: Any,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        kwargs: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        """The model's logits (``kwargs``: its keyword inputs, ``_batch_inputs``); with
+        multi-token prediction its modules see the labels."""
         if self.cfg.model.mtp_depth:
-            return model(inputs, labels=labels)
-        return model(inputs)
+            return model(inputs, labels=labels, **kwargs)
+        return model(inputs, **kwargs)
 
     def pop_mtp_loss(self) -> float:
         """The step's multi-token-prediction loss (lambda / D * sum_k L^k, mean over its
@@ -328,12 +400,19 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
     def _pipeline_step(self, micro_batches: list[Batch], train: bool) -> torch.Tensor:
         """One run of the schedule over ``breadth`` micro-batches; the sum of their losses,
         each divided by the step's micro-batch count."""
-        inputs = torch.cat([self._local_tokens(b["input_ids"]) for b in micro_batches])
-        labels = torch.cat([self._local_tokens(b["labels"]) for b in micro_batches])
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        parts = [self._batch_inputs(b) for b in micro_batches]
+        inputs = torch.cat([p[0] for p in parts])
+        labels = torch.cat([p[1] for p in parts])
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.first_stage else ()
-        kwargs: dict[str, Any] = {}
+        # The model's keyword inputs reach every stage (the schedule splits them by
+        # micro-batch like the inputs); a micro-batch whose labels all count has no
+        # ``valid`` of its own when another one has.
+        keys = {k for p in parts for k in p[2]}
+        for p, b in zip(parts, micro_batches, strict=True):
+            if "valid" in keys and "valid" not in p[2]:  # whole sequences, like the others
+                p[2]["valid"] = torch.ones(b["labels"].shape, dtype=torch.bool, device=self.device)
+        kwargs: dict[str, Any] = {k: torch.cat([p[2][k] for p in parts]) for k in sorted(keys)}
         if self.last_stage:
             kwargs.update(target=labels, losses=losses)
         with self._loss_ctx():
@@ -380,6 +459,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             self.train(True)
 
     def _eval_loss(self, micro_batches: list[Batch]) -> float:
+        self._set_loss_scale(micro_batches)
         if self.schedule is not None:
             total = torch.zeros((), device=self.device)
             n = self.breadth
@@ -390,10 +470,9 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         else:
             losses = []
             for batch in micro_batches:
-                inputs = self._local_tokens(batch["input_ids"]).to(self.device)
-                labels = self._local_tokens(batch["labels"]).to(self.device)
+                inputs, labels, kwargs = self._batch_inputs(batch)
                 with self._loss_ctx():
-                    losses.append(local(self._ce(self.parts[0](inputs), labels)))
+                    losses.append(local(self._ce(self.parts[0](inputs, **kwargs), labels)))
             total = torch.stack(losses).float().mean()
         return self._mean_over_dp(total)
 

@@ -292,6 +292,14 @@ class MetricsWriter:
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, step)
 
+    def document_lengths(self, lengths: Any, step: int) -> None:
+        """Histogram ``data/document_lengths``: the tokens of each document piece trained on
+        since the last one (a document cut by a sequence boundary counts once per
+        sequence): what the attention of document masking spans."""
+        if self.writer is None:
+            return
+        self.writer.add_histogram("data/document_lengths", np.asarray(lengths), step)
+
     def moe_layers(self, per_layer: dict[int, dict[str, torch.Tensor]], step: int) -> None:
         """One training step's per-layer ``pop_stats`` sums: scalars, monitor, dashboard."""
         summaries = {}

@@ -10,7 +10,7 @@ keys and replayed ids) runs first. Either way every layout uses the same counts 
 process on the whole global batch.
 
 ``RoutingPasses`` is a mixin of ``moetrain.train.engine.Engine``: it reads the engine's parts,
-MoE layers, groups and step helpers (``_pipeline_step``, ``_loss_ctx``, ``_local_tokens``,
+MoE layers, groups and step helpers (``_pipeline_step``, ``_loss_ctx``, ``_batch_inputs``,
 ``_set_jitter_keys``, ``_merge_stages``).
 """
 
@@ -53,10 +53,9 @@ class RoutingPasses:
                     self._pipeline_step(group, train=False)
                     continue
                 for batch in group:
-                    inputs = self._local_tokens(batch["input_ids"]).to(self.device)
-                    labels = self._local_tokens(batch["labels"]).to(self.device)
+                    inputs, labels, kwargs = self._batch_inputs(batch)
                     with self._loss_ctx():
-                        self._forward(self.parts[0], inputs, labels)
+                        self._forward(self.parts[0], inputs, labels, kwargs)
         finally:
             for i, layer in self.moe.items():
                 layer.counting = False

@@ -32,6 +32,7 @@ from moetrain.data import (
     unigram_entropy,
 )
 from moetrain.model import Transformer, build_model
+from moetrain.model.masks import document_lengths
 from moetrain.parallel.dims import ParallelDims
 from moetrain.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from moetrain.train.engine import Engine
@@ -162,6 +163,9 @@ class StepResult:
     moe: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     mtp_loss: float = float("nan")
     """The multi-token-prediction loss (lambda / D * sum_k L^k); nan without it."""
+    flops_per_token: float = float("nan")
+    """Model FLOPs per token of the step (this rank's sequences): under document masking the
+    attention's share is counted from the documents' actual lengths."""
 
 
 def world_size() -> int:
@@ -194,6 +198,11 @@ class Trainer:
         tcfg = cfg.train
         self.device = pick_device(tcfg.device)
         self.dtype = pick_dtype(tcfg.dtype, self.device)
+        if cfg.model.attention_backend == "flex" and self.device.type == "cpu":
+            raise ConfigError(
+                "model.attention_backend: flex trains on CUDA only (FlexAttention has no "
+                "backward on CPU); use sdpa, which gives the same numbers (docs/attention.md)"
+            )
         self.out_dir = Path(tcfg.output_dir)
         # Starting from another framework's checkpoint: its architecture replaces the YAML's
         # first (the start factory edits cfg).
@@ -203,14 +212,7 @@ class Trainer:
         dims = ParallelDims.from_config(cfg.parallel, world_size())
 
         # Data first: a missing dataset or tokenizer must fail before any real work.
-        check_data(cfg.data)
-        if cfg.model.document_mask:
-            # The model side of document masking is here; batches do not carry document
-            # boundaries yet, so the option would silently change nothing.
-            raise ConfigError(
-                "model.document_mask: the data path does not carry document boundaries yet "
-                "in this version; train without it"
-            )
+        check_data(cfg.data, cfg.model.document_mask)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir)
         vocab = cfg.model.vocab_size or self.tokenizer.vocab_size
         if vocab < self.tokenizer.vocab_size:
@@ -248,6 +250,10 @@ class Trainer:
         self.moe_layer_ids = sorted(model.moe_layers())
         self.n_moe_layers = len(self.moe_layer_ids)
         self.flops_per_token = model.flops_per_token(cfg.data.seq_len)
+        # Under document masking the attention's FLOPs follow the documents of each step.
+        self._dense_flops = model.dense_flops_per_token()
+        self._attention_flops = model.attention_flops
+        self._doc_lengths: list[np.ndarray] = []  # pieces trained on since the last histogram
         self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype)
         del model
         if start is not None:  # every rank reads only the slices it holds
@@ -373,9 +379,23 @@ class Trainer:
             self.engine.update_expert_bias(moe)
         self.step += 1
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
+        flops = self._step_flops_per_token(micro_batches)
         synchronize(self.device)
-        return StepResult(loss, grad_norm, lr, tokens, time.perf_counter() - start, moe,
-                          mtp_loss)  # fmt: skip
+        seconds = time.perf_counter() - start
+        return StepResult(loss, grad_norm, lr, tokens, seconds, moe, mtp_loss, flops)
+
+    def _step_flops_per_token(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
+        """Model FLOPs per token of this rank's sequences; records their document pieces
+        for the document-length histogram. Under document masking each piece attends within
+        itself, so the attention costs the sum of its pieces' squares, not the sequences'."""
+        if "doc_ends" not in micro_batches[0]:
+            return self.flops_per_token
+        lengths = document_lengths(torch.cat([b["doc_ends"] for b in micro_batches]))
+        if self.cfg.log.histogram_every:
+            self._doc_lengths.append(lengths.numpy())
+        if not self.cfg.model.document_mask:
+            return self.flops_per_token
+        return self._dense_flops + self._attention_flops(lengths) / float(lengths.sum())
 
     def _replay(self, micro_batches: list[dict[str, torch.Tensor]]) -> dict[int, torch.Tensor]:
         """The routing ``train.routing_replay`` gives the next step, checked against the step's
@@ -560,7 +580,7 @@ class Trainer:
             res = self._measured_step() if self.step + 1 == measure_at else self.train_step()
             window.append(res)
             tok_s = res.tokens / res.seconds
-            mfu = tok_s * self.flops_per_token / self.peak_flops
+            mfu = tok_s * res.flops_per_token / self.peak_flops
             if NonFiniteGuard.is_bad(res.loss, res.grad_norm):
                 try:
                     self.nonfinite.on_bad_step(self.step, res.loss, res.grad_norm)
@@ -581,6 +601,10 @@ class Trainer:
                 scalars["train/mtp_loss"] = res.mtp_loss
             self.writer.scalars(scalars, self.step)
             self.writer.moe_layers(res.moe, self.step)
+            every = cfg.log.histogram_every
+            if every and self.step % every == 0 and self._doc_lengths:
+                self.writer.document_lengths(np.concatenate(self._doc_lengths), self.step)
+                self._doc_lengths = []
             if self.is_main:
                 self.collapse.update(self.step, res.moe)
             if bar is not None:
@@ -618,7 +642,9 @@ class Trainer:
             "lr": window[-1].lr,
             "grad_norm": window[-1].grad_norm,
             "tokens_per_s": tok_s,
-            "mfu": tok_s * self.flops_per_token / self.peak_flops,
+            "mfu": sum(r.tokens * r.flops_per_token for r in window)
+            / max(seconds, 1e-9)
+            / self.peak_flops,
         }
         merged: dict[int, dict[str, torch.Tensor]] = {}
         for r in window:

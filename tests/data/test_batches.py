@@ -53,8 +53,9 @@ def test_batches_are_shifted_packed_sequences_of_the_stream(data_cfg, tokenizer)
     mbs = batches.next_step()
     assert len(mbs) == batches.micro_batches_per_step == 4
     for b in mbs:
-        assert set(b) == {"input_ids", "labels"}
+        assert set(b) == {"input_ids", "labels", "doc_ends"}
         assert b["input_ids"].dtype == b["labels"].dtype == torch.long
+        assert b["doc_ends"].dtype == torch.bool and b["doc_ends"].shape == (2, SEQ)
         assert b["input_ids"].shape == b["labels"].shape == (2, SEQ)
         assert torch.equal(b["input_ids"][:, 1:], b["labels"][:, :-1])  # labels shifted by one
     batches.reset()

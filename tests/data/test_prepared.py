@@ -96,7 +96,8 @@ def default_prepared(tmp_path_factory, cache_dir) -> str:
 
 def test_prepare_writes_shards_index_and_manifest(local, tokenizer):
     m = read_manifest(local["prepared"])
-    assert m.data["format_version"] == 1 and m.data["dtype"] == "uint16"
+    assert m.data["format_version"] == 2 and m.data["dtype"] == "uint16"
+    assert m.literal_special_tokens == "text"
     assert m.tokenizer["fingerprint"] == tokenizer.fingerprint
     assert m.tokenizer["eos_id"] == tokenizer.eos_id
     train = m.split("train")
@@ -368,7 +369,7 @@ def _newer(root: Path) -> str:
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["format_version"] = 99
     (root / "manifest.json").write_text(json.dumps(manifest))
-    return f"'{root / 'manifest.json'}' is format version 99; this moetrain reads versions up to 1"
+    return f"'{root / 'manifest.json'}' is format version 99; this moetrain reads versions up to 2"
 
 
 def _garbled(root: Path) -> str:

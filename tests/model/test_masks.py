@@ -179,3 +179,16 @@ def test_window_and_layers_are_validated() -> None:
         _cfgs(sliding_window_layers=[0])[0].validate()
     with pytest.raises(ValueError, match="model.sliding_window: must be >= 1"):
         _cfgs(sliding_window=0)[0].validate()
+
+
+def test_attention_flops_follow_the_pieces_and_the_window() -> None:
+    """12 x width FLOPs per (query, key) pair: n^2 / 2 pairs for a piece of n tokens, or
+    w^2 / 2 + (n - w) w with a window w < n; the plain per-token figure is one whole piece."""
+    model = build_model(*_cfgs(sliding_window=4, sliding_window_layers=[1]), seed=0)
+    width = 4 * (16 // 4)  # heads x head dim
+    pieces = [10, 3, 3]
+    full = sum(n * n / 2 for n in pieces)
+    windowed = sum(n * n / 2 if n <= 4 else 8 + (n - 4) * 4 for n in pieces)
+    assert model.attention_flops(pieces) == 12 * width * (full + windowed)
+    dense = model.dense_flops_per_token()
+    assert model.flops_per_token(16) == dense + model.attention_flops([16]) / 16

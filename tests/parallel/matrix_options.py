@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from short_docs import short_docs_dataset
+
 STEPS = 2  # tests/parallel/matrix_design.py: the optimizer steps of every cell
 
 
@@ -54,6 +56,7 @@ def replay_dir() -> str:
 
 
 REPLAY = replay_dir()
+SHORT_DOCS = short_docs_dataset()  # sequences of 16 tokens that pack several documents
 
 # name -> [(value label, overrides)]; the first value of each factor is the baseline (the
 # micro MoE of tests/multirank.py). Factors are kept to two or three values each -- a
@@ -95,6 +98,12 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
                                         "model.sliding_window_layers=null"]),
                        ("sliding window 5 on layers 0 and 2 (gpt-oss)",
                         ["model.sliding_window=5", "model.sliding_window_layers=[0,2]"])],
+    "documents": [("one causal stream", ["model.document_mask=false",
+                                         "model.document_positions=false"]),
+                  # positions running on: tests/train/test_documents.py, tests/model/
+                  ("document mask, positions restart per document",
+                   ["model.document_mask=true", "model.document_positions=true",
+                    f"data.dataset={SHORT_DOCS}"])],
     # MoE layers
     "moe_every": [("every layer", ["moe.every_n_layers=1"]),
                   ("every 2nd layer", ["moe.every_n_layers=2"])],
@@ -155,6 +164,14 @@ FORBIDDEN: list[tuple[dict[str, str], str]] = [
     (
         {"shared_expert_gate": "sigmoid-gated shared (Qwen2-MoE)", "shared_experts": "no shared"},
         "moe.shared_expert_gate needs moe.num_shared_experts > 0",
+    ),
+    (
+        {
+            "documents": "document mask, positions restart per document",
+            "routing_replay": "replayed routing (train.routing_replay)",
+        },
+        "the replay files record the embedded corpus's batches; the document rows train on "
+        "short documents (train.routing_replay checks the input ids)",
     ),
 ]
 """(factor -> value label, reason): value combinations that validation refuses and that the
