@@ -146,7 +146,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "data.dataset": ("the documents of the file, decoded back", "tests/data/test_loading.py::test_packed_local_text_decodes_to_the_documents"),
     "data.dataset_config": ("datasets.load_dataset's own configuration name, handed to it", "tests/data/test_loading.py::test_a_hub_dataset_config_is_handed_to_load_dataset"),
     "data.format": ("text, json and parquet give the same documents", "formats"),
-    "data.literal_special_tokens": ("decoding: text spelling <|endoftext|> decodes back to itself and holds no end-of-text id unless 'special' is asked", "tests/data/test_documents.py::test_literal_special_tokens_are_text_unless_asked"),
+    "data.literal_special_tokens": ("decoding: text spelling <|endoftext|> decodes back to itself and holds no end-of-text id unless 'special' is asked", "tests/data/test_document_boundaries.py::test_literal_special_tokens_are_text_unless_asked"),
     "data.split": ("the files of the split, by hand", "folders"),
     "data.eval_split": ("the held-out files, by hand", "folders"),
     "data.eval_fraction": ("held out per domain, counted", "heldout"),

@@ -100,7 +100,7 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
                         ["model.sliding_window=5", "model.sliding_window_layers=[0,2]"])],
     "documents": [("one causal stream", ["model.document_mask=false",
                                          "model.document_positions=false"]),
-                  # positions running on: tests/train/test_documents.py, tests/model/
+                  # positions running on: tests/train/test_document_loss.py, tests/model/
                   ("document mask, positions restart per document",
                    ["model.document_mask=true", "model.document_positions=true",
                     f"data.dataset={SHORT_DOCS}"])],
