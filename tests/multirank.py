@@ -68,7 +68,7 @@ def _entry(
     world_size: int,
     rendezvous: str,
     fn: Callable[..., Any],
-    args: tuple[Any, ...],
+    args_bytes: bytes,
     results: Any,
     init_pg: bool,
 ) -> None:
@@ -91,6 +91,7 @@ def _entry(
                 world_size=world_size,
                 timeout=timedelta(seconds=PG_TIMEOUT_S),
             )
+        args = torch.load(io.BytesIO(args_bytes), weights_only=False)
         out = fn(rank, world_size, *args)
         # Bytes, not tensors: torch's queue pickler would pass tensors as shared-memory
         # handles that die with this process.
@@ -123,12 +124,19 @@ def run_ranks(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    # Bytes, not tensors, in both directions: torch's pickler would move every argument
+    # tensor's storage into shared memory held by a file descriptor in this process for as
+    # long as the tensor lives (the cached references live for the whole session: hundreds
+    # of descriptors per test, until open() fails with EMFILE).
+    buf = io.BytesIO()
+    torch.save(args, buf)
+    args_bytes = buf.getvalue()
     with tempfile.TemporaryDirectory(prefix="moetrain-mr-") as tmp:
         rendezvous = str(Path(tmp) / "rendezvous")
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(rank, world_size, rendezvous, fn, args, results, init_pg),
+                args=(rank, world_size, rendezvous, fn, args_bytes, results, init_pg),
                 daemon=True,
             )
             for rank in range(world_size)

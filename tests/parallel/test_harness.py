@@ -3,6 +3,8 @@ with its traceback and kills the other ranks instead of hanging them."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,6 +29,28 @@ def test_results_in_rank_order_and_failures_reported() -> None:
     assert run_ranks(_sum_ranks, 3, 2, timeout=60) == [6.0, 6.0, 6.0]
     with pytest.raises(RankFailure, match="(?s)rank 1 failed.*ValueError: rank one broke"):
         run_ranks(_rank1_fails, 2, timeout=60)
+
+
+def _sum_tensors(rank: int, world_size: int, tensors: dict[str, torch.Tensor]) -> float:
+    return float(sum(t.sum() for t in tensors.values()))
+
+
+def _open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts /proc/self/fd (Linux)")
+def test_tensor_arguments_leave_no_descriptor_behind() -> None:
+    """Arguments travel as bytes: tensors handed to the ranks (the cached single-process
+    references) are not moved into shared memory that this process holds open with a file
+    descriptor per storage for the rest of the session (the suite ran out of descriptors)."""
+    tensors = {f"t{i}": torch.full((4,), float(i)) for i in range(64)}
+    before = _open_descriptors()
+    assert run_ranks(_sum_tensors, 2, tensors, timeout=60) == [8064.0, 8064.0]
+    assert _open_descriptors() - before < 8  # 64 storages would hold 64
+    assert not any(t.is_shared() for t in tensors.values())
 
 
 def _report(param: torch.Tensor, grads: list[torch.Tensor], lrs: list[float]) -> dict:
