@@ -89,10 +89,10 @@ def _record_stage_inputs(rank: int, world_size: int) -> dict | None:
     seen: list[torch.Tensor] = []
     forward = transformer.TransformerBlock.forward
 
-    def recording(self, x, *args):
+    def recording(self, x, *args, **kwargs):
         if self.layer_id == 2:  # the first block of stage 1 (4 layers over 2 stages)
             seen.append(x.detach().clone())
-        return forward(self, x, *args)
+        return forward(self, x, *args, **kwargs)
 
     transformer.TransformerBlock.forward = recording
     with tempfile.TemporaryDirectory() as out:
