@@ -11,7 +11,9 @@ peer, all in one run. Reported: milliseconds per forward and per forward + backw
 median of ``--repeats``, after a warm-up that includes the compile), the ratios to causal
 SDPA, and the largest difference of the outputs from SDPA's. FlexAttention has no backward on
 CPU: its forward + backward is left empty there. Rows are appended to ``docs/attention_bench.csv``
-(machine, commit, shapes, figures); ``docs/attention.md`` quotes them.
+(machine, commit, shapes, figures); ``docs/attention.md`` quotes them. With ``--csv PATH`` the
+same figures go to PATH in the benchmarks' common schema instead (the GPU suite's part
+``attention``), each backend's ``ratio_peer`` against causal SDPA.
 """
 
 from __future__ import annotations
@@ -60,8 +62,7 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def run(args: argparse.Namespace) -> list[dict[str, object]]:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def run(args: argparse.Namespace, device: torch.device) -> list[dict[str, object]]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     gen = torch.Generator().manual_seed(0)
     rows = []
@@ -113,8 +114,38 @@ def run(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def suite_rows(rows: list[dict[str, object]], device: torch.device) -> bc.Results:
+    """The same figures in the benchmarks' common schema (``bench_common.CSV_FIELDS``), for
+    the GPU suite's results file: one row per backend and pass, ``ratio_peer`` against
+    causal SDPA measured in the same run."""
+    results = bc.Results("attention", device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    for r in rows:
+        case = f"S{r['seq']} docs{r['docs']} B{r['batch']} H{r['heads']} D{r['head_dim']}"
+        impl = "causal_sdpa" if str(r["backend"]).startswith("causal") else str(r["backend"])
+        for op, ms in (("fwd", r["ms_fwd"]), ("fwd_bwd", r["ms_fwd_bwd"])):
+            if ms == "":
+                continue
+            diff = r["max_abs_diff"]
+            results.add(case=case, routing="documents", dtype=dtype, op=op, impl=impl,
+                        ms=float(ms), value=None if diff == "" else float(diff),
+                        unit="" if diff == "" else "max_abs_diff vs sdpa")  # fmt: skip
+    for r in results.rows:
+        if r["impl"] != "causal_sdpa":
+            results.ratio(r["case"], r["routing"], r["op"], r["impl"], "causal_sdpa", record=True)
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser.add_argument("--quick", action="store_true", help="small shapes, 1 repeat (smoke)")
+    parser.add_argument(
+        "--csv",
+        default=None,
+        help="write the rows in the benchmarks' common schema to this file (the GPU suite's "
+        "results) instead of docs/attention_bench.csv",
+    )
     parser.add_argument("--seq", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--docs", type=int, default=8, help="documents per sequence")
     parser.add_argument("--batch", type=int, default=2)
@@ -123,8 +154,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    rows = run(args)
-    if not args.no_write:
+    if args.quick:
+        args.seq, args.repeats, args.batch, args.heads = [64], 1, 1, 2
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but CUDA is not available")
+    device = torch.device(args.device)
+    rows = run(args, device)
+    if args.csv:
+        suite_rows(rows, device).write(args.csv, append=True)
+    elif not args.no_write:
         bc.append_rows(str(CSV), rows, FIELDS)
         print(f"appended {len(rows)} rows to {CSV}")
     return 0

@@ -50,9 +50,9 @@ from moetrain.ablation.report import (
     draw_bars,
     draw_differences,
 )
+from moetrain.ablation.stats import Interval
 from moetrain.config import load_config
 from moetrain.data import load_tokenizer
-from moetrain.ablation.stats import Interval
 from moetrain.train.metrics import moe_layer_ids, read_scalars, run_summary
 from moetrain.train.specialization import (
     load_eval_routing,

@@ -95,6 +95,14 @@ def _bench(script, gpu_args):
     return commands
 
 
+def _attention(args, csv_path, log_dir, budget):
+    """Document-masked attention (SDPA with a mask, FlexAttention) against causal SDPA."""
+    dev = ["--device", "cpu", "--quick"] if args.dry else [
+        "--device", "cuda", "--seq", "2048", "8192", "--docs", "8", "--batch", "2",
+        "--heads", "16", "--head-dim", "128", "--repeats", "10"]  # fmt: skip
+    return [_tool("bench_attention.py") + dev + ["--csv", csv_path]]
+
+
 PARTS = {
     p.name: p
     for p in [
@@ -104,6 +112,7 @@ PARTS = {
         Part("router", 45, _bench("bench_router.py", ["--reps", "10"])),
         Part("permute", 45, _bench("bench_permute.py", ["--tokens", "16384", "--reps", "10"])),
         Part("layer", 100, _bench("bench_moe_layer.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("attention", 90, _attention),
         Part("e2e", 330, _bench("bench_e2e.py", [])),
     ]
 }

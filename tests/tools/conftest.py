@@ -33,6 +33,7 @@ def load_tool(name: str):
         sys.path.insert(0, str(TOOLS))
     spec = importlib.util.spec_from_file_location(f"tools_{name}", TOOLS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being defined
     spec.loader.exec_module(module)
     return module
 

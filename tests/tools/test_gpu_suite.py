@@ -91,7 +91,8 @@ def test_dry_run_one_part_and_merge(tmp_path):
 @pytest.mark.timeout(900)
 def test_dry_run_every_part(tmp_path):
     out = tmp_path / "out"
-    parts = ["tests", "tiny", "gemm", "router", "permute", "layer", "e2e"]
+    parts = list(load_tool("gpu_suite").PARTS)  # a new part joins the dry run by itself
+    assert {"tests", "tiny", "gemm", "router", "permute", "layer", "attention", "e2e"} <= set(parts)
     proc = _dry_run(out, ",".join(parts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _check_outputs(out, parts)
@@ -99,7 +100,9 @@ def test_dry_run_every_part(tmp_path):
     assert passed and int(passed[0]["value"]) > 0
     benches = {r["benchmark"] for r in rows}
     assert {"correctness", "kernel_paths", "grouped_gemm", "router", "permute", "moe_layer",
-            "e2e", "suite"} <= benches  # fmt: skip
+            "attention", "e2e", "suite"} <= benches  # fmt: skip
+    masked = [r for r in rows if r["benchmark"] == "attention" and r["impl"] != "causal_sdpa"]
+    assert masked and all(r["peer"] == "causal_sdpa" and float(r["value"]) < 1e-5 for r in masked)
     paths = [r for r in rows if r["benchmark"] == "kernel_paths" and r["op"].endswith("diff")]
     assert paths and all(r["status"] == "pass" for r in paths)
     gemm = [r for r in rows if r["benchmark"] == "grouped_gemm" and r["impl"] == "triton"
