@@ -83,6 +83,10 @@ SUITE_PARTS = [
     ("permute", "`tools/bench_permute.py --tokens 16384`", 45),
     ("layer", "`tools/bench_moe_layer.py --tokens 16384`: layer / GEMMs, router, dispatch, "
      "experts, rest, host syncs", 100),
+    ("attention", "`tools/bench_attention.py`: document-masked attention (8 documents a "
+     "sequence) with SDPA and an explicit mask and with FlexAttention (compiled), forward and "
+     "forward + backward, each against causal SDPA measured beside it; S = 2,048 and 8,192, 16 "
+     "heads of 128, bf16", 90),
     ("e2e", "`tools/bench_e2e.py`: configs/gpu_1b.yaml (1.8B total, 0.55B active), "
      "triton/torch x eager/compile, 50 steps each, profiler tables under 45% MFU", 330),
     ("peer", "builds MegaBlocks' `grouped_gemm` from its carried sdist in the background "
