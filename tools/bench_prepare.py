@@ -517,6 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--work", default=str(Path(tempfile.gettempdir()) / "moetrain-bench-prepare")
     )
+    parser.add_argument(
+        "--csv", default=str(CSV), help="results file (docs/data.md is rewritten from the default)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument(
         "--render", action="store_true", help="only rewrite docs/data.md's block from the CSV"
@@ -593,9 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         })  # fmt: skip
     print(render([{k: str(v) for k, v in row.items()} for row in rows]))
     if not args.no_write:
-        append_rows(CSV, rows)
-        write_page()
-        print(f"appended {len(rows)} rows to {CSV} and rewrote the results in {PAGE}")
+        append_rows(Path(args.csv), rows)
+        print(f"appended {len(rows)} rows to {args.csv}")
+        if Path(args.csv).resolve() == CSV.resolve():
+            write_page()
+            print(f"rewrote the results in {PAGE}")
     return 0
 
 
