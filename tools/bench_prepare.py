@@ -26,16 +26,15 @@ its own process, appending the end-of-document token to every document:
 
 Reported per peer: wall seconds and CPU seconds (user + system of the process and its
 children) when its preparation is done (reading the ids back to compare them is not counted);
-peak memory, sampled from /proc every quarter second until then: the largest peak resident
-set among its processes (VmHWM; ``peak_rss_mb``) and the largest sum of their proportional
-set sizes (shared pages counted once; ``peak_pss_mb``; older rows have ``worker_rss_mb``
-instead, from ``getrusage``, which a child started by fork and exec inherits from its
-parent and so says little); tokens, tokens per
-CPU-second and ``prepare-data``'s ratio to each peer; whether the ids are identical to the bare
-tokenizer's (every non-empty document's ids without the end-of-document token, compared as
-a multiset of per-document digests: the prepared dataset holds out its eval documents in its
-own order). Literal special tokens: the count of documents that spell one and the false
-boundaries the special-id encoding would make are reported.
+peak memory, sampled from /proc every quarter second until then: the largest peak resident set
+among its processes (VmHWM; ``peak_rss_mb``) and the largest sum of their proportional set
+sizes (shared pages counted once; ``peak_pss_mb``). Older rows have ``worker_rss_mb`` instead,
+from ``getrusage``, which says little: a child started by fork and exec inherits its parent's
+peak. Then tokens, tokens per CPU-second and ``prepare-data``'s ratio to each peer, and whether
+the ids are identical to the bare tokenizer's (every non-empty document's ids without the
+end-of-document token, compared as a multiset of per-document digests: the prepared dataset
+holds out its eval documents in its own order). Literal special tokens: the count of documents
+that spell one and the false boundaries the special-id encoding would make are reported.
 ``--scales`` repeats prepare-data on the corpus repeated k times (memory must stay flat; its
 ids must be the reference's, k times each).
 
@@ -371,6 +370,15 @@ def megatron_commit(path: Path) -> str:
         return "a checkout without git"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else the machine type."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def git_commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
@@ -382,18 +390,18 @@ def git_commit() -> str:
 
 def append_rows(path: Path, rows: list[dict[str, object]]) -> None:
     """Append rows of FIELDS, rewriting a file of an older schema into this one first."""
-    old: list[dict[str, object]] = []
+    before: list[dict[str, object]] | None = None  # rows to rewrite in this schema
     if path.is_file() and path.stat().st_size:
         with open(path, newline="") as f:
             reader = csv.DictReader(f)
             if reader.fieldnames != FIELDS:
-                old = list(reader)
-    new = not path.is_file() or not path.stat().st_size or bool(old)
-    with open(path, "w" if new else "a", newline="") as f:
+                before = list(reader)
+    fresh = before is not None or not path.is_file() or not path.stat().st_size
+    with open(path, "w" if fresh else "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
-        if new:
+        if fresh:
             writer.writeheader()
-        writer.writerows({k: r.get(k, "") for k in FIELDS} for r in [*old, *rows])
+        writer.writerows({k: r.get(k, "") for k in FIELDS} for r in [*(before or []), *rows])
 
 
 # ----------------------------------------------------------------------------- the page
@@ -579,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"M tok/CPU-s  peak {r['peak_rss_mb']:6.0f} MB (all {r['peak_pss_mb']:.0f})"
                   f" {r.get('engine', '')}", flush=True)  # fmt: skip
     reference = collections.Counter(results[BARE]["digests"])
-    machine = (f"{platform.machine()} {os.cpu_count()} cores, load {load_start:.1f} to "
+    machine = (f"{cpu_model()}, {os.cpu_count()} cores, load {load_start:.1f} to "
                f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     rows = []
     for label, r in results.items():

@@ -87,6 +87,24 @@ def test_megatron_indexed_dataset_is_read_as_written(tmp_path):
         bench.read_megatron(str(tmp_path / "bad"))
 
 
+def test_rows_of_an_older_schema_are_kept_in_the_new_one(tmp_path):
+    path = tmp_path / "bench.csv"
+    path.write_text("machine,peer,cpu_s,worker_rss_mb\nold box,datasets.map,17.6,384\n")
+    bench.append_rows(path, [{"run": "r1", "peer": "prepare-data", "cpu_s": 8.2}])
+    bench.append_rows(path, [{"run": "r2", "peer": "prepare-data", "cpu_s": 7.9}])
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == bench.FIELDS
+        rows = list(reader)
+    assert [(r["run"], r["peer"], r["cpu_s"]) for r in rows] == [
+        ("", "datasets.map", "17.6"),
+        ("r1", "prepare-data", "8.2"),
+        ("r2", "prepare-data", "7.9"),
+    ]
+    assert rows[0]["machine"] == "old box" and rows[0]["worker_rss_mb"] == "384"
+    assert [r["peer"] for r in bench.latest_run(rows)] == ["prepare-data"]
+
+
 def test_docs_page_says_what_the_csv_holds():
     """The results block of docs/data.md is the CSV's latest run, rendered."""
     rows = bench.latest_run(bench.read_rows())
