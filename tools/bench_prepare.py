@@ -419,7 +419,8 @@ def latest_run(rows: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def _scale(peer: str) -> str:
-    return re.search(r"\((\d+x) corpus\)", peer).group(1)
+    found = re.search(r"\((\d+x) corpus\)", peer)
+    return found.group(1) if found else "1x"
 
 
 def _m(x: float) -> str:
@@ -436,9 +437,9 @@ def render(rows: list[dict[str, str]]) -> str:
     rate = {k: int(r["tokens"]) / float(r["cpu_s"]) for k, r in by_peer.items()}
     lines = [
         f"Run {first['run']}, moetrain {first['commit']}: a {float(first['corpus_mb']):g} MB "
-        f"corpus of {int(first['docs']):,} documents, on {first['machine']}.",
+        f"corpus of {int(first['docs']):,} documents; {first['machine']}.",
         "",
-        "| peer | tokens | wall s | CPU-s | tokens per CPU-second | prepare-data is | "
+        "| peer | tokens | wall s | CPU-s | tokens per CPU-second | prepare-data / this | "
         "peak memory: largest process / all processes | ids |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -457,25 +458,27 @@ def render(rows: list[dict[str, str]]) -> str:
     lines.append("")
     if MEGATRON not in by_peer:
         lines.append(
-            "Megatron-LM was not a peer in this run (the tool runs it with `--megatron PATH`)."
+            "- Megatron-LM was not a peer in this run (the tool runs it with `--megatron PATH`)."
         )
-    facts = []
-    for peer in (MEGATRON, DATASETS_MAP, BARE):
-        if peer in by_peer:
-            facts.append(f"{rate[PREPARE] / rate[peer]:.2f}x `{peer}`")
-    lines.append(f"prepare-data's tokens per CPU-second: {', '.join(facts)}.")
+    facts = [
+        f"{rate[PREPARE] / rate[peer]:.2f}x `{peer}`'s"
+        for peer in (MEGATRON, DATASETS_MAP, BARE)
+        if peer in by_peer
+    ]
+    lines.append(f"- prepare-data's tokens per CPU-second: {', '.join(facts)}.")
+    if all(r["ids_identical"] == "True" for p, r in by_peer.items() if p != BARE):
+        lines.append("- Every peer's ids are the bare tokenizer's, document for document.")
     scaled = [r for p, r in by_peer.items() if p.startswith(f"{PREPARE} (")]
     if scaled:
-        peaks = ", ".join(
-            f"{float(r['peak_rss_mb']):.0f} MB at {_scale(r['peer'])}" for r in scaled
+        peaks = "; ".join(
+            f"{float(r['peak_rss_mb']):.0f} / {float(r['peak_pss_mb']):.0f} MB at "
+            f"{_scale(r['peer'])}"
+            for r in [prep, *scaled]
         )
-        lines.append(
-            f"prepare-data's peak memory (its own process): {float(prep['peak_rss_mb']):.0f} MB "
-            f"at 1x, {peaks}."
-        )
+        lines.append(f"- prepare-data's peak memory, largest process / all processes: {peaks}.")
     if by_peer.get(BARE, {}).get("special_docs"):
         lines.append(
-            f"{by_peer[BARE]['special_docs']} documents spell `{EOT}` in their text: "
+            f"- {by_peer[BARE]['special_docs']} documents spell `{EOT}` in their text: "
             f"{by_peer[BARE]['false_boundaries']} false document boundaries with the "
             "special-id encoding; every peer here encodes them as text."
         )
@@ -552,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = hf_tokenizer_dir(tokenizer, work / f"hf-bpe-{args.vocab}")
     n_docs = sum(1 for _ in open(corpus))
     run = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    commit = git_commit()  # the code that runs (the checkout may move on during the run)
     load_start = os.getloadavg()[0]
     peers = [(PREPARE, PREPARE_BODY)]
     if megatron:
@@ -593,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, r in results.items():
         want = collections.Counter({d: n * r["scale"] for d, n in reference.items()})
         rows.append({
-            "run": run, "machine": machine, "commit": git_commit(), "corpus_mb": args.mb,
+            "run": run, "machine": machine, "commit": commit, "corpus_mb": args.mb,
             "docs": n_docs, "peer": label + (f" [{r['engine']}]" if "engine" in r else ""),
             "wall_s": round(r["wall_s"], 1), "cpu_s": round(r["cpu_s"], 1), "tokens": r["tokens"],
             "tokens_per_cpu_s": round(r["tokens"] / r["cpu_s"]),
