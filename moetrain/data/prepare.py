@@ -13,6 +13,7 @@ step: a dataset directory with a manifest is always complete.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -185,6 +186,24 @@ def tokenize_to_cache(
 # ----------------------------------------------------------------------------- prepare-data
 
 
+@contextlib.contextmanager
+def _datasets_without_torch() -> Iterator[None]:
+    """Read with ``datasets`` as if torch were not installed, while this process has not
+    loaded it. Each streaming ``IterableDataset`` imports torch (about a CPU-second and
+    200 MB of the parent's memory) only to share its epoch counter with DataLoader workers;
+    preparation has none. ``datasets.config.TORCH_AVAILABLE`` is the switch its ``USE_TORCH``
+    variable sets; it is restored on the way out."""
+    import datasets.config
+
+    saved = datasets.config.TORCH_AVAILABLE
+    if "torch" not in sys.modules:
+        datasets.config.TORCH_AVAILABLE = False
+    try:
+        yield
+    finally:
+        datasets.config.TORCH_AVAILABLE = saved
+
+
 def _source_description(cfg: DataConfig, splits: dict[str, AnyDataset]) -> dict[str, Any]:
     """What was read: enough to tell, on resume, whether the input is still the same."""
     source = resolve_source(cfg)
@@ -348,6 +367,19 @@ def prepare_dataset(
         raise DataError(
             f"--out: {str(out)!r} exists and is not a prepared dataset; choose a new directory"
         )
+    with _datasets_without_torch():
+        return _plan_and_prepare(cfg, out, tokenizer, workers, shard_mb, progress, arrow_cache)
+
+
+def _plan_and_prepare(
+    cfg: DataConfig,
+    out: Path,
+    tokenizer: Tokenizer,
+    workers: int,
+    shard_mb: float | None,
+    progress: bool,
+    arrow_cache: bool,
+) -> Manifest:
     stream = not arrow_cache and resolve_source(cfg).kind != "hub"
     read_cfg = dataclasses.replace(cfg, streaming=True) if stream else cfg
     splits = {role: load_split(read_cfg, role) for role in _ROLES}

@@ -520,3 +520,25 @@ def test_a_streamed_source_prepares_the_same_dataset(local, tmp_path, data_cfg, 
     a = PackedBatches(data_cfg(dataset=str(tmp_path / "s"), seq_len=SEQ), tokenizer, "train", 8, 4)
     b = PackedBatches(data_cfg(dataset=local["prepared"], seq_len=SEQ), tokenizer, "train", 8, 4)
     assert torch.equal(rows(a, 5), rows(b, 5))
+
+
+def test_prepare_data_reads_without_loading_torch(local, tmp_path, cache_dir):
+    """datasets' streaming reader would import torch (about a CPU-second and 200 MB of the
+    parent's memory) to share an epoch counter with DataLoader workers that preparation does
+    not have: prepare-data keeps it out, and leaves datasets' switch as it found it."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import datasets.config
+        from moetrain.config import load_config
+        from moetrain.data.prepare import prepare_dataset
+        cfg = load_config(None, ["data.dataset={local["jsonl"]}", "data.cache_dir={cache_dir}"])
+        out = {str(tmp_path / "out")!r}
+        prepare_dataset(cfg.data, out, workers=0, shard_mb=0.002, progress=False)
+        print("torch" in sys.modules, datasets.config.TORCH_AVAILABLE)
+        """
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["False", "True"]
+    assert is_prepared(tmp_path / "out")
