@@ -348,8 +348,8 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         and i % moe.every_n_layers == moe.every_n_layers - 1
         and i not in moe.dense_layers
     ]
-    # Multi-token-prediction modules: blocks n_layers.. of the one stage (no pp with them).
-    mtp = range(m.n_layers, m.n_layers + m.mtp_depth)
+    # Multi-token-prediction modules: blocks n_layers.. of the last stage.
+    mtp = range(m.n_layers, m.n_layers + m.mtp_depth) if n_stages - 1 in stages else range(0)
     layers += list(mtp)
     moe_layers += [i for i in mtp if moe.num_experts
                    and i % moe.every_n_layers == moe.every_n_layers - 1]  # fmt: skip

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from moetrain.model.experts import EXPERT_FFN_DIMS
 from moetrain.parallel.expert_parallel import is_expert_param
 from moetrain.train.tensors import MOMENTS, fqn
 from moetrain.train.zero1_state import zero1_restore, zero1_shadow
@@ -73,7 +74,7 @@ class StateViews:
                 if not is_expert_param(p):
                     continue
                 if self.etp_mesh is not None:
-                    ffn_dim = 1 if name.endswith("w2") else 2
+                    ffn_dim = EXPERT_FFN_DIMS[name.rsplit(".", 1)[-1]]
                     mesh = self.meshes.ep_root["ep", "tp"]
                     out.append((fqn(name), mesh, (Shard(0), Shard(ffn_dim))))
                 else:

@@ -80,8 +80,11 @@ def rope_inv_freq(m: dict) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(m["rope_yarn_beta_fast"])), 0)
-    high = min(math.ceil(correction_dim(m["rope_yarn_beta_slow"])), dim - 1)
+    low = correction_dim(m["rope_yarn_beta_fast"])
+    high = correction_dim(m["rope_yarn_beta_slow"])
+    if m.get("rope_yarn_truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
