@@ -66,8 +66,15 @@ def _quantize_experts(src: Path, dst: Path) -> dict[str, torch.Tensor]:
         plain[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
     (dst / "config.json").write_text(json.dumps(config))
     return plain
 
