@@ -39,7 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
-"""A label left out of the loss (``F.cross_entropy``'s default ``ignore_index``)."""
+"""Label of a position left out of the loss (``F.cross_entropy``'s default ignore_index):
+padding, under ``model.document_mask`` each document's separator (whose label is the next
+document's first token), and the positions of a multi-token-prediction module without a
+target."""
 
 
 def shifted(labels_BT: torch.Tensor, k: int) -> torch.Tensor:

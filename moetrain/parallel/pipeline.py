@@ -8,7 +8,8 @@ v virtual stages holds chunks r, r + pp, r + 2 pp, ... The V-shaped schedules (`
 the last rank without a hop (``stage_ids``). Each chunk is a deep copy of the full
 model with the layers it does not own deleted (torchtitan-style): names stay as in the full
 model, so checkpoints do not depend on the layout. The first stage keeps the embedding, the
-last the final norm and output.
+last the final norm and output, and with multi-token prediction the modules (layers
+``n_layers``..) and a copy of the embedding for their inputs (``embedding_copy``).
 
 The split happens before the other ``apply_*`` steps (a sharded module cannot be deep
 copied); the ``PipelineStage`` objects and the schedule are built last, around the final

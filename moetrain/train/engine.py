@@ -60,10 +60,6 @@ from moetrain.train.zero1_state import build_zero1_optimizers
 
 _NORM_DIMS = ("dp_replicate", "dp_shard", "tp")
 
-# IGNORE_INDEX (moetrain.model.mtp): the label of a position left out of the loss --
-# padding, and under ``model.document_mask`` each document's separator, whose label is the
-# next document's first token.
-
 
 def counted_labels(batch: Batch, document_mask: bool) -> torch.Tensor:
     """A micro-batch's labels with the positions left out of the loss set to
