@@ -88,6 +88,9 @@ class ModelConfig:
     rope_yarn_mscale_all_dim: float = 0.0
     """YaRN ``mscale_all_dim``; multi-head latent attention also multiplies its softmax scale
     by (0.1 * mscale_all_dim * ln(factor) + 1)^2 when it is > 0 (DeepSeek-V3). 0: unset."""
+    rope_yarn_truncate: bool = True
+    """YaRN: round the ramp's correction range out to whole dimensions (transformers'
+    ``truncate``, on by default); false keeps its fractional ends (gpt-oss)."""
     rope_llama3_low_freq_factor: float = 1.0
     """llama3 RoPE scaling: ``low_freq_factor``."""
     rope_llama3_high_freq_factor: float = 4.0
@@ -106,6 +109,10 @@ class ModelConfig:
     sets both this and ``out_bias``)."""
     out_bias: bool = False
     """Bias on the attention output projection."""
+    attention_sinks: bool = False
+    """A learned logit per attention head in the softmax's denominator (gpt-oss's sinks): a
+    query's weights over the keys sum to less than one, so a head may attend to almost
+    nothing. Each starts at 0. Grouped-query attention with attention_backend=sdpa."""
     clip_qkv: float | None = None
     """Clamp q, k and v to [-clip_qkv, clip_qkv] after the projections (OLMoE). null: off."""
     attention: Literal["gqa", "mla"] = "gqa"
@@ -196,7 +203,8 @@ class ModelConfig:
             if self.partial_rotary_factor != 1:
                 _fail("model.partial_rotary_factor", "applies to attention=gqa only; multi-head "
                       "latent attention rotates model.qk_rope_head_dim")
-            for name in ("qk_norm", "qkv_bias", "out_bias", "clip_qkv", "head_dim"):
+            for name in ("qk_norm", "qkv_bias", "out_bias", "clip_qkv", "head_dim",
+                         "attention_sinks"):
                 if getattr(self, name) not in (None, False, "none"):
                     _fail(f"model.{name}", "applies to attention=gqa only; multi-head latent "
                           "attention has its own latent norms and no biases")
@@ -231,6 +239,9 @@ class ModelConfig:
         if self.rope_llama3_high_freq_factor <= self.rope_llama3_low_freq_factor:
             _fail("model.rope_llama3_high_freq_factor", f"must exceed "
                   f"model.rope_llama3_low_freq_factor={self.rope_llama3_low_freq_factor}")
+        if self.attention_sinks and self.attention_backend == "flex":
+            _fail("model.attention_backend", "flex does not run model.attention_sinks (the "
+                  "sink is a key FlexAttention's block mask has no column for); use sdpa")
         if self.document_positions and not self.document_mask:
             _fail("model.document_positions", "needs model.document_mask=true (positions "
                   "restart at documents that the attention keeps apart)")
@@ -354,6 +365,25 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     """Multiplies the routed experts' combine weights, after renormalisation
     (DeepSeek-V3's routed_scaling_factor)."""
+    router_bias: bool = False
+    """A learned bias on the router logits (gpt-oss): it moves the choice and the combine
+    weights alike and is trained like the gate, unlike the selection-only ``expert_bias``.
+    Starts at 0."""
+    expert_ffn_bias: bool = False
+    """Biases on the routed experts' projections (gpt-oss's gate_up_proj_bias and
+    down_proj_bias): each expert adds its own to its gate, up and down outputs. The down
+    bias is added after the combine, weighted like the expert's output (the same sum).
+    Start at 0."""
+    expert_activation: Literal["swiglu", "clamped_swiglu"] = "swiglu"
+    """How a routed expert joins its gate g and up u projections: "swiglu" silu(g) * u;
+    "clamped_swiglu" gpt-oss's (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')
+    with g' = min(g, limit) (``swiglu_alpha``, ``swiglu_limit``). Shared experts and dense
+    layers stay plain SwiGLU."""
+    swiglu_alpha: float = 1.702
+    """clamped_swiglu: the sigmoid's gain alpha (gpt-oss: 1.702)."""
+    swiglu_limit: float = 7.0
+    """clamped_swiglu: the clamp of the gate (above) and of the up projection (both sides)
+    (gpt-oss: 7.0)."""
 
     def validate(self) -> None:
         if self.num_experts < 0:
@@ -364,6 +394,7 @@ class MoEConfig:
             return
         if self.routed_scaling_factor <= 0:
             _fail("moe.routed_scaling_factor", f"must be > 0, got {self.routed_scaling_factor}")
+        _positive("moe", self, "swiglu_alpha", "swiglu_limit")
         if self.shared_expert_gate and self.num_shared_experts == 0:
             _fail("moe.shared_expert_gate", "needs moe.num_shared_experts > 0")
         if self.n_groups < 1 or self.num_experts % self.n_groups:

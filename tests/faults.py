@@ -17,6 +17,10 @@ tests/multirank.py).
 - ``cp_forced_to_1``: config validation sets ``parallel.cp`` to 1 (a cp2 job silently
   becomes dp2). Same numbers; caught by the positions and attention shapes each rank
   observed against the raw request.
+- ``embedding_copies_unsynced``: under a pipeline with multi-token prediction, the first
+  stage's embedding and the last stage's copy keep the gradients of their own uses (the
+  engine never sums them): both copies step, apart. Caught by the embedding's gradient
+  (tests/parallel/test_mtp_layouts.py).
 """
 
 from __future__ import annotations
@@ -62,7 +66,14 @@ def _cp_forced_to_1(setattr_: Callable[..., None]) -> None:
     setattr_(ParallelConfig, "validate", forced)
 
 
+def _embedding_copies_unsynced(setattr_: Callable[..., None]) -> None:
+    from moetrain.train.engine import Engine
+
+    setattr_(Engine, "_sync_embedding_copies", lambda self: None)
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
+    "embedding_copies_unsynced": _embedding_copies_unsynced,
     "per_micro_batch_counts": _per_micro_batch_counts,
     "breadth_first_ignored": _breadth_first_ignored,
     "cp_forced_to_1": _cp_forced_to_1,

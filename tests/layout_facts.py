@@ -348,8 +348,8 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         and i % moe.every_n_layers == moe.every_n_layers - 1
         and i not in moe.dense_layers
     ]
-    # Multi-token-prediction modules: blocks n_layers.. of the one stage (no pp with them).
-    mtp = range(m.n_layers, m.n_layers + m.mtp_depth)
+    # Multi-token-prediction modules: blocks n_layers.. of the last stage.
+    mtp = range(m.n_layers, m.n_layers + m.mtp_depth) if n_stages - 1 in stages else range(0)
     layers += list(mtp)
     moe_layers += [i for i in mtp if moe.num_experts
                    and i % moe.every_n_layers == moe.every_n_layers - 1]  # fmt: skip
@@ -427,7 +427,7 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         "traffic_axes": sorted(
             axis for axis, n in (("dp", dp), ("pp", pp), ("tp", tp), ("cp", cp)) if n > 1
         ),
-        "foreign_groups": [],
+        "foreign_groups": _embedding_pair(p, m, rank),
         "sequence_parallel_traffic": p.sequence_parallel,
         "fsdp_resharded_after_forward": (zero == 3) if zero >= 2 else None,
         "ep_bytes_sent": ep_split,
@@ -437,6 +437,20 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     if m.document_positions:  # positions restart at the documents the data hold: not a layout
         del want["positions"]
     return want
+
+
+def _embedding_pair(p: Request, m: Any, rank: int) -> list[tuple[int, int]]:
+    """Multi-token prediction under a looped pipeline of more than two stages: the group of
+    the first stage's rank and the last stage's with this rank's other coordinates, which
+    sums the embedding's two copies' gradients (no axis of the mesh: pp=2 uses the pp group,
+    the V schedules one rank)."""
+    pp = p.pp
+    if not m.mtp_depth or pp <= 2 or p.pp_schedule in ("zbv", "dualpipev"):
+        return []
+    per = p.world // pp  # the mesh is (pp, ...) row-major
+    rest = rank % per
+    pair = (rest, (pp - 1) * per + rest)
+    return [pair] if rank in pair else []
 
 
 # --------------------------------------------------------------------------- comparison

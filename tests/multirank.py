@@ -238,7 +238,8 @@ def micro_run(
 ) -> dict[str, Any]:
     """Train the micro MoE ``steps`` steps (no eval, no checkpoint) and report.
 
-    Returns ``loss``, ``grad_norm`` (lists over steps), ``moe`` (per step, per layer:
+    Returns ``loss``, ``mtp_loss`` (nan without multi-token prediction), ``grad_norm`` (lists
+    over steps), ``moe`` (per step, per layer:
     aux_loss, seq_aux_loss, z_loss sums per call, calls, tokens_per_expert, dropped,
     expert_bias), ``grads`` (per step: every parameter's reduced gradient, before clipping,
     gathered to full size under the single-process names), ``optim`` (AdamW's exp_avg and
@@ -268,7 +269,7 @@ def micro_run(
     trainer.engine.grad_hook = hook
     watch = watch_fsdp(trainer.engine)
     observer = observe(trainer.engine)  # what the first step runs (tests/layout_facts.py)
-    losses, norms, moe = [], [], []
+    losses, norms, moe, mtp = [], [], [], []
     facts: dict[str, Any] = {}
     lrs: list[float] = []
     for step in range(steps):
@@ -289,6 +290,7 @@ def micro_run(
         else:
             res = trainer.train_step()
         losses.append(res.loss)
+        mtp.append(res.mtp_loss)
         norms.append(res.grad_norm)
         moe.append(
             {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in res.moe.items()}
@@ -298,6 +300,7 @@ def micro_run(
     trainer.close()
     return {
         "loss": losses,
+        "mtp_loss": mtp,
         "grad_norm": norms,
         "moe": moe,
         "grads": grads,
@@ -505,8 +508,10 @@ def compare_runs(
             tensor = name.rsplit(".", 1)[0]  # <parameter>.exp_avg / .exp_avg_sq
             check_scaled(tensor, f"optim[{name}]", "optim", None, got["optim"][name],
                          ref["optim"][name], grad_tol["later"])  # fmt: skip
-    for key in ("loss", "grad_norm"):
-        a, b = list(got[key]), list(ref[key])
+    for key in ("loss", "grad_norm", "mtp_loss"):
+        if key not in ref or (key == "mtp_loss" and all(math.isnan(x) for x in ref[key])):
+            continue  # no multi-token prediction: nan in both runs
+        a, b = list(got.get(key, [])), list(ref[key])
         if len(a) != len(b):
             found.add(key, Check(key, "value", None, math.inf, f"{len(a)} steps vs {len(b)}"))
             continue
@@ -752,7 +757,7 @@ def compare_resumed(got: dict[str, Any], ref: dict[str, Any], what: str = "") ->
     later = TOLERANCES[ref.get("dtype", "fp32")]["grad"]["later"]
     compare_runs(
         {**got, "grad_norm": [], "moe": []},
-        {**ref, "grad_norm": [], "moe": [], "grads": ref["grads"][-1:]},
+        {**ref, "grad_norm": [], "moe": [], "grads": ref["grads"][-1:], "mtp_loss": []},
         grad_tol={"first": later, "later": later},  # the resumed step is a later step
         what=what,
     )

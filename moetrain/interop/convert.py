@@ -163,8 +163,9 @@ def hf_tensors(
     sources = family.sources(m, e)
     if m.tie_embeddings:
         del sources["output.weight"]  # the embedding, saved once
+    hf_shapes = {k: v for src in sources.values() for k, v in src.hf_shapes().items()}
     for group in read_groups(info):
-        pieces: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        pieces: dict[str, list[tuple[Any, torch.Tensor]]] = {}
         for name, t in group.items():
             if name not in sources:
                 if name.endswith("router.expert_bias") and not torch.all(t == 0):
@@ -174,12 +175,23 @@ def hf_tensors(
                 continue
             if not family.keeps_rope_style:
                 t = _rope_rows_to_half(name, t, m)
-            for key, row0, piece in sources[name].export(t):
-                pieces.setdefault(key, []).append((row0, piece))
+            for key, index, piece in sources[name].export(t):
+                pieces.setdefault(key, []).append((index, piece))
         for key, parts in pieces.items():
-            parts.sort(key=lambda p: p[0])
-            full = parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts])
+            full = _assemble(parts, hf_shapes.get(key))
             yield key, full.to(dtype) if dtype is not None else full.contiguous()
+
+
+def _assemble(parts: list[tuple[Any, torch.Tensor]], shape: Any) -> torch.Tensor:
+    """One HF tensor from the pieces its sources exported (each with the index it fills: a
+    block of rows, every other column, or the whole)."""
+    if len(parts) == 1 and (shape is None or tuple(parts[0][1].shape) == tuple(shape)):
+        return parts[0][1]  # the whole tensor
+    assert shape is not None, "a tensor exported in pieces has a declared shape"
+    full = torch.empty(shape, dtype=parts[0][1].dtype)
+    for index, piece in parts:
+        full[index] = piece
+    return full
 
 
 def hf_kept(info: CheckpointInfo) -> dict[str, Any]:
@@ -288,7 +300,7 @@ def _family(info: CheckpointInfo, name: str | None) -> tuple[Family, list[str]]:
         return export_family(info.model, info.moe)
     if name not in FAMILIES:
         raise HFCheckpointError(f"export-hf --family: {name!r} is not one of {', '.join(FAMILIES)}")
-    problems = FAMILIES[name].problems(info.model, info.moe)
+    problems = FAMILIES[name].cannot_express(info.model, info.moe)
     if problems:
         raise HFCheckpointError(
             f"export-hf --family {name}: the checkpoint has {', '.join(problems)}, which "

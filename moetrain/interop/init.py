@@ -95,7 +95,7 @@ def prepare_hf_start(cfg: JobConfig) -> HFStart:
         warn_upcycle_routing(cfg.moe)
         sources = upcycle_sources(family, cfg.model, cfg.moe, cfg.train.seed)
     else:
-        sources = family.sources(cfg.model, cfg.moe)
+        sources = family.read_sources(cfg.model, cfg.moe, set(hf.tensors))
     check_sources(hf, sources)
     return HFStart(hf, sources)
 

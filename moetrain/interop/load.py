@@ -75,7 +75,7 @@ def check_sources(hf: HFDirectory, sources: dict[str, Source]) -> None:
 def checked_sources(
     hf: HFDirectory, family: Family, m: ModelConfig, e: MoEConfig
 ) -> dict[str, Source]:
-    sources = family.sources(m, e)
+    sources = family.read_sources(m, e, set(hf.tensors))
     check_sources(hf, sources)
     return sources
 

@@ -35,6 +35,8 @@ from torch.futures import Future
 from moetrain.interop.hf_files import HFDirectory
 
 Region = tuple[slice, ...]
+Piece = tuple[str, tuple[Any, ...], torch.Tensor]
+"""What a source exports: (HF name, the index of the HF tensor the piece fills, the piece)."""
 
 
 def _full(shape: tuple[int, ...]) -> Region:
@@ -61,8 +63,9 @@ class Rows:
         rows = slice(self.row0 + region[0].start, self.row0 + region[0].stop)
         return hf.read(self.key, (rows, *region[1:]))
 
-    def export(self, t: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
-        return [(self.key, self.row0, t)] + [(key, self.row0, t.clone()) for key in self.copies]
+    def export(self, t: torch.Tensor) -> list[Piece]:
+        rows = (slice(self.row0, self.row0 + t.shape[0]),)
+        return [(self.key, rows, t)] + [(key, rows, t.clone()) for key in self.copies]
 
 
 @dataclass(frozen=True)
@@ -81,8 +84,69 @@ class Stacked:
             [hf.read(self.keys[e], (cols, rows)).T for e in range(experts.start, experts.stop)]
         )
 
-    def export(self, t: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
-        return [(k, 0, t[e].T) for e, k in enumerate(self.keys)]
+    def export(self, t: torch.Tensor) -> list[Piece]:
+        return [(k, (), t[e].T) for e, k in enumerate(self.keys)]
+
+
+@dataclass(frozen=True)
+class Interleaved:
+    """hf[key][..., parity::2]: one of two tensors a checkpoint interleaves along its last dim
+    (gpt-oss's ``gate_up_proj``, (E, D, 2F), and its bias, (E, 2F): the gate at even columns,
+    the up projection at odd ones). ``shape``: the moetrain tensor's."""
+
+    key: str
+    shape: tuple[int, ...]
+    parity: int
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        return {self.key: (*self.shape[:-1], 2 * self.shape[-1])}
+
+    def read(self, hf: HFDirectory, region: Region) -> torch.Tensor:
+        *lead, cols = region
+        return hf.read(self.key, (*lead, slice(2 * cols.start, 2 * cols.stop)))[
+            ..., self.parity :: 2
+        ]
+
+    def export(self, t: torch.Tensor) -> list[Piece]:
+        return [(self.key, (..., slice(self.parity, None, 2)), t)]
+
+
+@dataclass(frozen=True)
+class Mxfp4Experts:
+    """A grouped expert tensor (E, in, out) stored MXFP4-packed (``moetrain.interop.mxfp4``):
+    ``key``_blocks (E, hf_out, in / 32, 16) and ``key``_scales (E, hf_out, in / 32), with
+    hf_out = out, or 2 out when two tensors are interleaved along it (``parity``: which one,
+    as ``Interleaved``). Read regions are dequantized from the blocks that cover them, in
+    ``dtype``; export writes the plain tensor (``Interleaved`` / ``Rows``), not this."""
+
+    key: str
+    shape: tuple[int, int, int]
+    parity: int | None = None
+    dtype: torch.dtype = torch.bfloat16
+
+    def hf_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        from moetrain.interop.mxfp4 import BLOCK
+
+        E, n_in, n_out = self.shape
+        out = n_out if self.parity is None else 2 * n_out
+        return {f"{self.key}_blocks": (E, out, n_in // BLOCK, BLOCK // 2),
+                f"{self.key}_scales": (E, out, n_in // BLOCK)}  # fmt: skip
+
+    def read(self, hf: HFDirectory, region: Region) -> torch.Tensor:
+        from moetrain.interop.mxfp4 import BLOCK, dequantize_mxfp4
+
+        experts, rows, cols = region
+        if self.parity is not None:
+            cols = slice(2 * cols.start, 2 * cols.stop)
+        g0, g1 = rows.start // BLOCK, -(-rows.stop // BLOCK)
+        blocks = hf.read(f"{self.key}_blocks", (experts, cols, slice(g0, g1)))
+        scales = hf.read(f"{self.key}_scales", (experts, cols, slice(g0, g1)))
+        w = dequantize_mxfp4(blocks, scales, self.dtype)  # (e, cols, (g1 - g0) * 32)
+        w = w[..., rows.start - g0 * BLOCK : rows.stop - g0 * BLOCK].transpose(1, 2)
+        return w if self.parity is None else w[..., self.parity :: 2]
+
+    def export(self, t: torch.Tensor) -> list[Piece]:
+        raise NotImplementedError("MXFP4 tensors are exported dequantized by their family")
 
 
 @dataclass(frozen=True)
@@ -125,7 +189,7 @@ class ExpertCopies:
             out.append(w)
         return torch.stack(out)
 
-    def export(self, t: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
+    def export(self, t: torch.Tensor) -> list[Piece]:
         raise NotImplementedError("upcycled experts are exported through their MoE family")
 
 
@@ -147,11 +211,11 @@ class Generated:
         gen = torch.Generator().manual_seed(self.seed)
         return (torch.randn(self.shape, generator=gen) * self.std)[region]
 
-    def export(self, t: torch.Tensor) -> list[tuple[str, int, torch.Tensor]]:
+    def export(self, t: torch.Tensor) -> list[Piece]:
         raise NotImplementedError("generated tensors are exported through their MoE family")
 
 
-Source = Rows | Stacked | ExpertCopies | Generated
+Source = Rows | Stacked | Interleaved | Mxfp4Experts | ExpertCopies | Generated
 
 
 def read_full(hf: HFDirectory, source: Source) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from moetrain.config import ModelConfig
+from moetrain.model.experts import local_part
 from moetrain.model.masks import AttentionMask, attend
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope, rope_rows, softmax_scale_factor
@@ -65,10 +66,9 @@ class KVCache:
         return k_BSHD, v_BSHD
 
 
-Attend = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, float | None, AttentionMask], torch.Tensor
-]
-"""``attend(q_BSHD, k_BLHD, v_BLHD, scale, mask) -> (B, S, H*Dv)``: the attention core."""
+Attend = Callable[..., torch.Tensor]
+"""``attend(q_BSHD, k_BLHD, v_BLHD, scale, mask, sinks_H=None) -> (B, S, H*Dv)``: the
+attention core (``moetrain.model.masks.attend``)."""
 
 
 class Attention(nn.Module):
@@ -87,6 +87,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, kv_out, bias=cfg.qkv_bias)
         self.wo = nn.Linear(q_out, cfg.dim, bias=cfg.out_bias)
         self.attend: Attend = attend
+        # gpt-oss: a logit per head in the softmax's denominator (split with the heads under
+        # tensor parallelism: a DTensor sharded over them).
+        self.sinks: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attention_sinks else None
+        )
         self.qk_norm = cfg.qk_norm
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -121,7 +126,9 @@ class Attention(nn.Module):
             k, v = cache.extend(self.layer_id, k, v)
         if mask is None:  # causal attention of the new positions over all of them
             mask = AttentionMask.causal(S, x_BSD.device, start=k.shape[1] - S)
-        return self.wo(self.attend(q, k, v, None, mask))
+        if self.sinks is None:
+            return self.wo(self.attend(q, k, v, None, mask))
+        return self.wo(self.attend(q, k, v, None, mask, local_part(self.sinks)))
 
     def _rope(self, x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on each head's first ``rope_dim`` dims (all of them unless partial)."""

@@ -1,6 +1,7 @@
 """Routed experts stored as grouped weights, computed with one grouped GEMM per projection.
 
-Shape legend: E experts, D model dim, F expert FFN dim, N permuted rows (expert-contiguous).
+Shape legend: E experts, D model dim, F expert FFN dim, N permuted rows (expert-contiguous),
+T tokens, K top-k.
 """
 
 from __future__ import annotations
@@ -14,35 +15,108 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.kernels import grouped_mm
 
+EXPERT_FFN_DIMS = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
+"""Per-expert tensors (dim 0: the expert) and the dim of each that holds the FFN width, which
+expert tensor parallelism splits. The down projection's bias ``b2`` (E, D) is not one: it is
+added after the combine (``GroupedExperts.output_bias``), where every rank has every expert's
+tokens, and stays whole on every rank."""
 
-def _local(w: torch.Tensor) -> torch.Tensor:
+
+def local_part(w: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter split by tensor parallelism (a DTensor), or the
+    parameter itself."""
     return w.to_local() if isinstance(w, DTensor) else w
 
 
-class GroupedExperts(nn.Module):
-    """E SwiGLU experts: y = (silu(x W1[e]) * (x W3[e])) W2[e] for the rows of expert e."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float):
+    """gpt-oss's expert activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
+    with g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(alpha * gate)
 
-    def __init__(self, num_experts: int, dim: int, ffn_dim: int, top_k: int):
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: y = (act(x W1[e] + b1[e], x W3[e] + b3[e])) W2[e] (+ b2[e]) for the
+    rows of expert e; act is silu(g) * u, or gpt-oss's ``clamped_swiglu``; the biases only
+    with ``bias``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        dim: int,
+        ffn_dim: int,
+        top_k: int,
+        bias: bool = False,
+        activation: str = "swiglu",
+        alpha: float = 1.702,
+        limit: float = 7.0,
+    ):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = top_k  # only for active-parameter accounting
+        self.activation, self.alpha, self.limit = activation, alpha, limit
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
+        self.b1: nn.Parameter | None = None
+        self.b3: nn.Parameter | None = None
+        self.b2: nn.Parameter | None = None
+        if bias:
+            self.b1 = nn.Parameter(torch.zeros(num_experts, ffn_dim))
+            self.b3 = nn.Parameter(torch.zeros(num_experts, ffn_dim))
+            self.b2 = nn.Parameter(torch.zeros(num_experts, dim))
+
+    def ffn_dims(self) -> dict[str, int]:
+        """This module's per-expert tensors and their FFN-width dims (``EXPERT_FFN_DIMS``)."""
+        return {n: d for n, d in EXPERT_FFN_DIMS.items() if getattr(self, n) is not None}
 
     def forward(self, x_ND: torch.Tensor, offs_E: torch.Tensor, backend: str) -> torch.Tensor:
-        """offs_E: int32 cumulative end row of each expert; rows past offs_E[-1] give zeros.
+        """offs_E: int32 cumulative end row of each expert; rows past offs_E[-1] give zeros
+        (before the output bias, which ``output_bias`` adds after the combine).
 
         Under expert tensor parallelism the weights are DTensors sharded over the FFN width
         (``moetrain.parallel.tensor_parallel``): this rank computes with its slice, and the
-        dispatcher sums the partial outputs (``ExpertTPDispatcher``)."""
-        w1, w3, w2 = (_local(w).to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
-        h_NF = F.silu(grouped_mm(x_ND, w1, offs_E, backend=backend)) * grouped_mm(
-            x_ND, w3, offs_E, backend=backend
-        )
+        dispatcher sums the partial outputs (``ExpertTPDispatcher``). The biases and the
+        activation are element-wise torch ops between the grouped GEMMs, whichever kernel
+        backend runs those."""
+        w1, w3, w2 = (local_part(w).to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
+        g_NF = grouped_mm(x_ND, w1, offs_E, backend=backend)
+        u_NF = grouped_mm(x_ND, w3, offs_E, backend=backend)
+        if self.b1 is not None and self.b3 is not None:
+            rows_N = _expert_of_rows(offs_E, x_ND.shape[0])
+            g_NF = g_NF + _with_zero_row(local_part(self.b1)).to(g_NF.dtype)[rows_N]
+            u_NF = u_NF + _with_zero_row(local_part(self.b3)).to(u_NF.dtype)[rows_N]
+        if self.activation == "clamped_swiglu":
+            h_NF = clamped_swiglu(g_NF, u_NF, self.alpha, self.limit)
+        else:
+            h_NF = F.silu(g_NF) * u_NF
         return grouped_mm(h_NF, w2, offs_E, backend=backend)
+
+    def output_bias(
+        self, ids_TK: torch.Tensor, weights_TK: torch.Tensor, dest_TK: torch.Tensor
+    ) -> torch.Tensor:
+        """sum_k w_tk * b2[e_tk] over each token's kept assignments (``dest_TK`` >= 0): what
+        the down projection's bias adds to the combined output, (T, D). Computed where the
+        combine's result is whole (after any expert-parallel or expert-TP reduction), from
+        the router's weights, once."""
+        assert self.b2 is not None
+        kept_TK = (dest_TK >= 0).to(weights_TK.dtype)
+        return torch.einsum(
+            "tk,tkd->td", weights_TK * kept_TK, self.b2[ids_TK].to(weights_TK.dtype)
+        )
+
+
+def _expert_of_rows(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """int64 expert index of each of the buffer's rows; E for rows past the last expert."""
+    rows = torch.arange(num_rows, device=offs_E.device, dtype=offs_E.dtype)
+    return torch.searchsorted(offs_E, rows, right=True)
+
+
+def _with_zero_row(b_EF: torch.Tensor) -> torch.Tensor:
+    """(E + 1, F): the biases and a zero row for the rows past the last expert."""
+    return F.pad(b_EF, (0, 0, 0, 1))
 
 
 class FeedForward(nn.Module):

@@ -16,6 +16,10 @@ mask)`` with it and never builds a mask itself. The mask describes queries by th
 positions in the sequence, so one description serves a whole sequence, a context-parallel
 rank's two chunks of it, and the new positions of a generation step over a KV cache.
 
+Attention sinks (gpt-oss, ``model.attention_sinks``): ``attend`` takes a logit per head that
+joins every query's softmax denominator, run as one more key that every query sees
+(``_attend_with_sinks``); the mask is the same.
+
 Two ways to run it (``model.attention_backend``): "sdpa", ``scaled_dot_product_attention``
 with ``is_causal=True`` when the mask is plain causal and an explicit boolean mask otherwise,
 or "flex", FlexAttention with a block mask (compiled: blocks that the mask empties are
@@ -204,14 +208,18 @@ def attend(
     v_BLHD: torch.Tensor,
     scale: float | None,
     mask: AttentionMask,
+    sinks_H: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the queries over the keys and values under ``mask`` -> (B, s, H*Dv).
-    Keys and values may have fewer (kv) heads than the queries."""
+    Keys and values may have fewer (kv) heads than the queries. ``sinks_H``: a logit per
+    query head added to the softmax's denominator (attention sinks, gpt-oss)."""
     B, s = q_BsHD.shape[:2]
     L, device = k_BLHD.shape[1], q_BsHD.device
     k_BLHD, v_BLHD = repeat_kv(k_BLHD, v_BLHD, q_BsHD.shape[2])
     q, k, v = (t.transpose(1, 2) for t in (q_BsHD, k_BLHD, v_BLHD))
-    if mask.plain_causal:
+    if sinks_H is not None:
+        out = _attend_with_sinks(q, k, v, scale, mask.dense(s, L, device), sinks_H)
+    elif mask.plain_causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     elif mask.backend == "flex":
         block = mask.block_mask(B, s, L, device)
@@ -221,3 +229,34 @@ def attend(
             q, k, v, attn_mask=mask.dense(s, L, device), scale=scale
         )
     return out.transpose(1, 2).reshape(B, s, -1)
+
+
+SINK_PAD = 8
+"""Width of the extra query/key dims that carry the sink (one used, the rest zeros: fused
+attention kernels want head dims in multiples of 8)."""
+
+
+def _attend_with_sinks(
+    q_BHsD: torch.Tensor,
+    k_BHLD: torch.Tensor,
+    v_BHLD: torch.Tensor,
+    scale: float | None,
+    allowed: torch.Tensor,
+    sinks_H: torch.Tensor,
+) -> torch.Tensor:
+    """softmax([q.k_1, ..., q.k_L, sink_h]) over the keys and one sink, the sink's weight
+    dropped: SDPA over one more key that every query sees, with a zero value, whose logit is
+    the head's sink whatever the query (each query gets an extra dim 1, every key 0, the
+    sink key sink_h / scale there). ``allowed``: the boolean mask (s, L) or (B, 1, s, L)."""
+    B, H, s, Dh = q_BHsD.shape
+    scale = Dh**-0.5 if scale is None else scale
+    extra = q_BHsD.new_zeros(B, H, s, SINK_PAD)
+    extra[..., 0] = 1.0
+    q = torch.cat((q_BHsD, extra), dim=-1)
+    logit = (sinks_H.to(k_BHLD.dtype) / scale).view(1, H, 1, 1).expand(B, H, 1, 1)
+    zeros = k_BHLD.new_zeros(B, H, 1, Dh)
+    sink_key = torch.cat((zeros, logit, k_BHLD.new_zeros(B, H, 1, SINK_PAD - 1)), dim=-1)
+    k = torch.cat((sink_key, F.pad(k_BHLD, (0, SINK_PAD))), dim=2)
+    v = torch.cat((v_BHLD.new_zeros(B, H, 1, v_BHLD.shape[-1]), v_BHLD), dim=2)
+    mask = F.pad(allowed, (1, 0), value=True)  # the sink: column 0, seen by every query
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)

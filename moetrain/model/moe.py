@@ -94,7 +94,8 @@ class Router(nn.Module):
     def __init__(self, dim: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(dim, cfg.num_experts, bias=False)
+        # gpt-oss: a trained bias on the logits (``moe.router_bias``).
+        self.gate = nn.Linear(dim, cfg.num_experts, bias=cfg.router_bias)
         # Aux-loss-free balancing: added to the scores for selection only, never to the
         # combine weights. A persistent buffer (saved in checkpoints), not a parameter.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
@@ -125,7 +126,8 @@ class Router(nn.Module):
         # The gate runs in fp32 even under bf16 autocast: routing decisions are sensitive
         # to small logit differences.
         with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            logits_TE = nn.functional.linear(x_TD.float(), self.gate.weight.float())
+            bias_E = self.gate.bias.float() if self.gate.bias is not None else None
+            logits_TE = nn.functional.linear(x_TD.float(), self.gate.weight.float(), bias_E)
         cfg = self.cfg
         use_bias = cfg.expert_bias_rate > 0 or cfg.route_with_bias
         bias = self.expert_bias if use_bias else None
@@ -155,7 +157,10 @@ class MoELayer(nn.Module):
         self.layer_id = layer_id
         self.num_experts = cfg.num_experts
         self.router = Router(dim, cfg)
-        self.experts = GroupedExperts(cfg.num_experts, dim, cfg.expert_ffn_dim, cfg.top_k)
+        self.experts = GroupedExperts(
+            cfg.num_experts, dim, cfg.expert_ffn_dim, cfg.top_k, bias=cfg.expert_ffn_bias,
+            activation=cfg.expert_activation, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit,
+        )
         self.shared_experts: FeedForward | None = None
         if cfg.num_shared_experts > 0:
             hidden = cfg.shared_expert_ffn_dim or cfg.num_shared_experts * cfg.expert_ffn_dim
@@ -297,6 +302,9 @@ class MoELayer(nn.Module):
             x_ND, offs_E = self.dispatcher.dispatch(x_TD, plan, backend)
         y_ND = self.experts(x_ND, offs_E, backend)
         y_TD = self.dispatcher.combine(y_ND, plan, r.weights_TK, backend)
+        if self.experts.b2 is not None:  # after the combine: every expert's, whole, once
+            bias_TD = self.experts.output_bias(r.ids_TK, r.weights_TK, plan.dest_TK)
+            y_TD = y_TD + bias_TD.to(y_TD.dtype)
         if self.shared_experts is not None:
             y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
 

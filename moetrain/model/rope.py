@@ -53,8 +53,10 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(cfg.rope_yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.rope_yarn_beta_slow)), dim - 1)
+    low, high = correction_dim(cfg.rope_yarn_beta_fast), correction_dim(cfg.rope_yarn_beta_slow)
+    if cfg.rope_yarn_truncate:  # whole dimensions (gpt-oss keeps the fractional ends)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # no singularity
     ramp_R = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

@@ -90,11 +90,13 @@ class MTPBlock(TransformerBlock):
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
         self.head_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, h_BSD, emb_BSD, cos, sin):  # type: ignore[override]
-        """(h^k, its head-normed copy) from h^{k-1} and the embeddings of t_{i+k}. The head's
-        norm runs here, inside the block's forward, where FSDP has its weights whole."""
+    def forward(self, h_BSD, emb_BSD, cos, sin, valid=None):  # type: ignore[override]
+        """(h^k, its head-normed copy) from h^{k-1} and the embeddings of t_{i+k}; ``valid``:
+        the positions whose targets count (the MoE layer's balancing losses and statistics
+        see those only). The head's norm runs here, inside the block's forward, where FSDP has
+        its weights whole."""
         x = self.eh_proj(torch.cat((self.enorm(emb_BSD), self.hnorm(h_BSD)), dim=-1))
-        h = super().forward(x, cos, sin)
+        h = super().forward(x, cos, sin, valid=valid)
         return h, self.head_norm(h)
 
 
@@ -126,6 +128,10 @@ class Transformer(nn.Module):
         for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
             self.layers[str(i)] = MTPBlock(i, cfg, moe_cfg)
         self.mtp_loss_scale = 1.0
+        # Whether ``forward`` embeds token ids (False on the pipeline stages after the first,
+        # which take hidden states). The last stage of a pipeline with multi-token prediction
+        # keeps an embedding all the same, for the modules' inputs (``pipeline_split``).
+        self.embeds_input = True
         # The multi-token-prediction loss of training forwards since the last pop_mtp_loss():
         # (sum of lambda / D * sum_k L^k, forwards).
         self.register_buffer("stat_mtp", torch.zeros(2), persistent=False)
@@ -149,7 +155,8 @@ class Transformer(nn.Module):
             residual_out = name.endswith(("attention.wo.weight", "w2.weight", "experts.w2"))
             nn.init.normal_(p, mean=0.0, std=out_std if residual_out else std)
         for name, p in self.named_parameters():
-            if name.endswith(".bias"):  # attention biases (qkv_bias, out_bias) start at zero
+            # Biases start at zero: attention (qkv_bias, out_bias), router, experts.
+            if name.endswith((".bias", "experts.b1", "experts.b3", "experts.b2")):
                 nn.init.zeros_(p)
         if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
@@ -162,8 +169,9 @@ class Transformer(nn.Module):
         valid: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, S) int64 -> logits (B, S, V). A pipeline stage without the embedding
-        takes hidden states (B, S, D) instead, and one without the output returns them.
+        """tokens (B, S) int64 -> logits (B, S, V). A pipeline stage after the first
+        (``embeds_input`` False) takes hidden states (B, S, D) instead, and one without the
+        output returns them.
 
         ``labels`` (B, S) (the next tokens; training with ``model.mtp_depth``): the
         multi-token-prediction modules run too, and their loss lambda / D * sum_k L^k reaches
@@ -177,7 +185,7 @@ class Transformer(nn.Module):
         ``model.document_positions``; None: one document per sequence. ``valid``: bool
         (B, S) over the whole sequences, False for the tokens left out of the LM loss, which
         the MoE layers leave out of their balancing losses and statistics; None: all."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         if cache is not None and cache.length + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{cache.length + tokens.shape[1]} positions exceed "
                              f"model.max_seq_len={self.cfg.max_seq_len}")

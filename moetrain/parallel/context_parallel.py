@@ -135,6 +135,7 @@ class ContextParallelAttention:
         v_BsHD: torch.Tensor,
         scale: float | None,
         mask: AttentionMask,
+        sinks_H: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if mask.q_pos is None or mask.kv_len != self.shard.seq_len:
             raise ValueError(
@@ -149,7 +150,7 @@ class ContextParallelAttention:
             .transpose(0, 1)
             for t in (k_BsHD, v_BsHD)
         )
-        return attend(q_BsHD, k_BSHD, v_BSHD, scale, mask)
+        return attend(q_BsHD, k_BSHD, v_BSHD, scale, mask, sinks_H)
 
 
 def apply_cp(model: nn.Module, cp_mesh: Any, seq_len: int) -> ContextShard | None:

@@ -181,15 +181,19 @@ class ParallelDims:
                     f"data.seq_len: {cfg.data.seq_len} is not divisible by "
                     f"parallel.tp={tp} (parallel.sequence_parallel splits it)"
                 )
-        if m.mtp_depth:
-            for name, degree in (("pp", self.pp), ("tp", tp), ("cp", self.cp)):
-                if degree > 1:
-                    raise ConfigError(
-                        f"model.mtp_depth: multi-token prediction is not supported with "
-                        f"parallel.{name}={degree} (it runs with data parallelism, ZeRO 0-3 "
-                        "and expert parallelism); set model.mtp_depth=0 or parallel."
-                        f"{name}=1"
-                    )
+        if m.mtp_depth and self.cp > 1:
+            raise ConfigError(
+                f"model.mtp_depth: multi-token prediction is not supported with parallel.cp="
+                f"{self.cp} (a module's input at a position is the embedding of the token k "
+                "places ahead, which context parallelism's zig-zag chunks put on another rank; "
+                "it runs under data, tensor, pipeline and expert parallelism); set "
+                "model.mtp_depth=0 or parallel.cp=1"
+            )
+        if m.mtp_depth and tp > 1 and m.dim % tp:
+            raise ConfigError(
+                f"model.dim: {m.dim} is not divisible by parallel.tp={tp} (the multi-token-"
+                "prediction projection eh_proj is split by output column)"
+            )
         stages = self.num_stages
         if m.n_layers % stages:
             raise ConfigError(

@@ -35,6 +35,7 @@ from moetrain.model.ep_dispatch import (
     AllToAllDispatcher,
     ExpertTPDispatcher,
 )
+from moetrain.model.experts import EXPERT_FFN_DIMS
 from moetrain.model.moe import MoELayer
 
 DISPATCHERS = ("all_to_all", "all_gather")
@@ -171,12 +172,10 @@ def apply_ep(
             )
         f = slice(tp_rank * (F // tp), (tp_rank + 1) * (F // tp))
         e = slice(rank * L, (rank + 1) * L)
-        for name, index in (
-            ("w1", (e, slice(None), f)),
-            ("w3", (e, slice(None), f)),
-            ("w2", (e, f)),
-        ):
+        names = experts.ffn_dims()  # the per-expert tensors (the output bias stays whole)
+        for name, ffn_dim in names.items():
             w = getattr(experts, name)
+            index = (e, *([slice(None)] * (ffn_dim - 1)), f)
             local = nn.Parameter(w.detach()[index].clone(), requires_grad=w.requires_grad)
             setattr(experts, name, local)
         experts.num_experts = L
@@ -186,7 +185,8 @@ def apply_ep(
             layer.dispatcher = ExpertTPDispatcher(layer.dispatcher, etp_group)
         # Shared experts computed while the all-to-all is in flight (same numbers).
         layer.overlap_shared = overlap and layer.shared_experts is not None
-        for p in experts.parameters():
+        for name in names:
+            p = getattr(experts, name)
             p._moetrain_expert = True  # type: ignore[attr-defined]
             params.append(p)
     return params
@@ -240,11 +240,11 @@ def gather_expert_tensors(
     local: dict[str, torch.Tensor], ep_mesh, etp_mesh=None
 ) -> dict[str, torch.Tensor]:
     """This rank's slices of expert tensors (weights, gradients, ...) keyed by the expert
-    parameter's name (``...experts.w1`` / ``w3`` / ``w2``), gathered to full (E, ...) size
-    over the EP group and the FFN width over ``etp_mesh`` (collective)."""
+    parameter's name (``...experts.w1`` / ``w3`` / ``w2`` / ``b1`` / ``b3``), gathered to full
+    (E, ...) size over the EP group and the FFN width over ``etp_mesh`` (collective)."""
     out = {}
     for name, full in local.items():
-        ffn_dim = 1 if name.endswith("w2") else 2
+        ffn_dim = EXPERT_FFN_DIMS[name.rsplit(".", 1)[-1]]
         for mesh, dim in ((etp_mesh, ffn_dim), (ep_mesh, 0)):
             group = _group(mesh)
             if group is None or dist.get_world_size(group) == 1:

@@ -8,7 +8,8 @@ v virtual stages holds chunks r, r + pp, r + 2 pp, ... The V-shaped schedules (`
 the last rank without a hop (``stage_ids``). Each chunk is a deep copy of the full
 model with the layers it does not own deleted (torchtitan-style): names stay as in the full
 model, so checkpoints do not depend on the layout. The first stage keeps the embedding, the
-last the final norm and output.
+last the final norm and output, and with multi-token prediction the modules (layers
+``n_layers``..) and a copy of the embedding for their inputs (``embedding_copy``).
 
 The split happens before the other ``apply_*`` steps (a sharded module cannot be deep
 copied); the ``PipelineStage`` objects and the schedule are built last, around the final
@@ -73,21 +74,65 @@ def pipeline_split(
     if cfg.pp == 1:
         return [model], [0]
     num_stages = cfg.pp * cfg.pp_virtual_stages
-    n_layers = len(model.layers)
+    n_layers = model.cfg.n_layers
+    # Multi-token-prediction modules (layers n_layers..) run after the output head: they go
+    # to the last stage, which keeps a copy of the embedding for their inputs.
+    mtp = {name for name in model.layers if int(name) >= n_layers}
     parts, ids = [], stage_ids(pp_rank, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
     for s in ids:
         part = copy.deepcopy(model)
-        keep = {str(i) for i in stage_layers(n_layers, num_stages, s)}
+        last = s == num_stages - 1
+        keep = {str(i) for i in stage_layers(n_layers, num_stages, s)} | (mtp if last else set())
         for name in list(part.layers.keys()):
             if name not in keep:
                 del part.layers[name]
         if s != 0:
-            part.tok_embeddings = None
-        if s != num_stages - 1:
+            part.embeds_input = False
+            if not (last and mtp):
+                part.tok_embeddings = None
+        if not last:
             part.norm = None
             part.output = None
         parts.append(part)
     return parts, ids
+
+
+def embedding_copy(part: nn.Module) -> nn.Parameter | None:
+    """The embedding weight of a chunk that holds it without embedding its input: the last
+    stage's copy under multi-token prediction (``pipeline_split``), else None.
+
+    The first and the last stage each hold ``tok_embeddings.weight`` under that one name. The
+    engine sums the two gradients after backward, so that both copies take the same optimizer
+    step and stay equal; checkpoints keep the name once (``torch.distributed.checkpoint``
+    writes a tensor that two ranks hold alike once); the gradient norm counts the copy once."""
+    emb = getattr(part, "tok_embeddings", None)
+    if emb is None or getattr(part, "embeds_input", True):
+        return None
+    return emb.weight
+
+
+_EMBEDDING_GROUPS: dict[Any, Any] = {}
+
+
+def embedding_group(meshes: Any, dims: Any, schedule: str) -> Any:
+    """The process group of this rank's first-stage embedding and last-stage copy (the ranks
+    of pp index 0 and of the last stage's pp index with this rank's other coordinates), or
+    None when one rank holds both (the V placement puts the first and the last stage on pp
+    rank 0). Collective on first use for pp > 2 (every rank creates every pair's group);
+    then reused, like the meshes."""
+    pp = dims.pp
+    if schedule in V_SCHEDULES:
+        return None
+    if pp == 2:
+        return meshes.pp.get_group()
+    import torch.distributed as dist
+
+    key = (id(dist.group.WORLD), dims)
+    if key not in _EMBEDDING_GROUPS:
+        ranks = meshes.world.mesh.reshape(pp, -1)  # looped: the last stage is on pp rank pp - 1
+        pairs = [[int(ranks[0, j]), int(ranks[pp - 1, j])] for j in range(ranks.shape[1])]
+        _EMBEDDING_GROUPS[key] = dist.new_subgroups_by_enumeration(pairs)[0]
+    return _EMBEDDING_GROUPS[key]
 
 
 def build_pipeline(

@@ -41,6 +41,7 @@ from moetrain.config import ParallelConfig
 from moetrain.model.attention import Attention, LatentAttention
 from moetrain.model.ep_dispatch import ExpertTPDispatcher
 from moetrain.model.moe import MoELayer
+from moetrain.model.transformer import MTPBlock
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None:
@@ -80,9 +81,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
             plan = _gqa_plan(block.attention, act)
             if block.attention.qk_norm == "full":
                 _shard_full_qk_norms(block.attention, tp_mesh)
+            if block.attention.sinks is not None:  # one per head: split with the heads
+                _shard_parameter(block.attention, "sinks", tp_mesh, 0)
         if sp:
             plan["attention_norm"] = SequenceParallel()
             plan["ffn_norm"] = SequenceParallel()
+        if isinstance(block, MTPBlock):
+            plan.update(_mtp_plan(act, sp))
         if isinstance(block.ffn, MoELayer):
             if sp:
                 plan["ffn"] = PrepareModuleInput(
@@ -120,6 +125,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
         parallelize_module(block, tp_mesh, plan)
 
 
+def _mtp_plan(act: object, sp: bool) -> dict[str, object]:
+    """A multi-token-prediction module's own parts (its block is split like every block):
+    the projection ``eh_proj`` column-wise, its input (the two normed halves) gathered first
+    and its output brought back to the residual stream's layout (all-gathered over the
+    columns, or to this rank's sequence shard under sequence parallelism); the three norms
+    sequence-parallel, or replicated plain modules without it."""
+    plan: dict[str, object] = {
+        "eh_proj": ColwiseParallel(input_layouts=act, output_layouts=act),
+    }
+    if sp:
+        for name in ("enorm", "hnorm", "head_norm"):
+            plan[name] = SequenceParallel()
+    return plan
+
+
 def _shared_experts_plan(moe: MoELayer) -> dict[str, object]:
     """The shared experts (a dense SwiGLU inside the MoE layer, whose input every tp rank
     holds whole): w1/w3 column-wise, w2 row-wise, like the dense FFN."""
@@ -144,14 +164,20 @@ def _shard_experts(moe: MoELayer, tp_mesh: DeviceMesh) -> None:
     and the dispatcher wrapped to sum the partial outputs (``ExpertTPDispatcher``). Every
     rank still routes every token (the router is replicated); each computes 1/tp of the
     expert FLOPs."""
+    experts = moe.experts
+    for name, dim in experts.ffn_dims().items():
+        _shard_parameter(experts, name, tp_mesh, dim)
+    moe.dispatcher = ExpertTPDispatcher(moe.dispatcher, tp_mesh.get_group())
+
+
+def _shard_parameter(module: nn.Module, name: str, tp_mesh: DeviceMesh, dim: int) -> None:
+    """Replace ``module.<name>`` by a DTensor parameter sharded along ``dim`` over tp; the
+    module computes with its local part (``moetrain.model.experts.local_part``)."""
     from torch.distributed.tensor import distribute_tensor
 
-    experts = moe.experts
-    for name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
-        w = getattr(experts, name)
-        sharded = distribute_tensor(w.detach(), tp_mesh, [Shard(dim)])
-        setattr(experts, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
-    moe.dispatcher = ExpertTPDispatcher(moe.dispatcher, tp_mesh.get_group())
+    w = getattr(module, name)
+    sharded = distribute_tensor(w.detach(), tp_mesh, [Shard(dim)])
+    setattr(module, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
 
 
 def _gqa_plan(attn: Attention, act: object) -> dict[str, object]:

@@ -39,6 +39,7 @@ from moetrain.config import JobConfig
 from moetrain.model import Transformer
 from moetrain.model.masks import document_ids
 from moetrain.model.moe import SCORE_HIST_BINS, STAT_NAMES
+from moetrain.model.mtp import IGNORE_INDEX
 from moetrain.parallel.accounting import params_before_dp
 from moetrain.parallel.context_parallel import sequence_index
 from moetrain.parallel.data_parallel import GradientSync, moe_layers
@@ -49,6 +50,7 @@ from moetrain.parallel.expert_parallel import (
     reduce_expert_grads,
 )
 from moetrain.parallel.parallelize import parallelize
+from moetrain.parallel.pipeline import embedding_copy, embedding_group
 from moetrain.train.full_state import FullStateGather
 from moetrain.train.optim import build_optimizer, build_scheduler, param_groups
 from moetrain.train.routing_passes import Batch, RoutingPasses
@@ -57,11 +59,6 @@ from moetrain.train.tensors import local, process_group, shard_dims
 from moetrain.train.zero1_state import build_zero1_optimizers
 
 _NORM_DIMS = ("dp_replicate", "dp_shard", "tp")
-
-IGNORE_INDEX = -100
-"""Label of a position left out of the loss (``F.cross_entropy``'s default ignore_index):
-padding, and under ``model.document_mask`` each document's separator, whose label is the next
-document's first token."""
 
 
 def counted_labels(batch: Batch, document_mask: bool) -> torch.Tensor:
@@ -167,6 +164,13 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         # (routing records, eval routing) run over, after the MoE layers gathered them over cp.
         self.seq_group = process_group(meshes.dp) if meshes else None
         self.pp_group = process_group(meshes.pp) if meshes else None
+        # Multi-token prediction under a pipeline: the ranks of the first stage's embedding
+        # and the last stage's copy of it (None: one rank holds both, or no pipeline).
+        self.embedding_group = (
+            embedding_group(meshes, dims, pcfg.pp_schedule)
+            if meshes is not None and cfg.model.mtp_depth and dims.pp > 1
+            else None
+        )
 
         # Optimizer(s): one AdamW per chunk (state dicts are per module), or for stages 0/1
         # a GradientSync and, for ZeRO-1, one AdamW over this rank's slices.
@@ -214,6 +218,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
                 self._pipeline_step(dummy[: self.breadth], train=False)
         for part in self.parts:
             part.zero_grad(set_to_none=True)
+            part.pop_mtp_loss()
         for layer in self.moe.values():
             layer.pop_stats()
 
@@ -379,6 +384,8 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         if not self.cfg.model.mtp_depth:
             return float("nan")
         sums = sum(part.pop_mtp_loss() for part in self.parts)
+        if self.pp_group is not None:  # the last stage's
+            dist.all_reduce(sums, group=self.pp_group)
         mean = sums[0] / sums[1].clamp_min(1)
         return float(self._mean_over_dp(mean))
 
@@ -413,6 +420,10 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             if "valid" in keys and "valid" not in p[2]:  # whole sequences, like the others
                 p[2]["valid"] = torch.ones(b["labels"].shape, dtype=torch.bool, device=self.device)
         kwargs: dict[str, Any] = {k: torch.cat([p[2][k] for p in parts]) for k in sorted(keys)}
+        if self.cfg.model.mtp_depth and self.parts[0].training:
+            # Training forwards (and the counting pass) run the multi-token-prediction
+            # modules of the last stage: they read the labels (``_forward``).
+            kwargs["labels"] = labels
         if self.last_stage:
             kwargs.update(target=labels, losses=losses)
         with self._loss_ctx():
@@ -478,13 +489,17 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
 
     # ------------------------------------------------------------------ optimizer
 
-    def _grad_pieces(self) -> list[tuple[torch.Tensor, frozenset[str]]]:
-        """(local gradient, mesh dims it is sharded over) for this rank's share of the
-        gradient norm."""
+    def _grad_pieces(self, norm: bool = False) -> list[tuple[torch.Tensor, frozenset[str]]]:
+        """(local gradient, mesh dims it is sharded over) of this rank's non-expert
+        gradients; ``norm``: only its share of the gradient norm (the last stage's copy of the
+        embedding, whose gradient equals the first stage's, left out)."""
         out = []
+        copies = {id(c) for c in self._embedding_copies()} if norm else set()
         if self.grad_sync is not None:
             zero1 = self.zero_stage == 1
             for grad, param in self.grad_sync.grad_pieces():
+                if id(param) in copies:
+                    continue
                 dims = set(shard_dims(param))
                 if zero1:  # sharded over dp_shard (x cp)
                     dims.add("dp_shard_cp" if self.dims.cp > 1 else "dp_shard")
@@ -492,9 +507,37 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             return out
         for part in self.parts:
             for p in part.parameters():
-                if p.grad is not None and not is_expert_param(p):
+                if p.grad is not None and not is_expert_param(p) and id(p) not in copies:
                     out.append((local(p.grad), frozenset(shard_dims(p.grad))))
         return out
+
+    def _embedding_copies(self) -> list[nn.Parameter]:
+        """The last stage's copy of the embedding, when this rank holds it (multi-token
+        prediction under a pipeline, ``moetrain.parallel.pipeline.embedding_copy``)."""
+        return [c for c in map(embedding_copy, self.parts) if c is not None]
+
+    @torch.no_grad()
+    def _sync_embedding_copies(self) -> None:
+        """Sum the gradients of the first stage's embedding and the last stage's copy (both
+        this rank's, or over ``embedding_group``), before any other reduction: both copies
+        then take the same step. Each has the gradient of its own uses (the main model's
+        input, the multi-token-prediction modules' inputs); the embedding's is their sum."""
+        if not self.cfg.model.mtp_depth or self.dims.pp == 1:
+            return
+        mine = self._embedding_copies()
+        mine += [part.tok_embeddings.weight for part in self.parts
+                 if part.embeds_input and part.tok_embeddings is not None]  # fmt: skip
+        if not mine:
+            return  # a stage in the middle
+        for p in mine:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [local(p.grad) for p in mine]
+        total = torch.stack(grads).sum(0)
+        if self.embedding_group is not None:
+            dist.all_reduce(total, group=self.embedding_group)
+        for g in grads:
+            g.copy_(total)
 
     def _expert_grads(self) -> list[torch.Tensor]:
         return [p.grad for p in self.expert_params if p.grad is not None]
@@ -507,7 +550,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
                           for d in _NORM_DIMS)  # fmt: skip
         classes = [frozenset(c) for c in _subsets(norm_dims)]
         sq = torch.zeros(len(classes), dtype=torch.float64, device=self.device)
-        for grad, dims in self._grad_pieces():
+        for grad, dims in self._grad_pieces(norm=True):
             sq[classes.index(dims)] += grad.detach().double().pow(2).sum()
         if self.meshes is not None:
             for name in norm_dims:
@@ -537,6 +580,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         and loss are global, so all ranks agree): parameters and optimizer state stay as
         they were, the gradients are dropped and the schedule advances."""
         self._match_grad_placements()
+        self._sync_embedding_copies()
         if self.grad_sync is not None:
             self.grad_sync.reduce()
         if self.expert_params:

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor, Shard
 
+from moetrain.model.experts import EXPERT_FFN_DIMS
 from moetrain.parallel.expert_parallel import is_expert_param
 from moetrain.train.tensors import MOMENTS, fqn
 from moetrain.train.zero1_state import zero1_restore, zero1_shadow
@@ -73,7 +74,7 @@ class StateViews:
                 if not is_expert_param(p):
                     continue
                 if self.etp_mesh is not None:
-                    ffn_dim = 1 if name.endswith("w2") else 2
+                    ffn_dim = EXPERT_FFN_DIMS[name.rsplit(".", 1)[-1]]
                     mesh = self.meshes.ep_root["ep", "tp"]
                     out.append((fqn(name), mesh, (Shard(0), Shard(ffn_dim))))
                 else:
@@ -92,10 +93,18 @@ class StateViews:
                     # is loaded into (seen with one expert per rank sharded over ep and the
                     # FFN width over tp), which the copy into the parameter refuses.
                     sd[key] = value.to_local().clone()
+        seen: set[str] = set()
         for part, opt in zip(self.parts, shadows, strict=True):
             keys = set(get_model_state_dict(part))
             set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in keys})
-            set_optimizer_state_dict(part, opt, state["optim"], options=FLAT)
+            # A name two chunks of this rank hold (the embedding and the last stage's copy of
+            # it under the V schedules): the optimizer keeps the tensors it is given, so the
+            # second chunk gets copies of its moments, never the first's own tensors.
+            shared = keys & seen
+            optim = {k: v.clone() if _state_of(k) in shared and isinstance(v, torch.Tensor)
+                     else v for k, v in state["optim"].items()}  # fmt: skip
+            set_optimizer_state_dict(part, opt, optim, options=FLAT)
+            seen |= keys
         if self.zero_stage == 1:
             zero1_restore(self.grad_sync, self.optimizers, shadows)
         self._shadows = None
@@ -127,3 +136,8 @@ class StateViews:
     def load_scheduler_state(self, state: dict[str, Any]) -> None:
         for sched in self.schedulers:
             sched.load_state_dict(state)
+
+
+def _state_of(key: str) -> str:
+    """The parameter name of a flattened optimizer-state key (``state.<name>.<moment>``)."""
+    return key.removeprefix("state.").rsplit(".", 1)[0] if key.startswith("state.") else ""

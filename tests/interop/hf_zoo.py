@@ -55,6 +55,12 @@ CONFIGS: dict[str, tuple[str, dict]] = {
         kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                       "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    "gpt_oss": ("GptOssConfig", dict(
+        _ATTN, num_hidden_layers=3, head_dim=16, intermediate_size=32, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=6, swiglu_alpha=1.5, swiglu_limit=0.4,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096})),
 }  # fmt: skip
 """model_type -> (transformers config class, its arguments). Each exercises its family's
 options: Qwen3 a head_dim unrelated to the width and a dense mlp_only layer; OLMoE no
@@ -63,7 +69,10 @@ q LoRA, group-limited sigmoid routing, scaling, a first dense layer and YaRN; GL
 biases, per-head q/k norms, partial rotary and V3's routing; MiniMax-M2 whole-projection q/k
 norms, a head_dim unrelated to the width, partial rotary (rotary_dim) and biased sigmoid
 routing; DeepSeek-V2 MLA without q LoRA, YaRN and softmax routing over groups scored by
-their best expert."""
+their best expert; gpt-oss sinks, sliding layers (window 6 < the tests' sequences)
+alternating with full ones, YaRN without truncation (gpt-oss's own, whose correction range
+has fractional ends with this head width), router and expert biases and a clamped
+SwiGLU whose limit the tiny model's activations reach."""
 
 DENSE: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", dict(_ATTN, intermediate_size=96, rope_scaling={
@@ -81,7 +90,8 @@ MODELS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
           "deepseek_v3": "DeepseekV3ForCausalLM", "llama": "LlamaForCausalLM",
           "mistral": "MistralForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "qwen2": "Qwen2ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-          "minimax_m2": "MiniMaxM2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM"}  # fmt: skip
+          "minimax_m2": "MiniMaxM2ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+          "gpt_oss": "GptOssForCausalLM"}  # fmt: skip
 
 
 def build_hf(model_type: str, seed: int = 0):
@@ -102,6 +112,13 @@ def build_hf(model_type: str, seed: int = 0):
                 bias.copy_(torch.randn(bias.shape, generator=gen) * 0.05)
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.1)
+            # gpt-oss: sinks, the router's bias, the experts' biases (zeros or tiny by init).
+            for name in ("sinks", "gate_up_proj_bias", "down_proj_bias"):
+                t = getattr(module, name, None)
+                if isinstance(t, torch.Tensor):
+                    t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+            if type(module).__name__ == "GptOssTopKRouter":
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.3)
     return model
 
 

@@ -101,3 +101,67 @@ def test_deepseek_rope_interleave_false(tmp_path: Path, monkeypatch: pytest.Monk
     assert ours.cfg.rope_style == "half"
     hf_logits, our_logits, _, _ = run_both(hf_model, ours, tokens())
     assert (hf_logits - our_logits).abs().max().item() <= LOGIT_ATOL
+
+
+def test_gpt_oss_options_matter(tmp_path: Path) -> None:
+    """Each gpt-oss option is seen in the logits (tests/interop/hf_zoo.py draws the sinks and
+    biases away from zero, and sets a clamp limit the tiny model reaches): without the sinks,
+    the sliding window, the router bias, the expert biases, the clamped activation, its
+    alpha or its limit, or with YaRN's range truncated, moetrain's forward leaves
+    transformers'; with all of them it matches (``test_forward_matches_transformers``)."""
+    import dataclasses
+
+    from moetrain.model.rope import rope_tables
+
+    hf_model = save_hf("gpt_oss", tmp_path)
+
+    def no_sinks(model):
+        for block in model.layers.values():
+            block.attention.sinks = None
+
+    def moe_cfg(**changes):
+        def apply(model):
+            for layer in model.moe_layers().values():
+                for k, v in changes.items():
+                    setattr(layer.experts, {"expert_activation": "activation",
+                                            "swiglu_alpha": "alpha",
+                                            "swiglu_limit": "limit"}[k], v)  # fmt: skip
+
+        return apply
+
+    def zero(suffixes):
+        def apply(model):
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if name.endswith(suffixes):
+                        p.zero_()
+
+        return apply
+
+    def truncated(model):
+        model.cfg = dataclasses.replace(model.cfg, rope_yarn_truncate=True)
+        cos, sin = rope_tables(model.cfg)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)
+
+    def full_attention(model):
+        model.cfg = dataclasses.replace(model.cfg, sliding_window=None,
+                                        sliding_window_layers=None)  # fmt: skip
+
+    changes = {
+        "no sinks": no_sinks,
+        "no sliding window": full_attention,
+        "no router bias": zero(("router.gate.bias",)),
+        "no expert biases": zero(("experts.b1", "experts.b3", "experts.b2")),
+        "plain SwiGLU": moe_cfg(expert_activation="swiglu"),
+        "alpha 1.702": moe_cfg(swiglu_alpha=1.702),
+        "limit 7": moe_cfg(swiglu_limit=7.0),
+        "YaRN truncated": truncated,
+    }
+    for what, change in changes.items():
+        ours = from_hf(tmp_path)
+        change(ours)
+        hf_logits, our_logits, _, _ = run_both(hf_model, ours, tokens())
+        # Well outside the agreement tolerance (YaRN's ends move low frequencies only, which
+        # these short sequences barely turn: 5e-4).
+        assert (hf_logits - our_logits).abs().max().item() > 10 * LOGIT_ATOL, what

@@ -3,7 +3,8 @@ loss is transformers' loss on the same batch; every rank read only the slices it
 
 One spawned job runs a family per layout: Mixtral and DeepSeek-V3 under tp=2 + sequence
 parallelism, Qwen2-MoE under tp=2, OLMoE under pp=2, Qwen3-MoE under ep=2 with ZeRO-3; GLM-4.5
-under tp=2 + sequence parallelism, MiniMax-M2 under pp=2, DeepSeek-V2 under ep=2 with ZeRO-3.
+under tp=2 + sequence parallelism, MiniMax-M2 under pp=2, DeepSeek-V2 under ep=2 with ZeRO-3,
+gpt-oss under tp=2 + sequence parallelism (its sinks read as each rank's heads).
 Routing is dropless (transformers has no capacity), so the first forward is the model's.
 """
 
@@ -27,6 +28,7 @@ LAYOUTS: dict[str, list[str]] = {
     "glm4_moe": ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "minimax_m2": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "deepseek_v2": ["parallel.ep=2", "parallel.zero_stage=3"],
+    "gpt_oss": ["parallel.tp=2", "parallel.sequence_parallel=true"],
 }
 
 

@@ -44,15 +44,21 @@ CASES: dict[str, tuple[list[str], str | None]] = {
         "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8", "model.v_head_dim=16",
         "model.rope_scaling=yarn", "model.rope_scaling_factor=4.0",
         "model.rope_original_max_seq_len=16", "model.rope_yarn_mscale=1.0",
-        "model.rope_yarn_mscale_all_dim=1.0", "model.rope_style=half",
+        "model.rope_yarn_mscale_all_dim=1.0", "model.rope_yarn_truncate=false",
+        "model.rope_style=half",
         "moe.score_func=sigmoid", "moe.n_groups=2", "moe.topk_groups=1",
         "moe.routed_scaling_factor=2.5", "moe.dense_layers=[0]", "moe.group_score=max"],
         "moetrain"),
-    "whole-projection q/k norm, clip, biases, head_dim, partial llama3, sparse layers": ([
+    # ... and gpt-oss's options beside ones gpt-oss does not have.
+    "whole-projection q/k norm, clip, biases, head_dim, partial llama3, sparse layers, sinks, "
+    "sliding layers, router and expert biases, clamped SwiGLU": ([
         "model.qk_norm=full", "model.clip_qkv=1.5", "model.qkv_bias=true", "model.head_dim=16",
         "model.rope_scaling=llama3", "model.rope_scaling_factor=8.0",
         "model.rope_original_max_seq_len=16", "moe.every_n_layers=2",
-        "model.partial_rotary_factor=0.5",
+        "model.partial_rotary_factor=0.5", "model.attention_sinks=true",
+        "model.sliding_window=5", "model.sliding_window_layers=[0,2]", "moe.router_bias=true",
+        "moe.expert_ffn_bias=true", "moe.expert_activation=clamped_swiglu",
+        "moe.swiglu_limit=0.5", "moe.swiglu_alpha=1.2",
         "moe.shared_expert_gate=true", "moe.renormalize=false", "moe.expert_bias_rate=0.0"],
         None),
 }  # fmt: skip

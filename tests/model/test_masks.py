@@ -75,8 +75,9 @@ def test_dense_mask_is_the_hand_built_one(window, documents, queries) -> None:
     assert mask.plain_causal == (queries == "whole" and docs is None and window is None)
 
 
-def _reference_attention(q, k, v, scale, allowed_BsL):
-    """Per query: softmax of its scores over the keys it may see, in float64."""
+def _reference_attention(q, k, v, scale, allowed_BsL, sinks_H=None):
+    """Per query: softmax of its scores over the keys it may see, in float64; with sinks,
+    the head's sink logit joins the softmax and its weight is dropped (gpt-oss)."""
     B, s, H, _ = q.shape
     out = torch.zeros(B, s, H, v.shape[-1], dtype=torch.float64)
     for b in range(B):
@@ -85,23 +86,38 @@ def _reference_attention(q, k, v, scale, allowed_BsL):
             for h in range(H):
                 hk = h // (H // k.shape[2])
                 scores = (k[b, keys, hk].double() @ q[b, i, h].double()) * scale
-                out[b, i, h] = scores.softmax(0) @ v[b, keys, hk].double()
+                if sinks_H is None:
+                    weights = scores.softmax(0)
+                else:
+                    weights = torch.cat((scores, sinks_H[h : h + 1].double())).softmax(0)[:-1]
+                out[b, i, h] = weights @ v[b, keys, hk].double()
     return out.reshape(B, s, -1)
 
 
+@pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("rules", ["causal", "documents", "window", "documents+window"])
-def test_attend_is_a_softmax_over_the_allowed_keys(rules, assert_close) -> None:
+def test_attend_is_a_softmax_over_the_allowed_keys(rules, sinks, assert_close) -> None:
     g = torch.Generator().manual_seed(0)
     B, S, H, Hkv, Dh, Dv = 2, 8, 4, 2, 6, 5  # grouped kv heads, a value width of its own
     q = torch.randn(B, S, H, Dh, generator=g)
     k = torch.randn(B, S, Hkv, Dh, generator=g)
     v = torch.randn(B, S, Hkv, Dv, generator=g)
+    sinks_H = torch.randn(H, generator=g) * 2 if sinks else None
     docs = DOCS if "documents" in rules else None
     window = 3 if "window" in rules else None
     mask = AttentionMask.causal().with_documents(docs).with_window(window)
-    out = attend(q, k, v, None, mask)
-    expected = _reference_attention(q, k, v, Dh**-0.5, _hand_mask(range(S), S, docs, window, B))
-    assert_close(out, expected.float(), what=f"attention, {rules}")
+    out = attend(q, k, v, None, mask, sinks_H)
+    allowed = _hand_mask(range(S), S, docs, window, B)
+    expected = _reference_attention(q, k, v, Dh**-0.5, allowed, sinks_H)
+    assert_close(out, expected.float(), what=f"attention, {rules}, sinks {sinks}")
+    if sinks:  # the sinks matter, and their gradient is the reference's
+        plain = _reference_attention(q, k, v, Dh**-0.5, allowed)
+        assert (plain - expected).abs().max() > 1e-2
+        sinks_H.requires_grad_(True)
+        grad = torch.autograd.grad(attend(q, k, v, None, mask, sinks_H).sum(), sinks_H)[0]
+        ref = torch.autograd.grad(_reference_attention(q, k, v, Dh**-0.5, allowed, sinks_H).sum(),
+                                  sinks_H)[0]  # fmt: skip
+        assert_close(grad, ref.float(), what=f"sink gradient, {rules}")
 
 
 @pytest.mark.slow  # FlexAttention compiles (about a minute on two cores)

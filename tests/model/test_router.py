@@ -68,6 +68,26 @@ def test_softmax_weights_hand_values(assert_close):
     assert_close(r.weights_TK[0], torch.stack([1 / (1 + e_inv), e_inv / (1 + e_inv)]))
 
 
+def test_router_bias_is_gpt_oss_softmax_over_the_biased_top_k_logits(assert_close):
+    """gpt-oss routes by softmax over the top-k of (logits + bias): the renormalised top-k of
+    a softmax (``moe.renormalize``) over the biased logits is the same thing. The bias moves
+    both the choice and the weights, and is trained (unlike the selection-only expert_bias)."""
+    cfg = MoEConfig(num_experts=4, top_k=2, score_func="softmax", renormalize=True,
+                    router_bias=True)  # fmt: skip
+    router = identity_router(cfg)
+    bias_E = torch.tensor([0.0, -2.5, 0.0, 1.0])
+    with torch.no_grad():
+        router.gate.bias.copy_(bias_E)
+    logits_TE = torch.tensor(LOGITS_TE, requires_grad=True)
+    r = router(logits_TE, "torch")
+    biased_TE = torch.tensor(LOGITS_TE, dtype=torch.float64) + bias_E.double()
+    top_TK, ids_TK = biased_TE.topk(2, dim=-1)
+    assert r.ids_TK.tolist() == ids_TK.tolist() != TOP2_IDS_TK  # the bias changed a choice
+    assert_close(r.weights_TK, torch.softmax(top_TK, dim=-1))
+    r.weights_TK[:, 0].sum().backward()
+    assert router.gate.bias.grad is not None and router.gate.bias.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_expert_bias_changes_selection_not_weights(score_func, assert_close):
     cfg = MoEConfig(num_experts=4, top_k=2, score_func=score_func, expert_bias_rate=0.01)

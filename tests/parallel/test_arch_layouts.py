@@ -14,7 +14,12 @@ Option sets, each the micro MoE of ``tests/multirank.py`` with one family's opti
 - MiniMax-M2-style: whole-projection q/k norms with a head_dim unrelated to the width,
   partial rotary, biased sigmoid routing without shared experts;
 - DeepSeek-V2-style: MLA without q LoRA, softmax routing over groups scored by their best
-  expert, no renormalisation, routed_scaling_factor.
+  expert, no renormalisation, routed_scaling_factor;
+- gpt-oss-style: attention sinks (split with the heads under tp), q/k/v/o biases, a head
+  width unrelated to the width, sliding-window layers between full ones, untruncated YaRN,
+  a router bias, expert biases (the gate/up ones split with the experts' width, the down
+  one added once after the combine) and the clamped SwiGLU with a limit the micro model
+  reaches.
 
 Each trains ``STEPS`` fp32 steps under tp=2 + sequence parallelism, pp=2 and ep=2 with ZeRO-3
 (one spawned 2-rank job) and must reproduce the single-process run on every rank: losses,
@@ -58,6 +63,15 @@ OPTION_SETS: dict[str, list[str]] = {
         "model.qk_norm=full", "model.head_dim=32", "model.partial_rotary_factor=0.5",
         "model.rope_style=half", "moe.score_func=sigmoid", "moe.route_with_bias=true",
         "moe.num_shared_experts=0",
+    ],
+    "gpt-oss": [
+        "model.attention_sinks=true", "model.qkv_bias=true", "model.out_bias=true",
+        "model.head_dim=8", "model.sliding_window=5", "model.sliding_window_layers=[0,2]",
+        "model.rope_style=half", "model.rope_scaling=yarn", "model.rope_scaling_factor=32.0",
+        "model.rope_original_max_seq_len=4096", "model.rope_yarn_truncate=false",
+        "moe.router_bias=true", "moe.expert_ffn_bias=true",
+        "moe.expert_activation=clamped_swiglu", "moe.swiglu_alpha=1.702",
+        "moe.swiglu_limit=0.5", "moe.num_shared_experts=0", "moe.expert_bias_rate=0.0",
     ],
     "deepseek-v2": [
         "model.attention=mla", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",

@@ -41,9 +41,13 @@ TINY = [
     [
         ["moe.capacity_factor=null", "moe.score_func=softmax"],
         ["moe.capacity_factor=1.0", "moe.score_func=sigmoid", "moe.pad_to_capacity=true"],
+        # gpt-oss's experts: biases and the clamped SwiGLU between the Triton GEMMs, with
+        # dropped rows past the last expert (the zero bias row).
+        ["moe.capacity_factor=1.0", "moe.router_bias=true", "moe.expert_ffn_bias=true",
+         "moe.expert_activation=clamped_swiglu", "moe.swiglu_limit=0.5"],
     ],
-    ids=["dropless-softmax", "padded-sigmoid"],
-)
+    ids=["dropless-softmax", "padded-sigmoid", "gpt-oss-experts"],
+)  # fmt: skip
 def test_layer_forward_and_gradients_match_torch_path(moe_opts: list[str]) -> None:
     grads = {}
     outs = {}
@@ -51,6 +55,11 @@ def test_layer_forward_and_gradients_match_torch_path(moe_opts: list[str]) -> No
     for backend in ("torch", "triton"):
         cfg = load_config(None, [*TINY, *moe_opts, f"moe.kernels={backend}"])
         model = build_model(cfg.model, cfg.moe, seed=0)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():  # biases away from their zero init, the same on both paths
+            for name, p in model.named_parameters():
+                if name.endswith(("experts.b1", "experts.b3", "experts.b2", "gate.bias")):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten()).backward()
         outs[backend] = logits.detach()

@@ -1,7 +1,7 @@
 """One small adapter per Hugging Face family (docs/interop.md).
 
 MoE families: Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, MiniMax-M2,
-DeepSeek-V2. Dense families (the sources
+DeepSeek-V2, gpt-oss. Dense families (the sources
 of sparse upcycling, and plain dense imports): Llama, Mistral, Qwen2, Qwen3. Tensor names
 are those ``save_pretrained`` writes (the per-expert layout of the Hub checkpoints).
 ``moetrain``: moetrain's own model with its modeling file beside the weights, what export
@@ -17,6 +17,7 @@ from moetrain.interop.families.deepseek_v2 import DeepseekV2
 from moetrain.interop.families.deepseek_v3 import DeepseekV3
 from moetrain.interop.families.dense import Llama, Mistral, Qwen2, Qwen3
 from moetrain.interop.families.glm4_moe import Glm4Moe
+from moetrain.interop.families.gpt_oss import GptOss
 from moetrain.interop.families.minimax_m2 import MiniMaxM2
 from moetrain.interop.families.mixtral import Mixtral
 from moetrain.interop.families.moetrain import Moetrain
@@ -46,6 +47,7 @@ FAMILIES: dict[str, Family] = {
         Glm4Moe(),
         MiniMaxM2(),
         DeepseekV2(),
+        GptOss(),
         Llama(),
         Mistral(),
         Qwen2(),
@@ -54,7 +56,7 @@ FAMILIES: dict[str, Family] = {
     )
 }
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe",
-                "minimax_m2", "deepseek_v2")  # fmt: skip
+                "minimax_m2", "deepseek_v2", "gpt_oss")  # fmt: skip
 DENSE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -77,7 +79,7 @@ def export_family(
     order = ([prefer] if prefer in FAMILIES else []) + [t for t in FAMILIES if t != prefer]
     reasons = []
     for t in order:
-        problems = FAMILIES[t].problems(m, e)
+        problems = FAMILIES[t].cannot_express(m, e)
         if not problems:
             return FAMILIES[t], reasons
         reasons.append(f"{t}: {', '.join(problems)}")

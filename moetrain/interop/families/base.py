@@ -24,6 +24,7 @@ ARCH_MODEL_KEYS = (
     "rope_llama3_low_freq_factor", "rope_llama3_high_freq_factor", "qk_norm", "qkv_bias",
     "out_bias", "clip_qkv", "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "partial_rotary_factor", "mtp_depth",
+    "rope_yarn_truncate", "attention_sinks", "sliding_window", "sliding_window_layers",
 )  # fmt: skip
 """Keys of the model section an HF config decides (the rest are training choices)."""
 
@@ -31,7 +32,8 @@ ARCH_MOE_KEYS = (
     "num_experts", "top_k", "every_n_layers", "dense_layers", "expert_ffn_dim",
     "num_shared_experts", "shared_expert_ffn_dim", "shared_expert_gate", "score_func",
     "renormalize", "route_with_bias", "n_groups", "topk_groups", "routed_scaling_factor",
-    "group_score",
+    "group_score", "router_bias", "expert_ffn_bias", "expert_activation", "swiglu_alpha",
+    "swiglu_limit",
 )  # fmt: skip
 """Keys of the moe section an HF config decides. Capacity, dropping, balancing losses,
 jitter, token groups and kernels stay the YAML's."""
@@ -81,8 +83,6 @@ def rope_from_hf(hf: dict, family: str) -> dict[str, Any]:
                 f"config.json: {family}: yarn attention_factor is not "
                 "supported (it is derived from factor and mscale)"
             )
-        if params.get("truncate", True) is False:
-            raise HFCheckpointError(f"config.json: {family}: yarn truncate=false is not supported")
         original = original or hf.get("max_position_embeddings")
         factor = params.get("factor") or hf["max_position_embeddings"] / original
         return {
@@ -94,6 +94,7 @@ def rope_from_hf(hf: dict, family: str) -> dict[str, Any]:
             "rope_yarn_beta_slow": float(params.get("beta_slow") or 1),
             "rope_yarn_mscale": float(params.get("mscale") or 0.0),
             "rope_yarn_mscale_all_dim": float(params.get("mscale_all_dim") or 0.0),
+            "rope_yarn_truncate": bool(params.get("truncate", True)),
         }
     raise HFCheckpointError(
         f"config.json: {family}: RoPE type {kind!r} is not supported (default, linear, yarn "
@@ -126,6 +127,8 @@ def rope_to_hf(m: ModelConfig) -> dict[str, Any]:
             scaling["mscale"] = m.rope_yarn_mscale
         if m.rope_yarn_mscale_all_dim:
             scaling["mscale_all_dim"] = m.rope_yarn_mscale_all_dim
+        if not m.rope_yarn_truncate:
+            scaling["truncate"] = False
     return {"rope_theta": m.rope_theta, "rope_scaling": scaling}
 
 
@@ -221,9 +224,35 @@ class Family:
             **rope_to_hf(m),
         }
 
+    def cannot_express(self, m: ModelConfig, e: MoEConfig) -> list[str]:
+        """Why this family cannot express the architecture (empty: it can): its own
+        ``problems`` and the options only some families have (``option_problems``)."""
+        return self.problems(m, e) + self.option_problems(m, e)
+
+    gpt_oss_options = False
+    """Whether the family expresses gpt-oss's options: attention sinks, sliding-window
+    layers, router and expert biases, the clamped SwiGLU."""
+
+    def option_problems(self, m: ModelConfig, e: MoEConfig) -> list[str]:
+        """The options no family but gpt-oss (and moetrain's own) writes."""
+        if self.gpt_oss_options:
+            return []
+        out = []
+        if m.attention_sinks:
+            out.append("attention sinks")
+        if m.sliding_window is not None:
+            out.append("sliding-window attention")
+        if e.num_experts and e.router_bias:
+            out.append("a router bias")
+        if e.num_experts and e.expert_ffn_bias:
+            out.append("expert biases")
+        if e.num_experts and e.expert_activation != "swiglu":
+            out.append(f"the {e.expert_activation} expert activation")
+        return out
+
     def problems(self, m: ModelConfig, e: MoEConfig) -> list[str]:
-        """Why this family cannot express the architecture (empty: it can). The rope pairing
-        is not a problem: the exporter converts interleaved q/k rows."""
+        """Why this family cannot express the architecture's main options (empty: it can).
+        The rope pairing is not a problem: the exporter converts interleaved q/k rows."""
         out = []
         if m.attention != "gqa":
             out.append("multi-head latent attention")
@@ -323,6 +352,11 @@ class Family:
         if m.mtp_depth:
             out.update(self.mtp_sources(m, out))
         return out
+
+    def read_sources(self, m: ModelConfig, e: MoEConfig, tensors: set[str]) -> dict[str, Source]:
+        """The sources to read a directory holding ``tensors`` with: ``sources``, unless the
+        family stores some tensors otherwise in some checkpoints (gpt-oss's MXFP4 experts)."""
+        return self.sources(m, e)
 
     def mtp_sources(self, m: ModelConfig, out: dict[str, Source]) -> dict[str, Source]:
         """The multi-token-prediction modules' own tensors (DeepSeek-V3's names: the extra

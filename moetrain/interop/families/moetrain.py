@@ -40,6 +40,7 @@ class Moetrain(Family):
     keeps_rope_style = True
     remote_files = REMOTE_FILES
     mtp = True
+    gpt_oss_options = True
 
     def hf_mtp_depth(self, hf: dict, tensors: set[str]) -> int:
         return int((hf.get("moetrain_model") or {}).get("mtp_depth") or 0)

@@ -6,9 +6,10 @@ Self-contained: torch and transformers only, never moetrain (a user without moet
 it). It computes what moetrain's model computes, op for op in the same order, so that the
 logits agree with moetrain's: RMSNorm in fp32, RoPE tables in float64 (plain, linear, YaRN,
 llama3; interleaved or rotate-half pairs), grouped-query attention (q/k norms per head or
-over the whole projection, biases, clamping) or multi-head latent attention, and MoE layers
-with an fp32 router (softmax or sigmoid scores, a selection bias, group-limited top-k,
-renormalisation, a scaling factor), SwiGLU experts and shared experts (optionally gated).
+over the whole projection, biases, clamping, attention sinks, sliding-window layers) or
+multi-head latent attention, and MoE layers with an fp32 router (softmax or sigmoid scores, a
+logit bias, a selection bias, group-limited top-k, renormalisation, a scaling factor), SwiGLU
+experts (with biases, or gpt-oss's clamped SwiGLU) and shared experts (optionally gated).
 Routing is dropless (inference has no capacity limit). Tensor names are moetrain's inside
 each layer; ``model.embed_tokens``, ``model.norm`` and ``lm_head`` around them.
 
@@ -80,8 +81,11 @@ def rope_inv_freq(m: dict) -> tuple[torch.Tensor, float]:
     def correction_dim(rotations: float) -> float:
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(m["rope_yarn_beta_fast"])), 0)
-    high = min(math.ceil(correction_dim(m["rope_yarn_beta_slow"])), dim - 1)
+    low = correction_dim(m["rope_yarn_beta_fast"])
+    high = correction_dim(m["rope_yarn_beta_slow"])
+    if m.get("rope_yarn_truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
@@ -132,16 +136,32 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
-def attend(q_BSHD, k_BLHD, v_BLHD, mask_B1SL, scale):
-    """SDPA over keys with fewer (kv) heads than queries; (B, S, H * Dv)."""
+def attend(q_BSHD, k_BLHD, v_BLHD, mask_B1SL, scale, sinks_H=None):
+    """SDPA over keys with fewer (kv) heads than queries; (B, S, H * Dv). ``sinks_H``: a
+    logit per head in the softmax's denominator (attention sinks), computed eagerly."""
     B, S, H = q_BSHD.shape[:3]
     rep = H // k_BLHD.shape[2]
     if rep > 1:
         k_BLHD = k_BLHD.repeat_interleave(rep, dim=2)
         v_BLHD = v_BLHD.repeat_interleave(rep, dim=2)
     q, k, v = (t.transpose(1, 2) for t in (q_BSHD, k_BLHD, v_BLHD))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SL, scale=scale)
+    if sinks_H is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SL, scale=scale)
+    else:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        scores = (q @ k.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~mask_B1SL, float("-inf"))
+        sink = sinks_H.float().view(1, H, 1, 1).expand(B, H, S, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        out = probs.to(v.dtype) @ v
     return out.transpose(1, 2).reshape(B, S, -1)
+
+
+def window(m: dict, layer_id: int):
+    """The sliding window of a layer (moetrain's model.sliding_window_layers), or None."""
+    layers = m.get("sliding_window_layers")
+    w = m.get("sliding_window")
+    return w if layers is None or layer_id in layers else None
 
 
 def _cached(cache, layer_id: int, k_BSHD: torch.Tensor, v_BSHD: torch.Tensor):
@@ -166,6 +186,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(m["dim"], kv_out, bias=m["qkv_bias"])
         self.wv = nn.Linear(m["dim"], kv_out, bias=m["qkv_bias"])
         self.wo = nn.Linear(q_out, m["dim"], bias=m["out_bias"])
+        self.sinks = nn.Parameter(torch.zeros(m["n_heads"])) if m.get("attention_sinks") else None
         self.q_norm = self.k_norm = None
         if m["qk_norm"] != "none":
             per_head = m["qk_norm"] == "head"
@@ -187,7 +208,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         k, v = _cached(cache, self.layer_id, k, v)
-        return self.wo(attend(q, k, v, mask, None))
+        return self.wo(attend(q, k, v, mask, None, self.sinks))
 
     def _rope(self, x, cos, sin):
         if self.rope_dim == self.head_dim:
@@ -253,13 +274,14 @@ class Router(nn.Module):
     def __init__(self, dim: int, e: dict):
         super().__init__()
         self.e = e
-        self.gate = nn.Linear(dim, e["num_experts"], bias=False)
+        self.gate = nn.Linear(dim, e["num_experts"], bias=bool(e.get("router_bias")))
         self.register_buffer("expert_bias", torch.zeros(e["num_experts"]))
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights (T, K) fp32, expert ids (T, K))."""
         e = self.e
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        bias_E = self.gate.bias.float() if self.gate.bias is not None else None
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float(), bias_E)
         if e["score_func"] == "softmax":
             scores_TE = torch.softmax(logits_TE, dim=-1)
         else:
@@ -292,13 +314,28 @@ class Router(nn.Module):
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts with weights (E, D, F), (E, D, F), (E, F, D)."""
+    """E SwiGLU experts with weights (E, D, F), (E, D, F), (E, F, D); with ``bias`` the
+    biases (E, F), (E, F), (E, D) of gate, up and down; the activation silu(g) * u or the
+    clamped SwiGLU (moetrain's moe.expert_activation)."""
 
-    def __init__(self, num_experts: int, dim: int, ffn_dim: int):
+    def __init__(self, num_experts: int, dim: int, ffn_dim: int, e: dict):
         super().__init__()
+        self.e = e
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, ffn_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
+        self.b1 = self.b3 = self.b2 = None
+        if e.get("expert_ffn_bias"):
+            self.b1 = nn.Parameter(torch.zeros(num_experts, ffn_dim))
+            self.b3 = nn.Parameter(torch.zeros(num_experts, ffn_dim))
+            self.b2 = nn.Parameter(torch.zeros(num_experts, dim))
+
+    def _act(self, g, u):
+        if self.e.get("expert_activation", "swiglu") == "clamped_swiglu":
+            limit, alpha = self.e["swiglu_limit"], self.e["swiglu_alpha"]
+            g = g.clamp(max=limit)
+            return (u.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+        return F.silu(g) * u
 
     def forward(self, x_TD, weights_TK, ids_TK) -> torch.Tensor:
         out_TD = torch.zeros(x_TD.shape, dtype=torch.float32, device=x_TD.device)
@@ -306,7 +343,12 @@ class GroupedExperts(nn.Module):
             tok, slot = (ids_TK == e).nonzero(as_tuple=True)
             x = x_TD[tok]
             w1, w3, w2 = (w[e].to(x.dtype) for w in (self.w1, self.w3, self.w2))
-            y = (F.silu(x @ w1) * (x @ w3)) @ w2
+            g, u = x @ w1, x @ w3
+            if self.b1 is not None:
+                g, u = g + self.b1[e].to(x.dtype), u + self.b3[e].to(x.dtype)
+            y = self._act(g, u) @ w2
+            if self.b2 is not None:
+                y = y + self.b2[e].to(x.dtype)
             out_TD.index_add_(0, tok, weights_TK[tok, slot, None] * y.float())
         return out_TD.to(x_TD.dtype)
 
@@ -315,7 +357,7 @@ class MoELayer(nn.Module):
     def __init__(self, dim: int, e: dict):
         super().__init__()
         self.router = Router(dim, e)
-        self.experts = GroupedExperts(e["num_experts"], dim, e["expert_ffn_dim"])
+        self.experts = GroupedExperts(e["num_experts"], dim, e["expert_ffn_dim"], e)
         self.shared_experts = self.shared_expert_gate = None
         if e["num_shared_experts"]:
             hidden = e["shared_expert_ffn_dim"] or e["num_shared_experts"] * e["expert_ffn_dim"]
@@ -349,6 +391,7 @@ class Block(nn.Module):
         attn = LatentAttention if m["attention"] == "mla" else Attention
         self.attention = attn(m, layer_id)
         self.ffn_norm = RMSNorm(m["dim"], m["norm_eps"])
+        self.window = window(m, layer_id)
         self.ffn = (
             MoELayer(m["dim"], e)
             if is_moe_layer(layer_id, e)
@@ -362,7 +405,8 @@ class Block(nn.Module):
             self.eh_proj = nn.Linear(2 * m["dim"], m["dim"], bias=False)
             self.head_norm = RMSNorm(m["dim"], m["norm_eps"])
 
-    def forward(self, x, cos, sin, mask, cache):
+    def forward(self, x, cos, sin, masks, cache):
+        mask = masks[self.window]
         h = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)
         return h + self.ffn(self.ffn_norm(h))
 
@@ -389,20 +433,28 @@ class MoetrainPreTrainedModel(PreTrainedModel):
         elif isinstance(module, GroupedExperts):
             for w in (module.w1, module.w3, module.w2):
                 init.normal_(w, mean=0.0, std=std)
+            for b in (module.b1, module.b3, module.b2):
+                if b is not None:
+                    init.zeros_(b)
+        elif isinstance(module, Attention) and module.sinks is not None:
+            init.zeros_(module.sinks)
         elif isinstance(module, Router):
             init.zeros_(module.expert_bias)
 
 
 def attention_mask_4d(
-    attention_mask: torch.Tensor | None, q_pos_BS: torch.Tensor, L: int
+    attention_mask: torch.Tensor | None, q_pos_BS: torch.Tensor, L: int, window=None
 ) -> torch.Tensor:
-    """(B, 1, S, L) bool: query i sees key j <= its cache index that is not padding. A
-    query always sees itself, so that a padding query's row is never empty."""
+    """(B, 1, S, L) bool: query i sees key j <= its cache index that is not padding (and,
+    with a sliding ``window``, j > i - window). A query always sees itself, so that a padding
+    query's row is never empty."""
     B, S = q_pos_BS.shape
     device = q_pos_BS.device
     key_L = torch.arange(L, device=device)
     q_idx_S = torch.arange(L - S, L, device=device)
     allowed = key_L[None, :] <= q_idx_S[:, None]
+    if window is not None:
+        allowed = allowed & (q_idx_S[:, None] - key_L[None, :] < window)
     allowed = allowed[None].expand(B, S, L)
     if attention_mask is not None and attention_mask.dim() == 2:
         allowed = allowed & attention_mask[:, None, :L].bool()
@@ -434,9 +486,11 @@ class MoetrainModel(MoetrainPreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(past, past + S, device=h.device)[None].expand(B, S)
         cos, sin = rope_cos_sin(self.config.moetrain_model, position_ids)
-        mask = attention_mask_4d(attention_mask, position_ids, past + S)
-        for layer in self.layers[: self.config.moetrain_model["n_layers"]]:
-            h = layer(h, cos, sin, mask, cache)
+        layers = self.layers[: self.config.moetrain_model["n_layers"]]
+        masks = {w: attention_mask_4d(attention_mask, position_ids, past + S, w)
+                 for w in {layer.window for layer in layers}}  # fmt: skip
+        for layer in layers:
+            h = layer(h, cos, sin, masks, cache)
         return self.norm(h)
 
 
