@@ -142,6 +142,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "moe.group_score": ("the per-token routing loop of kernels/reference.py (top-2 sum vs best expert per group); transformers' DeepSeek-V2 group_limited_greedy", "tests/kernels/test_kernels_router.py::test_group_limited_routing_matches_reference"),
     "moe.topk_groups": ("transformers' DeepSeek-V3 group-limited routing", "hf_options"),
     "moe.routed_scaling_factor": ("transformers' DeepSeek-V3", "hf_options"),
+    "moe.force_load_balancing": ("each token's experts (t K + j) mod E and its output, by hand in float64; every expert exactly its share", "tests/model/test_balanced_routing.py::test_every_expert_gets_exactly_its_share"),
     # data
     "data.dataset": ("the documents of the file, decoded back", "tests/data/test_loading.py::test_packed_local_text_decodes_to_the_documents"),
     "data.dataset_config": ("datasets.load_dataset's own configuration name, handed to it", "tests/data/test_loading.py::test_a_hub_dataset_config_is_handed_to_load_dataset"),
@@ -180,6 +181,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "train.max_nonfinite_skips": ("the count of skipped steps", "nonfinite"),
     "train.routing_replay": ("the run's own routing replayed reproduces it exactly", "replay"),
     "train.record_routing": ("the recorded ids are the router's", "replay"),
+    "train.benchmark": ("a permission: moe.force_load_balancing is refused without it, accepted with it", "tests/model/test_balanced_routing.py::test_training_refuses_it_unless_the_run_is_a_benchmark"),
 }
 # fmt: on
 
@@ -199,5 +201,7 @@ NO_NUMBERS: dict[str, str] = {
     "train.checkpoint_every": "when checkpoints are written (resume: train.resume)",
     "train.keep_last": "how many checkpoints are kept",
     "train.collective_timeout_s": "how long a collective waits before failing",
+    "train.memory_check": "whether a start that cannot fit is refused before it allocates",
+    "train.memory_per_rank_gb": "the memory figure that check compares the plan with",
 }
 """Keys of ``SECTIONS`` that change no trained number, with why."""

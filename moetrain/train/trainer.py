@@ -57,6 +57,9 @@ from moetrain.train.start import Start, find_start
 
 log = logging.getLogger("moetrain")
 
+BENCHMARK_TAG = "BENCHMARK: forced balanced routing"
+"""Marks every log line and the TensorBoard run of a ``moe.force_load_balancing`` run."""
+
 
 def setup_logging() -> None:
     if not logging.getLogger().handlers:
@@ -510,6 +513,19 @@ class Trainer:
                         tcfg.steps, cfg.optim.lr)  # fmt: skip
         self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
         self.writer.scalars({"data/unigram_entropy": entropy}, self.step)
+        if cfg.moe.force_load_balancing:
+            # A benchmark run (train.benchmark): say so where anyone reading the run looks.
+            log.warning(
+                "%s: every token is routed by its position, not by the router; the model "
+                "this run trains is useless (a speed benchmark)",
+                BENCHMARK_TAG,
+            )
+            self.writer.text(
+                "benchmark",
+                f"**{BENCHMARK_TAG}**: routing forced to perfect balance "
+                "(moe.force_load_balancing); not a model to use.",
+            )
+            self.writer.scalars({"benchmark/forced_load_balancing": 1.0}, self.step)
 
         bar = None
         if cfg.log.progress_bar and sys.stderr.isatty():
@@ -658,6 +674,8 @@ class Trainer:
         if eval_loss is not None:
             values["eval_loss"] = eval_loss
         line = format_log_line(self.step, self.cfg.train.steps, values)
+        if self.cfg.moe.force_load_balancing:
+            line += f" | {BENCHMARK_TAG}"
         if bar is not None:
             bar.write(line)
         else:
