@@ -26,12 +26,14 @@ from the real tensors of the same rank after a step (tests/plan/test_exact.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config import JobConfig
 from moetrain.model.moe import MoELayer
@@ -82,6 +84,16 @@ class RankState:
     expert_elements: int = 0
     optim_dtypes: dict[str, int] = field(default_factory=dict)
     """Optimizer state bytes by dtype name (what the optimizer chose)."""
+    n_params: int = 0
+    """The whole model's parameters (tied ones once)."""
+    n_active: int = 0
+    """Parameters one token uses (top-k of the routed experts)."""
+    flops_per_token: float = 0.0
+    """The whole model's training FLOPs per token (``Transformer.flops_per_token``: what the
+    trainer's MFU counts)."""
+    whole_bytes: int = 0
+    """The whole model's parameters in fp32: what the trainer builds on every rank before
+    sharding it."""
 
     @property
     def model_state(self) -> int:
@@ -94,6 +106,23 @@ def _storage_id(t: torch.Tensor) -> int:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tp_sharded(p: torch.Tensor) -> bool:
+    if not hasattr(p, "placements"):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    return any(n == "tp" and not pl.is_replicate() for n, pl in zip(names, p.placements))
+
+
+def _non_tp_shards(p: torch.Tensor) -> int:
+    """How many ways ``p`` is split over mesh dims other than tp."""
+    out = 1
+    names = p.device_mesh.mesh_dim_names or ()
+    for n, pl, size in zip(names, p.placements, p.device_mesh.shape, strict=True):
+        if n != "tp" and not pl.is_replicate():
+            out *= size
+    return out
 
 
 def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
@@ -136,6 +165,81 @@ def _chunks(parts: list[nn.Module], stage_ids: list[int], num_stages: int) -> li
     return out
 
 
+_INITS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
+
+
+@contextlib.contextmanager
+def _no_init() -> Iterator[None]:
+    """``torch.nn.init``'s fills as no-ops while a model is built on the meta device: meta
+    tensors hold no values, and torch's meta ``normal_`` runs a Python decomposition (~1 ms a
+    tensor: seconds for DeepSeek-V3's thousand weights)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+class _Chunks:
+    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to n, computed on demand:
+    FSDP2 reads chunk 0 (the padded size) and its own rank's, and building every chunk of
+    every parameter costs seconds at thousands of ranks."""
+
+    def __init__(self, tensor: torch.Tensor, n: int, dim: int) -> None:
+        self.tensor, self.n, self.dim = tensor, n, dim
+        self.size = -(-tensor.size(dim) // n) if tensor.size(dim) else 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        i = range(self.n)[i]
+        start = i * self.size
+        if self.size == 0 or start >= self.tensor.size(self.dim):
+            return self.tensor.new_empty(0)
+        length = min(self.size, self.tensor.size(self.dim) - start)
+        return self.tensor.narrow(self.dim, start, length)
+
+
+@contextlib.contextmanager
+def _fast_fsdp_chunks() -> Iterator[None]:
+    """FSDP2's ``_chunk_with_empty`` as ``_Chunks`` while a plan builds (the same chunks,
+    made only when read); left alone if this torch has no such function."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param
+    except ImportError:
+        yield
+        return
+    original = getattr(_fsdp_param, "_chunk_with_empty", None)
+    if original is None:
+        yield
+        return
+    _fsdp_param._chunk_with_empty = _Chunks
+    try:
+        yield
+    finally:
+        _fsdp_param._chunk_with_empty = original
+
+
+class _SkipInPlace(TorchDispatchMode):
+    """An optimizer step on meta tensors without its arithmetic: an in-place op on a meta
+    tensor returns it as it is (its shape and dtype cannot change), everything else runs (the
+    states the optimizer creates, with the shapes and dtypes it chooses; its step counters,
+    on the CPU)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = func._schema.name
+        first = args[0] if args else None
+        if isinstance(first, (list, tuple)) and first:
+            first = first[0]
+        if name.endswith("_") and isinstance(first, torch.Tensor) and first.is_meta:
+            return None if name.startswith("aten::_foreach_") else args[0]
+        return func(*args, **(kwargs or {}))
+
+
 def compute_dtype(cfg: JobConfig, device_type: str) -> torch.dtype:
     """The trainer's compute dtype on ``device_type`` (``train.dtype``: auto is bf16 on
     CUDA, fp32 on CPU)."""
@@ -160,20 +264,27 @@ def build_rank(
     fsdp_dtype = dtype if dtype != torch.float32 else None
     with fake_world(dims.world_size, rank):
         meshes = dims.build_mesh("cpu", cache=False)
-        with torch.device("meta"):
+        with torch.device("meta"), _no_init():
             model = Transformer(cfg.model, cfg.moe)
-        pm = parallelize(
-            model,
-            dims,
-            meshes,
-            cfg.parallel,
-            pp_rank=coords["pp"],
-            param_dtype=fsdp_dtype,
-            device=torch.device("cpu"),
-            n_microbatches=dims.breadth_first(cfg),
-            loss_fn=lambda logits, labels: logits.sum(),
-            seq_len=cfg.data.seq_len,
-        )
+        whole = {
+            "n_params": model.num_params(),
+            "n_active": model.num_params(active=True),
+            "flops_per_token": model.flops_per_token(cfg.data.seq_len),
+            "whole_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
+        with _fast_fsdp_chunks():
+            pm = parallelize(
+                model,
+                dims,
+                meshes,
+                cfg.parallel,
+                pp_rank=coords["pp"],
+                param_dtype=fsdp_dtype,
+                device=torch.device("cpu"),
+                n_microbatches=dims.breadth_first(cfg),
+                loss_fn=lambda logits, labels: logits.sum(),
+                seq_len=cfg.data.seq_len,
+            )
         parts = pm.parts
         _, optimizers = build_optimizers(cfg, dims, meshes, parts, pm.expert_params)
         state = _read_state(parts, optimizers, cfg, fsdp_dtype)
@@ -187,6 +298,7 @@ def build_rank(
         chunks=chunks,
         param_elements=params_before_dp(parts),
         expert_elements=expert,
+        **whole,
         **state,
     )
 
@@ -202,7 +314,7 @@ def _read_state(
     params = grads = 0
     model_params: list[nn.Parameter] = []
     for part in parts:
-        for p in part.parameters():
+        for name, p in part.named_parameters():
             local = _local(p)
             key = _storage_id(local)
             if key in seen:
@@ -213,6 +325,10 @@ def _read_state(
             fp = fsdp.get(id(p))
             if fp is not None:  # FSDP2's reduce-scattered shard, padded, in the param dtype
                 grads += fp.padded_sharded_param_size.numel() * local.element_size()
+            elif name.endswith("tok_embeddings.weight") and _tp_sharded(p):
+                # The vocabulary-parallel embedding's gradient comes back replicated over tp
+                # (the engine shards it in the optimizer step): whole until then.
+                grads += p.numel() // _non_tp_shards(p) * local.element_size()
             else:
                 grads += local.numel() * local.element_size()
     masters = 0
@@ -258,7 +374,8 @@ def _optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[int, dict
             for p in group["params"]:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        opt.step()
+        with _SkipInPlace():
+            opt.step()
     seen: set[int] = set()
     total, by_dtype = 0, {}
     for opt in optimizers:
