@@ -112,7 +112,8 @@ def _tp_sharded(p: torch.Tensor) -> bool:
     if not hasattr(p, "placements"):
         return False
     names = p.device_mesh.mesh_dim_names or ()
-    return any(n == "tp" and not pl.is_replicate() for n, pl in zip(names, p.placements))
+    pairs = zip(names, p.placements, strict=True)
+    return any(n == "tp" and not pl.is_replicate() for n, pl in pairs)
 
 
 def _non_tp_shards(p: torch.Tensor) -> int:

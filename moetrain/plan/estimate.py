@@ -57,7 +57,9 @@ def layer_flops_per_token(cfg: JobConfig, layer: int, tp: int) -> float:
         qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
         attn = D * (m.q_lora_rank or 0) + (m.q_lora_rank or D) * m.n_heads * qk
         attn += D * ((m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0))
-        attn += (m.kv_lora_rank or 0) * m.n_heads * ((m.qk_nope_head_dim or 0) + (m.v_head_dim or 0))
+        attn += (
+            (m.kv_lora_rank or 0) * m.n_heads * ((m.qk_nope_head_dim or 0) + (m.v_head_dim or 0))
+        )
         attn += m.n_heads * (m.v_head_dim or 0) * D
         width = m.n_heads * (qk + (m.v_head_dim or 0)) / 2
     else:
@@ -116,7 +118,9 @@ def estimate(
     bubble = 0.0
     if dims.pp > 1:
         p = cfg.parallel
-        order = schedule_actions(p.pp_schedule, dims.pp, dims.virtual_stages, dims.breadth_first(cfg))
+        order = schedule_actions(
+            p.pp_schedule, dims.pp, dims.virtual_stages, dims.breadth_first(cfg)
+        )
         bubble = simulate_schedule(order, dims.num_stages)["bubble"]
     per_mb = compute_s + sum(v for k, v in exposed.items() if k not in ("dp", "edp"))
     opt_s = 2 * state.model_state / (hw.hbm_tbs * 1e12)

@@ -79,6 +79,8 @@ def gpu(name: str, overrides: dict[str, float] | None = None) -> GPU:
         fields = {f.name for f in dataclasses.fields(GPU)} - {"name"}
         bad = sorted(set(overrides) - fields)
         if bad:
-            raise ValueError(f"--set: {bad[0]} is not a GPU constant; they are {', '.join(sorted(fields))}")
+            raise ValueError(
+                f"--set: {bad[0]} is not a GPU constant; they are {', '.join(sorted(fields))}"
+            )
         g = dataclasses.replace(g, **overrides)
     return g

@@ -77,9 +77,15 @@ class Plan:
     def peak(self, rank: RankPlan | None = None) -> int:
         """A rank's peak over the run: its start-up or its step, whichever is larger, plus
         the runtime's reserve on a GPU."""
-        r = rank or self.worst
-        reserve = self.gpu.runtime_reserve_gb * 1e9 if self.gpu is not None else 0.0
-        return int(max(self.start_up, r.steady) + reserve)
+        return max(self.start_up + self.reserve, self.step_peak(rank))
+
+    def step_peak(self, rank: RankPlan | None = None) -> int:
+        """A rank's peak during training steps, plus the runtime's reserve on a GPU."""
+        return int((rank or self.worst).steady + self.reserve)
+
+    @property
+    def reserve(self) -> int:
+        return int(self.gpu.runtime_reserve_gb * 1e9) if self.gpu is not None else 0
 
     @property
     def step_s(self) -> float | None:

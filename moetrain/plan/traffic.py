@@ -80,8 +80,7 @@ def traffic(
     out: list[Axis] = []
     tp, cp = dims.tp, dims.cp
     # Strides of the rank order (pp, dp_replicate, dp_shard, cp, tp), tp fastest.
-    st_cp, st_shard = tp, tp * cp
-    st_rep, st_pp = tp * cp * dims.dp_shard, dims.world_size // dims.pp
+    st_cp, st_shard, st_pp = tp, tp * cp, dims.world_size // dims.pp
 
     def add(name: str, volume: float, group: int, stride: int) -> None:
         if volume <= 0 or group <= 1:

@@ -156,6 +156,40 @@ def _family_options(cfg: JobConfig) -> dict[str, Any]:
     }
 
 
+def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+    """Refuse a start whose planned peak on this rank exceeds the memory it has
+    (``train.memory_check``): the plan (``moetrain.plan``) of this rank -- the model built
+    on the meta device under a fake process group, the real parallelize and optimizers --
+    against ``train.memory_per_rank_gb`` or what the device has. Skipped, with a line in
+    the log, in a process that already started a process group (the plan needs one of its
+    own): tests and tools that drive the trainer in-process."""
+    if dist.is_available() and dist.is_initialized():
+        log.info("memory check skipped: this process already has a process group")
+        return
+    from moetrain.plan.planner import available_memory, plan
+    from moetrain.plan.report import advice
+    from moetrain.train.engine import build_optimizers
+
+    rank = int(os.environ.get("RANK", "0"))
+    planned = plan(cfg, dims.world_size, build_optimizers, device_type=device.type, ranks=[rank])
+    need = planned.peak()
+    gb = cfg.train.memory_per_rank_gb
+    have, source = (gb * 1e9, "train.memory_per_rank_gb") if gb else available_memory(device)
+    if need <= have:
+        return
+    r = planned.ranks[0]
+    tips = "; ".join(t.rstrip(".") for t in advice(planned, have / 1e9)[:-1])
+    raise ConfigError(
+        f"train.memory_check: rank {rank} needs about {need / 1e9:.3g} GB (start-up "
+        f"{planned.start_up / 1e9:.3g} GB: the whole model before sharding; step peak "
+        f"{r.steady / 1e9:.3g} GB: model state {r.state.model_state / 1e9:.3g}, activations "
+        f"{(r.activations + r.recompute) / 1e9:.3g}) but has {have / 1e9:.3g} GB ({source}). "
+        f"{tips + '. ' if tips else ''}`moetrain plan --config ... --world {dims.world_size}` "
+        "shows every figure and --search the layouts that fit; train.memory_check=false starts "
+        "anyway (docs/plan.md)"
+    )
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -225,6 +259,8 @@ class Trainer:
             )
         cfg.model.vocab_size = vocab
         self.dims = dims.validate(cfg)  # before any process group exists
+        if tcfg.memory_check:  # before anything is allocated
+            check_memory(cfg, dims, self.device)
 
         init_distributed(self.device, tcfg.collective_timeout_s)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
