@@ -185,9 +185,10 @@ def render(cands: list[Candidate], memory_gb: float, top: int = 10) -> str:
     lines = [f"{len(cands)} layouts: {len(fit)} fit {memory_gb:g} GB during the step, "
              f"{len(over)} do not, {len(refused)} refused by validation"]  # fmt: skip
     planned = [c.plan for c in cands if c.plan is not None]
-    if planned and planned[0].start_up + planned[0].reserve > cap:
+    first = planned[0] if planned else None
+    if first and first.start_up + first.reserve > cap and first.start_up > first.worst.steady:
         lines.append(
-            f"start-up: the trainer builds the whole model ({planned[0].start_up / GB:.1f} GB "
+            f"start-up: the trainer builds the whole model ({first.start_up / GB:.1f} GB "
             f"in fp32) on every rank before sharding it, more than {memory_gb:g} GB: none of "
             "these layouts starts on this cluster today (docs/plan.md, the start-up row)"
         )
