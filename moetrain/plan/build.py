@@ -26,20 +26,19 @@ from the real tensors of the same rank after a step (tests/plan/test_exact.py).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config import JobConfig
 from moetrain.model.moe import MoELayer
 from moetrain.parallel.dims import ParallelDims
 from moetrain.parallel.parallelize import parallelize
 from moetrain.plan.fake import fake_world
+from moetrain.plan.meta import SkipInPlace, fast_fsdp_chunks, no_init
 
 BuildOptimizers = Callable[..., tuple[Any, list[torch.optim.Optimizer]]]
 """``(cfg, dims, meshes, parts, expert_params) -> (grad_sync, optimizers)``: the trainer's
@@ -166,81 +165,6 @@ def _chunks(parts: list[nn.Module], stage_ids: list[int], num_stages: int) -> li
     return out
 
 
-_INITS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
-
-
-@contextlib.contextmanager
-def _no_init() -> Iterator[None]:
-    """``torch.nn.init``'s fills as no-ops while a model is built on the meta device: meta
-    tensors hold no values, and torch's meta ``normal_`` runs a Python decomposition (~1 ms a
-    tensor: seconds for DeepSeek-V3's thousand weights)."""
-    saved = {name: getattr(nn.init, name) for name in _INITS}
-    for name in _INITS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
-
-
-class _Chunks:
-    """``torch.chunk(tensor, n, dim)`` padded with empty tensors to n, computed on demand:
-    FSDP2 reads chunk 0 (the padded size) and its own rank's, and building every chunk of
-    every parameter costs seconds at thousands of ranks."""
-
-    def __init__(self, tensor: torch.Tensor, n: int, dim: int) -> None:
-        self.tensor, self.n, self.dim = tensor, n, dim
-        self.size = -(-tensor.size(dim) // n) if tensor.size(dim) else 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        i = range(self.n)[i]
-        start = i * self.size
-        if self.size == 0 or start >= self.tensor.size(self.dim):
-            return self.tensor.new_empty(0)
-        length = min(self.size, self.tensor.size(self.dim) - start)
-        return self.tensor.narrow(self.dim, start, length)
-
-
-@contextlib.contextmanager
-def _fast_fsdp_chunks() -> Iterator[None]:
-    """FSDP2's ``_chunk_with_empty`` as ``_Chunks`` while a plan builds (the same chunks,
-    made only when read); left alone if this torch has no such function."""
-    try:
-        from torch.distributed.fsdp._fully_shard import _fsdp_param
-    except ImportError:
-        yield
-        return
-    original = getattr(_fsdp_param, "_chunk_with_empty", None)
-    if original is None:
-        yield
-        return
-    _fsdp_param._chunk_with_empty = _Chunks
-    try:
-        yield
-    finally:
-        _fsdp_param._chunk_with_empty = original
-
-
-class _SkipInPlace(TorchDispatchMode):
-    """An optimizer step on meta tensors without its arithmetic: an in-place op on a meta
-    tensor returns it as it is (its shape and dtype cannot change), everything else runs (the
-    states the optimizer creates, with the shapes and dtypes it chooses; its step counters,
-    on the CPU)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        name = func._schema.name
-        first = args[0] if args else None
-        if isinstance(first, (list, tuple)) and first:
-            first = first[0]
-        if name.endswith("_") and isinstance(first, torch.Tensor) and first.is_meta:
-            return None if name.startswith("aten::_foreach_") else args[0]
-        return func(*args, **(kwargs or {}))
-
-
 def compute_dtype(cfg: JobConfig, device_type: str) -> torch.dtype:
     """The trainer's compute dtype on ``device_type`` (``train.dtype``: auto is bf16 on
     CUDA, fp32 on CPU)."""
@@ -265,7 +189,7 @@ def build_rank(
     fsdp_dtype = dtype if dtype != torch.float32 else None
     with fake_world(dims.world_size, rank):
         meshes = dims.build_mesh("cpu", cache=False)
-        with torch.device("meta"), _no_init():
+        with torch.device("meta"), no_init():
             model = Transformer(cfg.model, cfg.moe)
         whole = {
             "n_params": model.num_params(),
@@ -273,7 +197,7 @@ def build_rank(
             "flops_per_token": model.flops_per_token(cfg.data.seq_len),
             "whole_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         }
-        with _fast_fsdp_chunks():
+        with fast_fsdp_chunks():
             pm = parallelize(
                 model,
                 dims,
@@ -375,7 +299,7 @@ def _optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[int, dict
             for p in group["params"]:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        with _SkipInPlace():
+        with SkipInPlace():
             opt.step()
     seen: set[int] = set()
     total, by_dtype = 0, {}

@@ -74,7 +74,7 @@ def layer_flops_per_token(cfg: JobConfig, layer: int, tp: int) -> float:
         routed = mo.top_k * 3 * D * mo.expert_ffn_dim
         shared = 3 * D * (mo.shared_expert_ffn_dim or mo.num_shared_experts * mo.expert_ffn_dim)
         split = tp if cfg.parallel.expert_tp else 1
-        flops += 6 * (routed + shared) / split + 6 * D * mo.num_experts / 1  # router
+        flops += 6 * (routed + shared) / split + 6 * D * mo.num_experts  # + the router
     else:
         flops += 6 * 3 * D * m.ffn_dim / tp
     return flops

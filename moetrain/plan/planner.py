@@ -160,11 +160,11 @@ def plan(
     dims = check_layout(cfg, world_size, device_type)
     dtype = compute_dtype(cfg, device_type)
     out = []
+    sh = act.shapes(cfg, dims, dtype, device_type)
     for rank in ranks if ranks is not None else distinct_ranks(dims):
         state = build_rank(cfg, dims, rank, build_optimizers, device_type)
         rp = plan_rank(cfg, dims, state, dtype, device_type)
         if gpu is not None:
-            sh = act.shapes(cfg, dims, dtype, device_type)
             rp.axes = traffic(cfg, dims, state, sh, dtype, gpus_per_node)
             rp.estimate = estimate(cfg, dims, state, rp.axes, gpu, overlap)
         out.append(rp)

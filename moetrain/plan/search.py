@@ -83,7 +83,7 @@ def candidates(
 
 def _fits_fixed(c: dict[str, object], keep: dict[str, object], world: int) -> bool:
     """Whether the varied degrees leave a data-parallel degree with the fixed ones."""
-    degrees = {**{k: v for k, v in keep.items()}, **c}
+    degrees = {**keep, **c}
     prod = 1
     for key in ("parallel.tp", "parallel.cp", "parallel.pp"):
         prod *= int(degrees.get(key, 1))  # type: ignore[arg-type]
