@@ -4,6 +4,7 @@ moetrain [train] --config configs/tiny.yaml key.sub=value ...
 moetrain ablate configs/sweeps/router.yaml [--parallel N] [key.sub=value ...]
 moetrain prepare-data --config configs/tiny.yaml data.dataset=big.jsonl --out data/big
 moetrain import-hf HF_DIR OUT_DIR | export-hf CHECKPOINT_DIR OUT_DIR | generate PATH --prompt TEXT
+moetrain plan --config configs/qwen3_30b_a3b.yaml --world 8 --gpu h100 [--search]
 python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
 """
 
@@ -44,9 +45,18 @@ def generate_main(argv: list[str] | None = None) -> int:
     return main(argv)
 
 
+def plan_main(argv: list[str] | None = None) -> int:
+    """Per-rank memory, traffic and step time of a layout at any world size (docs/plan.md):
+    the plan builds the optimizers as the trainer does (handed in from train/, above it)."""
+    from moetrain.plan.cli import main
+    from moetrain.train.engine import build_optimizers
+
+    return main(argv, build_optimizers)
+
+
 COMMANDS = {"train": train_main, "ablate": ablate_main, "prepare-data": prepare_data_main}
 COMMANDS.update({"import-hf": import_hf_main, "export-hf": export_hf_main,
-                 "generate": generate_main})  # fmt: skip
+                 "generate": generate_main, "plan": plan_main})  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -384,6 +384,16 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     """clamped_swiglu: the clamp of the gate (above) and of the up projection (both sides)
     (gpt-oss: 7.0)."""
+    force_load_balancing: bool = False
+    """Benchmark mode: ignore the router's choice and send every token to experts in turn,
+    token t (its index in the step's global batch, sequence x seq_len + position) to experts
+    (t K + j) mod E, j < K, so that every expert gets exactly its share of each sequence's
+    assignments when seq_len K divides by E: the routing that published MoE performance
+    tables assume (Megatron-Core's moe_router_force_load_balancing, torchtitan's balanced
+    benchmarks), and the routing ``moetrain plan`` prices exactly. Combine
+    weights and balancing losses still come from the router's scores. The trained model is
+    useless: training refuses it unless ``train.benchmark`` is set, and the run is marked so
+    in its logs and TensorBoard (docs/plan.md)."""
 
     def validate(self) -> None:
         if self.num_experts < 0:
@@ -627,6 +637,18 @@ class TrainConfig:
     global batch (and its input_ids, checked against the data). Those ids replace the
     router's top-k in the training forward; combine weights and balancing losses still come
     from the router's scores. null: the router chooses."""
+    benchmark: bool = False
+    """This run measures speed, not a model: allows options that make the trained model
+    useless (``moe.force_load_balancing``), which training refuses otherwise. Marks the run in
+    its logs and TensorBoard."""
+    memory_check: bool = True
+    """Before building anything, compare this rank's planned memory peak
+    (``moetrain plan``) with the memory it has (``memory_per_rank_gb``) and refuse to start,
+    with both figures and the plan's advice, when it does not fit. false: start anyway."""
+    memory_per_rank_gb: float | None = None
+    """Memory one rank may use, in GB (10^9 bytes), for ``memory_check``. null: the GPU's
+    memory on CUDA; on CPU the machine's available memory (MemAvailable) divided among the
+    ranks of this node."""
     record_routing: bool = False
     """Write every training step's routing (the global batch's expert ids per MoE layer) to
     ``<output_dir>/routing/train/step_<8-digit step>.pt``, the format ``routing_replay``
@@ -634,7 +656,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         _positive("train", self, "global_batch_size", "micro_batch_size", "eval_batches",
-                  "keep_last", "collective_timeout_s")
+                  "keep_last", "collective_timeout_s", "memory_per_rank_gb")
         if self.steps < 0:
             _fail("train.steps", f"must be >= 0, got {self.steps}")
         if self.max_nonfinite_skips < 0:
@@ -857,6 +879,16 @@ class JobConfig:
                 if value:
                     _fail(key, "is not supported with model.mtp_depth > 0 (routing files "
                           "hold the main layers' routing)")
+        if moe.force_load_balancing:
+            if moe.num_experts == 0:
+                _fail("moe.force_load_balancing", "needs MoE layers: moe.num_experts is 0")
+            if not self.train.benchmark:
+                _fail("moe.force_load_balancing", "routes every token by its position, not by "
+                      "the router: the trained model is useless. It is a benchmark mode; set "
+                      "train.benchmark=true to run it as one")
+            if self.train.routing_replay is not None:
+                _fail("moe.force_load_balancing", "and train.routing_replay both replace the "
+                      "router's choice; set one of them")
         if self.model.upcycle_from is not None and moe.num_experts == 0:
             _fail("model.upcycle_from", "needs MoE layers: set moe.num_experts > 0")
         if moe.token_group_seqs is not None and moe.num_experts:

@@ -150,6 +150,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "moe.expert_activation": ("transformers' gpt-oss experts (the clamped SwiGLU, clamps reached)", "hf_gpt_oss"),
     "moe.swiglu_alpha": ("transformers' gpt-oss experts with swiglu_alpha 1.5", "hf_gpt_oss"),
     "moe.swiglu_limit": ("transformers' gpt-oss experts with swiglu_limit 0.4 (reached by the tiny model)", "hf_gpt_oss"),
+    "moe.force_load_balancing": ("each token's experts (t K + j) mod E and its output, by hand in float64; every expert exactly its share", "tests/model/test_balanced_routing.py::test_every_expert_gets_exactly_its_share"),
     # data
     "data.dataset": ("the documents of the file, decoded back", "tests/data/test_loading.py::test_packed_local_text_decodes_to_the_documents"),
     "data.dataset_config": ("datasets.load_dataset's own configuration name, handed to it", "tests/data/test_loading.py::test_a_hub_dataset_config_is_handed_to_load_dataset"),
@@ -188,6 +189,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "train.max_nonfinite_skips": ("the count of skipped steps", "nonfinite"),
     "train.routing_replay": ("the run's own routing replayed reproduces it exactly", "replay"),
     "train.record_routing": ("the recorded ids are the router's", "replay"),
+    "train.benchmark": ("a permission: moe.force_load_balancing is refused without it, accepted with it", "tests/model/test_balanced_routing.py::test_training_refuses_it_unless_the_run_is_a_benchmark"),
 }
 # fmt: on
 
@@ -207,5 +209,7 @@ NO_NUMBERS: dict[str, str] = {
     "train.checkpoint_every": "when checkpoints are written (resume: train.resume)",
     "train.keep_last": "how many checkpoints are kept",
     "train.collective_timeout_s": "how long a collective waits before failing",
+    "train.memory_check": "whether a start that cannot fit is refused before it allocates",
+    "train.memory_per_rank_gb": "the memory figure that check compares the plan with",
 }
 """Keys of ``SECTIONS`` that change no trained number, with why."""

@@ -124,6 +124,16 @@ CASES = [
         "model.document_positions: needs model.document_mask=true",
     ),
     (
+        "balanced-routing-outside-a-benchmark",
+        lambda f: ["moe.force_load_balancing=true"],
+        "moe.force_load_balancing: routes every token by its position",
+    ),
+    (
+        "memory-cannot-fit",
+        lambda f: ["train.memory_per_rank_gb=0.001"],
+        "train.memory_check: rank 0 needs about",
+    ),
+    (
         "layout-world-size",
         lambda f: ["parallel.tp=2"],
         "config error: parallel.pp * parallel.dp_replicate * parallel.tp = 1 * 1 * 2 = 2 does "

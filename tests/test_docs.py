@@ -245,8 +245,14 @@ def _check_ablate(args: argparse.Namespace) -> None:
     load_sweep(args.sweep, args.overrides, args.out)  # builds and validates every run's config
 
 
+def _check_plan(args: argparse.Namespace) -> None:
+    from moetrain.config import load_config
+
+    load_config(args.config, args.overrides)  # the layout itself may be one plan refuses
+
+
 # Checks beyond parsing for commands that take a config; other commands are parsed only.
-DEEPER = {"ablate": _check_ablate}
+DEEPER = {"ablate": _check_ablate, "plan": _check_plan}
 
 
 def check_moetrain(argv: list[str], world_size: int = 1) -> None:

@@ -17,6 +17,7 @@ LAYERS = [
     ("config",),
     ("model", "data"),
     ("parallel",),
+    ("plan",),
     ("train",),
     ("interop",),
     ("ablation", "cli", "__main__"),

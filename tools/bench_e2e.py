@@ -1,12 +1,14 @@
-"""End to end on one GPU: a coarse ~1.8B MoE trained in bf16, four variants in one run.
+"""End to end on one GPU: a coarse ~1.8B MoE trained in bf16, five variants in one run.
 
     python tools/bench_e2e.py                         # GPU: configs/gpu_1b.yaml, 50 steps each
     TRITON_INTERPRET=1 python tools/bench_e2e.py --device cpu --quick --no-append
 
-Variants: moe.kernels = triton | torch, each with train.compile off and on, every one a
-fresh moetrain Trainer on the same config, seed and batches (train_step only: no eval, no
+Variants: moe.kernels = triton | torch, each with train.compile off and on, and triton
+eager with routing forced to perfect balance (moe.force_load_balancing, a benchmark run:
+impl "triton/eager/balanced"; on a CPU dry run torch/eager/balanced), every one a fresh
+moetrain Trainer on the same config, seed and batches (train_step only: no eval, no
 checkpoint). The first --warmup steps (compilation, autotuning, allocator growth) are not
-timed. Rows per variant (impl "<kernels>/<eager|compile>"):
+timed. Rows per variant (impl "<kernels>/<eager|compile>[/balanced]"):
 
     step            median step ms; TFLOP/s of model FLOPs; ratio_ceiling = MFU
     tokens_per_s    trained tokens per second over the timed steps
@@ -19,7 +21,10 @@ timed. Rows per variant (impl "<kernels>/<eager|compile>"):
                     s*b*h*(34 + 5*a*s/h) activation bytes (b = micro-batch), the dense-GPT
                     formula: MoE layers and SDPA differ, so read the ratio as a yardstick
     mem_ratio       peak / analytic
-    final_loss      mean loss of the last 5 steps (the variants should agree)
+    final_loss      mean loss of the last 5 steps (the variants should agree; not the
+                    balanced one, whose routing ignores the router)
+    plan_step       ``moetrain plan``'s estimated step of the same config on this GPU (ms;
+                    on a CPU dry run the h100 constants), value = measured / planned step
 
 When a variant's MFU is under 45%, a torch.profiler table of 3 more steps (top ops by
 device time) is written to --log-dir. --budget-s skips the variants that would not fit.
@@ -45,7 +50,9 @@ from moetrain.config import load_config  # noqa: E402
 from moetrain.train.trainer import Trainer  # noqa: E402
 
 TARGET_MFU = 0.45
-VARIANTS = [("triton", False), ("torch", False), ("triton", True), ("torch", True)]
+VARIANTS = [("triton", False), ("torch", False), ("triton", True), ("torch", True),
+            ("triton", False, "balanced")]  # fmt: skip
+BALANCED = ["moe.force_load_balancing=true", "train.benchmark=true"]
 # --quick (CPU): a model the Triton interpreter runs in seconds.
 QUICK_OVERRIDES = [
     "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
@@ -78,10 +85,29 @@ def _profile(trainer: Trainer, steps: int, path: str) -> None:
     print(f"# profile written to {path}")
 
 
-def run_variant(res, args, overrides, kernels, compile_, ceiling, case, tmp):
-    impl = f"{kernels}/{'compile' if compile_ else 'eager'}"
+def _impl(variant: tuple) -> str:
+    kernels, compile_, *extra = variant
+    return "/".join([kernels, "compile" if compile_ else "eager", *extra])
+
+
+def plan_step_ms(cfg, device: torch.device) -> tuple[float, str]:
+    """``moetrain plan``'s estimated step of ``cfg`` on one GPU of this kind (ms), and which
+    GPU's constants (h100's where the device is not in the table: a CPU dry run)."""
+    from moetrain.plan import hardware, planner
+    from moetrain.train.engine import build_optimizers
+
+    name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
+    gpu = next((g for g in hardware.GPUS if g in name), "h100")
+    plan = planner.plan(cfg, 1, build_optimizers, device_type="cuda", gpu=hardware.gpu(gpu))
+    return plan.step_s * 1e3, gpu
+
+
+def run_variant(res, args, overrides, variant, ceiling, case, tmp):
+    kernels, compile_, *extra = variant
+    impl = _impl(variant)
+    balanced = BALANCED if "balanced" in extra else []
     cfg = load_config(args.config, [
-        *overrides, f"moe.kernels={kernels}", f"train.compile={str(compile_).lower()}",
+        *overrides, *balanced, f"moe.kernels={kernels}", f"train.compile={str(compile_).lower()}",
         f"train.device={args.device}", f"train.steps={args.steps}", "train.eval_every=0",
         "log.tensorboard=false", "log.progress_bar=false",
         f"train.output_dir={os.path.join(tmp, impl.replace('/', '_'))}",
@@ -130,6 +156,11 @@ def run_variant(res, args, overrides, kernels, compile_, ceiling, case, tmp):
     last = losses[-5:]
     res.add(case=case, routing="-", dtype=dtype, op="final_loss", impl=impl,
             value=sum(last) / len(last), unit="nats (mean of the last 5 steps)")  # fmt: skip
+    planned_ms, gpu = plan_step_ms(cfg, trainer.device)
+    measured_ms = statistics.median(times) * 1e3
+    res.add(case=case, routing="forced balance" if balanced else "-", dtype=dtype,
+            op="plan_step", impl=impl, ms=planned_ms, value=measured_ms / planned_ms,
+            unit=f"measured / planned step (moetrain plan, {gpu} constants)")  # fmt: skip
     if mfu < TARGET_MFU and args.log_dir and args.profile_steps:
         name = f"e2e_profile_{impl.replace('/', '_')}.txt"
         _profile(trainer, args.profile_steps, os.path.join(args.log_dir, name))
@@ -151,7 +182,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=None, help="per variant (default 50)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 10)")
     parser.add_argument("--variants", nargs="*", default=None,
-                        help="triton/eager torch/eager triton/compile torch/compile")  # fmt: skip
+                        help="triton/eager torch/eager triton/compile torch/compile "
+                        "triton/eager/balanced")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=None, help="skip what would not fit")
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--log-dir", default=None)
@@ -169,13 +201,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.profile_steps = min(args.profile_steps, 1)
     variants = VARIANTS
     if args.variants:
-        variants = [v for v in VARIANTS if f"{v[0]}/{'compile' if v[1] else 'eager'}"
-                    in args.variants]  # fmt: skip
+        variants = [v for v in VARIANTS if _impl(v) in args.variants]
     if args.quick:
         variants = [v for v in variants if not v[1]]  # compile costs minutes on CPU
     device = torch.device(args.device)
-    if not bc.triton_usable(device):
-        variants = [v for v in variants if v[0] != "triton"]
+    if not bc.triton_usable(device):  # the torch path stands in, balanced variant included
+        variants = [("torch", *v[1:]) if v[2:] else v for v in variants if v[0] != "triton"
+                    or v[2:]]  # fmt: skip
     start = time.monotonic()
     res = bc.Results("e2e", device)
     ceiling = measure_ceiling(device, args.quick)
@@ -188,8 +220,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     res.write(args.csv, append=not args.no_append)
     last_s = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        for kernels, compile_ in variants:
-            impl = f"{kernels}/{'compile' if compile_ else 'eager'}"
+        for variant in variants:
+            kernels, compile_ = variant[:2]
+            impl = _impl(variant)
             left = (args.budget_s - (time.monotonic() - start)) if args.budget_s else None
             need = last_s * (2.0 if compile_ else 1.0)
             if left is not None and left < need:
@@ -199,7 +232,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 continue
             t0 = time.monotonic()
             try:
-                run_variant(res, args, overrides, kernels, compile_, ceiling, case, tmp)
+                run_variant(res, args, overrides, variant, ceiling, case, tmp)
             except Exception as exc:  # one variant failing (OOM, compile) must not end the run
                 traceback.print_exc()
                 status = "oom" if isinstance(exc, torch.OutOfMemoryError) else "error"

@@ -60,7 +60,7 @@ python tools/bench_grouped_gemm.py            # grouped GEMM fwd/dgrad/wgrad, an
 python tools/bench_router.py                  # fused router vs unfused torch, vs HBM copy
 python tools/bench_permute.py                 # permute / unpermute vs torch, vs HBM copy
 python tools/bench_moe_layer.py               # MoE layer time / its grouped GEMMs' time
-python tools/bench_e2e.py                     # configs/gpu_1b.yaml: MFU, memory, 4 variants
+python tools/bench_e2e.py                     # configs/gpu_1b.yaml: 5 variants, MFU, plan's step
 python tools/compare_kernel_paths.py          # tiny config: triton vs torch losses, 50 steps
 python tools/bench_report.py                  # regenerates this page and docs/benchmarks.png
 
@@ -88,7 +88,10 @@ SUITE_PARTS = [
      "forward + backward, each against causal SDPA measured beside it; S = 2,048 and 8,192, 16 "
      "heads of 128, bf16", 90),
     ("e2e", "`tools/bench_e2e.py`: configs/gpu_1b.yaml (1.8B total, 0.55B active), "
-     "triton/torch x eager/compile, 50 steps each, profiler tables under 45% MFU", 330),
+     "triton/torch x eager/compile and triton with forced balanced routing "
+     "([plan.md](plan.md#balanced-routing-for-benchmarks)), 50 steps each, `moetrain plan`'s "
+     "estimated step beside each measured one (`plan_step`), profiler tables under 45% MFU",
+     330),
     ("peer", "builds MegaBlocks' `grouped_gemm` from its carried sdist in the background "
      "(`TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_CUTLASS=1`) into a folder of the machine that "
      "later parts and calls find; `gemm` then adds it as a peer", 300),

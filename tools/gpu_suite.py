@@ -12,7 +12,9 @@ in order (default budget in seconds; --dry: CPU, tiny shapes, Triton interpreter
     router   fused router vs the unfused torch router, vs measured HBM copy         (45)
     permute  permute / unpermute vs the torch path, vs measured HBM copy            (45)
     layer    MoE layer time / its grouped GEMMs' time, with the breakdown         (100)
-    e2e      configs/gpu_1b.yaml, triton/torch x compile off/on, MFU, memory      (330)
+    e2e      configs/gpu_1b.yaml, triton/torch x compile off/on and triton with
+             forced balanced routing, MFU, memory, moetrain plan's step estimate
+             beside each measured step                                            (330)
     peer     MegaBlocks' grouped_gemm built from a carried sdist, in the background
              while tests/tiny run (only when .whl/grouped_gemm-*.tar.gz is there)  (420)
 
@@ -421,7 +423,7 @@ def headlines(rows: list[dict]) -> list[str]:
                            f"{r['peer']}) [{r['status']}]")  # fmt: skip
         elif b == "moe_layer" and op in ("layer/gemms", "host_syncs"):
             out.append(f"{b:12s} {r['case']} {impl} {op}: {r['value']}")
-        elif b == "e2e" and op in ("mfu", "tokens_per_s", "mem_ratio"):
+        elif b == "e2e" and op in ("mfu", "tokens_per_s", "mem_ratio", "plan_step"):
             out.append(f"{b:12s} {r['case']} {impl} {op}: {r['value']} [{r['status']}]")
     return out
 

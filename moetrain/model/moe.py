@@ -246,16 +246,33 @@ class MoELayer(nn.Module):
         """Global index, in the step's global batch, of this forward's first sequence."""
         return self.jitter_seq_offset + self.stat_rows.to(device)
 
-    def _jitter_at(self, B: int, S: int, device: torch.device):
-        if not (self.training and self.cfg.jitter_eps > 0):
-            return None
+    def _token_coords(self, B: int, S: int, device: torch.device):
+        """(sequence index in the step's global batch, position) of each of this forward's
+        T tokens: where they are in the run, whatever the layout."""
         first = self._first_row(device)
         seq_T = (first + torch.arange(B, device=device)).repeat_interleave(S)
         if self.seq_shard is not None:  # this process's positions of every sequence
             pos_T = self.seq_shard.positions(device).repeat(B)
         else:
             pos_T = torch.arange(S, device=device).repeat(B)
+        return seq_T, pos_T
+
+    def _jitter_at(self, B: int, S: int, device: torch.device):
+        if not (self.training and self.cfg.jitter_eps > 0):
+            return None
+        seq_T, pos_T = self._token_coords(B, S, device)
         return (self.jitter_seed, self.jitter_step, self.layer_id), seq_T, pos_T
+
+    def _balanced_ids(self, B: int, S: int, device: torch.device) -> torch.Tensor:
+        """``moe.force_load_balancing``: token t of the step's global batch (sequence x
+        seq_len + position) goes to experts (t K + j) mod E, j < K -- K distinct experts,
+        every expert the same share of each sequence's assignments when seq_len K divides
+        by E, and the same choice under every layout."""
+        seq_T, pos_T = self._token_coords(B, S, device)
+        seq_len = self.seq_shard.seq_len if self.seq_shard is not None else S
+        K = self.cfg.top_k
+        t_T = seq_T * seq_len + pos_T
+        return (t_T[:, None] * K + torch.arange(K, device=device)) % self.num_experts
 
     def token_groups(self, batch: int) -> int:
         n = self.cfg.token_group_seqs
@@ -284,6 +301,8 @@ class MoELayer(nn.Module):
             if self.seq_shard is not None:  # this process's positions of every sequence
                 replay_BSK = replay_BSK[:, self.seq_shard.positions(dev)]
             replay_TK = replay_BSK.reshape(B * S, -1)
+        if self.cfg.force_load_balancing:
+            replay_TK = self._balanced_ids(B, S, x_TD.device)
         r = self.router(x_TD, backend, self._jitter_at(B, S, x_TD.device), replay_TK)
         if self.training and self.record_BSK is not None and not self.counting:
             dev = self.record_BSK.device

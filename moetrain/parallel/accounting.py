@@ -356,7 +356,11 @@ class SavedActivations:
         self._hooks: Any = None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+        # A parameter, or a view of one (a linear layer saves its weight transposed): FSDP's
+        # gathered parameters are parameters too, at storages this count has not seen.
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            return t
+        if t.device.type == "meta":
             return t
         try:
             key = _storage_key(_local(t))  # a DTensor's own shard

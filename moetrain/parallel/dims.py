@@ -338,9 +338,10 @@ class ParallelDims:
 
     # ------------------------------------------------------------------ mesh
 
-    def build_mesh(self, device_type: str) -> Meshes:
+    def build_mesh(self, device_type: str, cache: bool = True) -> Meshes:
         """The world ``DeviceMesh`` with named dims ``MESH_DIMS`` (size-1 dims included) and
-        its sub-meshes. Needs the default process group.
+        its sub-meshes. Needs the default process group. ``cache=False``: build it anew and
+        keep no reference (``moetrain plan``, under a fake process group it then destroys).
 
         Built once per layout and default process group, then reused: a process that builds
         several trainers of one layout (tests, tools) would otherwise open new process groups
@@ -348,6 +349,8 @@ class ParallelDims:
         cache, which compares meshes by their ranks, could hand a new model an older mesh."""
         import torch.distributed as dist
 
+        if not cache:
+            return self._build_mesh(device_type)
         key = (device_type, id(dist.group.WORLD), self)
         if key not in _MESHES:
             _MESHES[key] = self._build_mesh(device_type)

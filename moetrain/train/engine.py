@@ -72,6 +72,39 @@ def counted_labels(batch: Batch, document_mask: bool) -> torch.Tensor:
     return labels
 
 
+def build_optimizers(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    meshes: Meshes | None,
+    parts: list[nn.Module],
+    expert_params: list[nn.Parameter],
+) -> tuple[GradientSync | None, list[torch.optim.Optimizer]]:
+    """The optimizer(s) of this rank's model chunks (``parallelize``'s parts): one AdamW per
+    chunk (state dicts are per module), or for ZeRO stages 0/1 a ``GradientSync`` and, for
+    ZeRO-1, one AdamW over this rank's slices (and one over its experts). The engine steps
+    them; ``moetrain plan`` builds the same ones on the meta device and reads the state they
+    create (the optimizer decides its states' shapes and dtypes, not a formula)."""
+    zero_stage = cfg.parallel.zero_stage if dims.dp_cp > 1 else 0
+    grad_sync: GradientSync | None = None
+    if zero_stage <= 1 and meshes is not None:
+        decay, no_decay = [], []
+        for part in parts:
+            d, n = param_groups(part)
+            decay += [p for p in d if not is_expert_param(p)]
+            no_decay += [p for p in n if not is_expert_param(p)]
+        grad_sync = GradientSync(
+            [decay, no_decay],
+            zero_stage,
+            process_group(meshes.dp_cp),
+            process_group(meshes.dp_shard_cp),
+            process_group(meshes.dp_replicate),
+        )
+    if zero_stage == 1:
+        assert grad_sync is not None
+        return grad_sync, build_zero1_optimizers(grad_sync, expert_params, cfg.optim)
+    return grad_sync, [build_optimizer(part, cfg.optim) for part in parts]
+
+
 class Engine(RoutingPasses, StateViews, FullStateGather):
     """Runs training steps of ``model`` under the layout ``dims`` (``meshes`` None: one
     process, no collectives)."""
@@ -172,28 +205,10 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             else None
         )
 
-        # Optimizer(s): one AdamW per chunk (state dicts are per module), or for stages 0/1
-        # a GradientSync and, for ZeRO-1, one AdamW over this rank's slices.
         self.zero_stage = pcfg.zero_stage if dims.dp_cp > 1 else 0
-        self.grad_sync: GradientSync | None = None
-        if self.zero_stage <= 1 and meshes is not None:
-            decay, no_decay = [], []
-            for part in self.parts:
-                d, n = param_groups(part)
-                decay += [p for p in d if not is_expert_param(p)]
-                no_decay += [p for p in n if not is_expert_param(p)]
-            self.grad_sync = GradientSync(
-                [decay, no_decay],
-                self.zero_stage,
-                self.dp_group,
-                process_group(meshes.dp_shard_cp),
-                process_group(meshes.dp_replicate),
-            )
-        if self.zero_stage == 1:
-            assert self.grad_sync is not None
-            self.optimizers = build_zero1_optimizers(self.grad_sync, self.expert_params, cfg.optim)
-        else:
-            self.optimizers = [build_optimizer(part, cfg.optim) for part in self.parts]
+        self.grad_sync, self.optimizers = build_optimizers(
+            cfg, dims, meshes, self.parts, self.expert_params
+        )
         self.schedulers = [
             build_scheduler(opt, cfg.optim, max(1, cfg.train.steps)) for opt in self.optimizers
         ]
@@ -704,4 +719,4 @@ def _subsets(names: tuple[str, ...]) -> list[set[str]]:
     return out
 
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "build_optimizers"]

@@ -57,6 +57,9 @@ from moetrain.train.start import Start, find_start
 
 log = logging.getLogger("moetrain")
 
+BENCHMARK_TAG = "BENCHMARK: forced balanced routing"
+"""Marks every log line and the TensorBoard run of a ``moe.force_load_balancing`` run."""
+
 
 def setup_logging() -> None:
     if not logging.getLogger().handlers:
@@ -153,6 +156,40 @@ def _family_options(cfg: JobConfig) -> dict[str, Any]:
     }
 
 
+def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+    """Refuse a start whose planned peak on this rank exceeds the memory it has
+    (``train.memory_check``): the plan (``moetrain.plan``) of this rank -- the model built
+    on the meta device under a fake process group, the real parallelize and optimizers --
+    against ``train.memory_per_rank_gb`` or what the device has. Skipped, with a line in
+    the log, in a process that already started a process group (the plan needs one of its
+    own): tests and tools that drive the trainer in-process."""
+    if dist.is_available() and dist.is_initialized():
+        log.info("memory check skipped: this process already has a process group")
+        return
+    from moetrain.plan.planner import available_memory, plan
+    from moetrain.plan.report import advice
+    from moetrain.train.engine import build_optimizers
+
+    rank = int(os.environ.get("RANK", "0"))
+    planned = plan(cfg, dims.world_size, build_optimizers, device_type=device.type, ranks=[rank])
+    need = planned.peak()
+    gb = cfg.train.memory_per_rank_gb
+    have, source = (gb * 1e9, "train.memory_per_rank_gb") if gb else available_memory(device)
+    if need <= have:
+        return
+    r = planned.ranks[0]
+    tips = "; ".join(t.rstrip(".") for t in advice(planned, have / 1e9)[:-1])
+    raise ConfigError(
+        f"train.memory_check: rank {rank} needs about {need / 1e9:.3g} GB (start-up "
+        f"{planned.start_up / 1e9:.3g} GB: the whole model before sharding; step peak "
+        f"{r.steady / 1e9:.3g} GB: model state {r.state.model_state / 1e9:.3g}, activations "
+        f"{(r.activations + r.recompute) / 1e9:.3g}) but has {have / 1e9:.3g} GB ({source}). "
+        f"{tips + '. ' if tips else ''}`moetrain plan --config ... --world {dims.world_size}` "
+        "shows every figure and --search the layouts that fit; train.memory_check=false starts "
+        "anyway (docs/plan.md)"
+    )
+
+
 @dataclass
 class StepResult:
     loss: float
@@ -222,6 +259,8 @@ class Trainer:
             )
         cfg.model.vocab_size = vocab
         self.dims = dims.validate(cfg)  # before any process group exists
+        if tcfg.memory_check:  # before anything is allocated
+            check_memory(cfg, dims, self.device)
 
         init_distributed(self.device, tcfg.collective_timeout_s)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -510,6 +549,19 @@ class Trainer:
                         tcfg.steps, cfg.optim.lr)  # fmt: skip
         self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
         self.writer.scalars({"data/unigram_entropy": entropy}, self.step)
+        if cfg.moe.force_load_balancing:
+            # A benchmark run (train.benchmark): say so where anyone reading the run looks.
+            log.warning(
+                "%s: every token is routed by its position, not by the router; the model "
+                "this run trains is useless (a speed benchmark)",
+                BENCHMARK_TAG,
+            )
+            self.writer.text(
+                "benchmark",
+                f"**{BENCHMARK_TAG}**: routing forced to perfect balance "
+                "(moe.force_load_balancing); not a model to use.",
+            )
+            self.writer.scalars({"benchmark/forced_load_balancing": 1.0}, self.step)
 
         bar = None
         if cfg.log.progress_bar and sys.stderr.isatty():
@@ -658,6 +710,8 @@ class Trainer:
         if eval_loss is not None:
             values["eval_loss"] = eval_loss
         line = format_log_line(self.step, self.cfg.train.steps, values)
+        if self.cfg.moe.force_load_balancing:
+            line += f" | {BENCHMARK_TAG}"
         if bar is not None:
             bar.write(line)
         else:

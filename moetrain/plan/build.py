@@ -1,0 +1,320 @@
+"""One rank of a planned job, built for real on the meta device: its model state in bytes.
+
+``build_rank`` runs, under a fake process group of the job's world size
+(``moetrain.plan.fake``), what the trainer runs on that rank before its first step: the whole
+model built (on the meta device: shapes and dtypes, no memory), ``moetrain.parallel.
+parallelize`` (pipeline split, TP/SP, CP, EP, activation checkpointing, FSDP2 / ZeRO, the
+pipeline schedule) and the optimizers the engine would build (handed in as
+``build_optimizers``: the training layer's own function). Then it reads the bytes off the
+tensors that produced:
+
+- parameters: the distinct storages behind this rank's parameters (DTensor local shards,
+  FSDP2's padded shards), and the optimizer's own parameters where they are not those
+  (master weights);
+- gradients at their peak, the end of backward: one per parameter of its local shape and
+  dtype (ZeRO 0/1, experts, TP shards), or FSDP2's reduce-scattered shard (its padded size,
+  in the parameter's dtype);
+- optimizer states: every optimizer is stepped once on meta gradients and the states it
+  created are read (their shapes and dtypes are the optimizer's choice, not a formula);
+- gathered parameters: what FSDP2 holds unsharded -- under ZeRO-2 every unit between
+  forward and backward (exact), under ZeRO-3 the two largest units (one in use, one
+  prefetched: an estimate).
+
+Every figure but the last is what ``moetrain.parallel.accounting.model_state_bytes`` reads
+from the real tensors of the same rank after a step (tests/plan/test_exact.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from moetrain.config import JobConfig
+from moetrain.model.moe import MoELayer
+from moetrain.parallel.dims import ParallelDims
+from moetrain.parallel.parallelize import parallelize
+from moetrain.plan.fake import fake_world
+from moetrain.plan.meta import SkipInPlace, fast_fsdp_chunks, no_init
+
+BuildOptimizers = Callable[..., tuple[Any, list[torch.optim.Optimizer]]]
+"""``(cfg, dims, meshes, parts, expert_params) -> (grad_sync, optimizers)``: the trainer's
+``moetrain.train.engine.build_optimizers``."""
+
+
+@dataclass
+class Layer:
+    """One transformer block a rank holds."""
+
+    index: int
+    moe: bool
+
+
+@dataclass
+class Chunk:
+    """One pipeline stage a rank holds (the whole model without a pipeline)."""
+
+    stage: int
+    layers: list[Layer]
+    embedding: bool
+    output: bool
+
+
+@dataclass
+class RankState:
+    """What one rank holds, read from the tensors its build produced (bytes)."""
+
+    rank: int
+    coords: dict[str, int]
+    chunks: list[Chunk]
+    params: int
+    grads: int
+    optim: int
+    masters: int
+    gathered: int
+    gathered_exact: bool
+    buffers: int
+    param_elements: int
+    """Elements of this rank's parameters before data-parallel sharding (its TP shard and
+    pipeline stages): the Psi of the data-parallel traffic."""
+    expert_elements: int = 0
+    optim_dtypes: dict[str, int] = field(default_factory=dict)
+    """Optimizer state bytes by dtype name (what the optimizer chose)."""
+    n_params: int = 0
+    """The whole model's parameters (tied ones once)."""
+    n_active: int = 0
+    """Parameters one token uses (top-k of the routed experts)."""
+    flops_per_token: float = 0.0
+    """The whole model's training FLOPs per token (``Transformer.flops_per_token``: what the
+    trainer's MFU counts)."""
+    whole_bytes: int = 0
+    """The whole model's parameters in fp32: what the trainer builds on every rank before
+    sharding it."""
+
+    @property
+    def model_state(self) -> int:
+        return self.params + self.grads + self.optim + self.masters
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _tp_sharded(p: torch.Tensor) -> bool:
+    if not hasattr(p, "placements"):
+        return False
+    names = p.device_mesh.mesh_dim_names or ()
+    pairs = zip(names, p.placements, strict=True)
+    return any(n == "tp" and not pl.is_replicate() for n, pl in pairs)
+
+
+def _non_tp_shards(p: torch.Tensor) -> int:
+    """How many ways ``p`` is split over mesh dims other than tp."""
+    out = 1
+    names = p.device_mesh.mesh_dim_names or ()
+    for n, pl, size in zip(names, p.placements, p.device_mesh.shape, strict=True):
+        if n != "tp" and not pl.is_replicate():
+            out *= size
+    return out
+
+
+def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
+    """id(sharded parameter) -> its FSDPParam, for every FSDP2 unit of the chunks."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[int, Any] = {}
+    for part in parts:
+        for m in part.modules():
+            if not isinstance(m, FSDPModule):
+                continue
+            group = m._get_fsdp_state()._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else []:
+                out[id(fp.sharded_param)] = fp
+    return out
+
+
+def _fsdp_units(parts: list[nn.Module]) -> list[int]:
+    """Unsharded elements of each FSDP2 unit (what one all-gather brings)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = []
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                group = m._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    units.append(sum(fp._orig_size.numel() for fp in group.fsdp_params))
+    return units
+
+
+def _chunks(parts: list[nn.Module], stage_ids: list[int], num_stages: int) -> list[Chunk]:
+    out = []
+    for part, stage in zip(parts, stage_ids, strict=True):
+        layers = [
+            Layer(int(name), any(isinstance(m, MoELayer) for m in block.modules()))
+            for name, block in part.layers.items()
+        ]
+        out.append(Chunk(stage, layers, part.tok_embeddings is not None, part.output is not None))
+    return out
+
+
+def compute_dtype(cfg: JobConfig, device_type: str) -> torch.dtype:
+    """The trainer's compute dtype on ``device_type`` (``train.dtype``: auto is bf16 on
+    CUDA, fp32 on CPU)."""
+    name = cfg.train.dtype
+    if name == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def build_rank(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    rank: int,
+    build_optimizers: BuildOptimizers,
+    device_type: str = "cuda",
+) -> RankState:
+    """Build ``rank`` of the job on the meta device and read its model state."""
+    from moetrain.model.transformer import Transformer
+
+    coords = dims.coords(rank)
+    dtype = compute_dtype(cfg, device_type)
+    fsdp_dtype = dtype if dtype != torch.float32 else None
+    with fake_world(dims.world_size, rank):
+        meshes = dims.build_mesh("cpu", cache=False)
+        with torch.device("meta"), no_init():
+            model = Transformer(cfg.model, cfg.moe)
+        whole = {
+            "n_params": model.num_params(),
+            "n_active": model.num_params(active=True),
+            "flops_per_token": model.flops_per_token(cfg.data.seq_len),
+            "whole_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        }
+        with fast_fsdp_chunks():
+            pm = parallelize(
+                model,
+                dims,
+                meshes,
+                cfg.parallel,
+                pp_rank=coords["pp"],
+                param_dtype=fsdp_dtype,
+                device=torch.device("cpu"),
+                n_microbatches=dims.breadth_first(cfg),
+                loss_fn=lambda logits, labels: logits.sum(),
+                seq_len=cfg.data.seq_len,
+            )
+        parts = pm.parts
+        _, optimizers = build_optimizers(cfg, dims, meshes, parts, pm.expert_params)
+        state = _read_state(parts, optimizers, cfg, fsdp_dtype)
+        chunks = _chunks(parts, pm.stage_ids, dims.num_stages)
+    from moetrain.parallel.accounting import params_before_dp
+
+    expert = sum(_local(p).numel() for p in pm.expert_params)
+    return RankState(
+        rank=rank,
+        coords=coords,
+        chunks=chunks,
+        param_elements=params_before_dp(parts),
+        expert_elements=expert,
+        **whole,
+        **state,
+    )
+
+
+def _read_state(
+    parts: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    cfg: JobConfig,
+    fsdp_dtype: torch.dtype | None,
+) -> dict[str, Any]:
+    fsdp = _fsdp_params(parts)
+    seen: set[int] = set()
+    params = grads = 0
+    model_params: list[nn.Parameter] = []
+    for part in parts:
+        for name, p in part.named_parameters():
+            local = _local(p)
+            key = _storage_id(local)
+            if key in seen:
+                continue
+            seen.add(key)
+            model_params.append(p)
+            params += local.untyped_storage().nbytes()
+            fp = fsdp.get(id(p))
+            if fp is not None:  # FSDP2's reduce-scattered shard, padded, in the param dtype
+                grads += fp.padded_sharded_param_size.numel() * local.element_size()
+            elif name.endswith("tok_embeddings.weight") and _tp_sharded(p):
+                # The vocabulary-parallel embedding's gradient comes back replicated over tp
+                # (the engine shards it in the optimizer step): whole until then.
+                grads += p.numel() // _non_tp_shards(p) * local.element_size()
+            else:
+                grads += local.numel() * local.element_size()
+    masters = 0
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                key = _storage_id(_local(p))
+                if key not in seen:
+                    seen.add(key)
+                    masters += _local(p).untyped_storage().nbytes()
+    optim, by_dtype = _optimizer_state(optimizers)
+    buffers, seen_b = 0, set()
+    for part in parts:
+        for b in part.buffers():
+            key = _storage_id(b)
+            if key not in seen_b:
+                seen_b.add(key)
+                buffers += b.untyped_storage().nbytes()
+    gathered, exact = 0, True
+    if fsdp:
+        unit_bytes = [n * (fsdp_dtype or torch.float32).itemsize for n in _fsdp_units(parts)]
+        if cfg.parallel.zero_stage == 2:  # every unit stays gathered from forward to backward
+            gathered = sum(unit_bytes)
+        else:  # ZeRO-3: one unit in use, the next prefetched
+            gathered, exact = sum(sorted(unit_bytes)[-2:]), False
+    return {
+        "params": params,
+        "grads": grads,
+        "optim": optim,
+        "masters": masters,
+        "gathered": gathered,
+        "gathered_exact": exact,
+        "buffers": buffers,
+        "optim_dtypes": by_dtype,
+    }
+
+
+def _optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[int, dict[str, int]]:
+    """Step every optimizer once on zero gradients (meta tensors: nothing is computed) and
+    read the states it created: bytes of their distinct storages, and by dtype."""
+    for opt in optimizers:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        with SkipInPlace():
+            opt.step()
+    seen: set[int] = set()
+    total, by_dtype = 0, {}
+    for opt in optimizers:
+        for state in opt.state.values():
+            for v in state.values():
+                if not isinstance(v, torch.Tensor) or v.dim() == 0:
+                    continue  # AdamW's step counter: a scalar
+                local = _local(v)
+                key = _storage_id(local)
+                if key in seen:
+                    continue
+                seen.add(key)
+                n = local.untyped_storage().nbytes()
+                total += n
+                name = str(local.dtype).removeprefix("torch.")
+                by_dtype[name] = by_dtype.get(name, 0) + n
+    return total, by_dtype

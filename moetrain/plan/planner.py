@@ -1,0 +1,197 @@
+"""``plan``: a layout validated and priced at its world size, one distinct rank at a time.
+
+    plan(cfg, world_size, build_optimizers, device_type="cuda", gpu=hardware.gpu("h100"))
+
+validates the layout with the trainer's own checks and messages (``check_layout``), builds
+each distinct rank (every pipeline stage; the other coordinates of a stage hold the same
+shapes, data-parallel rank 0 the most of FSDP's and ZeRO-1's uneven shards) on the meta
+device (``moetrain.plan.build``), adds its activations (``moetrain.plan.activations``), and
+with a GPU its traffic and a step-time estimate (``traffic``, ``estimate``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from moetrain.config import ConfigError, JobConfig
+from moetrain.parallel.dims import ParallelDims
+from moetrain.plan import activations as act
+from moetrain.plan.build import BuildOptimizers, RankState, build_rank, compute_dtype
+from moetrain.plan.estimate import Estimate, estimate
+from moetrain.plan.hardware import GPU
+from moetrain.plan.traffic import Axis, traffic
+
+
+@dataclass
+class RankPlan:
+    """One distinct rank: its model state (read off its meta build), its activations, and
+    with a GPU its traffic and step estimate."""
+
+    state: RankState
+    per_microbatch: list[int]
+    """Activation bytes one micro-batch leaves in each of the rank's chunks."""
+    in_flight: list[int]
+    """Micro-batches in flight per chunk when the rank holds the most."""
+    activations: int
+    """The most activation bytes held at once (what SavedActivations measures)."""
+    recompute: int
+    """One block's tensors while activation checkpointing recomputes it (not in the above)."""
+    rope: int
+    axes: list[Axis] = field(default_factory=list)
+    estimate: Estimate | None = None
+
+    @property
+    def steady(self) -> int:
+        """Bytes at the step's peak: model state (parameters, gradients, optimizer states,
+        master weights), gathered parameters, buffers and activations."""
+        s = self.state
+        return (
+            s.model_state + s.gathered + s.buffers + self.activations + self.recompute + self.rope
+        )
+
+
+@dataclass
+class Plan:
+    cfg: JobConfig
+    dims: ParallelDims
+    device_type: str
+    dtype: torch.dtype
+    ranks: list[RankPlan]
+    gpu: GPU | None = None
+    gpus_per_node: int = 8
+
+    @property
+    def start_up(self) -> int:
+        """Bytes the trainer holds on every rank before sharding: the whole model in fp32
+        (``build_model``), twice while the pipeline split copies it."""
+        whole = self.ranks[0].state.whole_bytes + self.ranks[0].state.buffers
+        return whole * (2 if self.dims.pp > 1 else 1)
+
+    @property
+    def worst(self) -> RankPlan:
+        return max(self.ranks, key=lambda r: r.steady)
+
+    def peak(self, rank: RankPlan | None = None) -> int:
+        """A rank's peak over the run: its start-up or its step, whichever is larger, plus
+        the runtime's reserve on a GPU."""
+        return max(self.start_up + self.reserve, self.step_peak(rank))
+
+    def step_peak(self, rank: RankPlan | None = None) -> int:
+        """A rank's peak during training steps, plus the runtime's reserve on a GPU."""
+        return int((rank or self.worst).steady + self.reserve)
+
+    @property
+    def reserve(self) -> int:
+        return int(self.gpu.runtime_reserve_gb * 1e9) if self.gpu is not None else 0
+
+    @property
+    def step_s(self) -> float | None:
+        """The slowest rank's estimated step: the job's."""
+        times = [r.estimate.step_s for r in self.ranks if r.estimate is not None]
+        return max(times) if times else None
+
+    @property
+    def tflops_per_gpu(self) -> float | None:
+        """Model TFLOP/s per GPU as the trainer (and published tables) count them:
+        FLOPs per token x tokens per step / (step x world size)."""
+        step = self.step_s
+        if step is None:
+            return None
+        s = self.ranks[0].state
+        tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        return s.flops_per_token * tokens / (step * self.dims.world_size) / 1e12
+
+
+def check_layout(cfg: JobConfig, world_size: int, device_type: str = "cuda") -> ParallelDims:
+    """The trainer's checks before it builds anything, with its messages: the vocabulary
+    (from the tokenizer when model.vocab_size is null), the layout against the world size,
+    every cross-section rule (``ParallelDims.validate``), FlexAttention on a CPU."""
+    if cfg.model.attention_backend == "flex" and device_type == "cpu":
+        raise ConfigError(
+            "model.attention_backend: flex trains on CUDA only (FlexAttention has no "
+            "backward on CPU); use sdpa, which gives the same numbers (docs/attention.md)"
+        )
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    if cfg.model.vocab_size is None:
+        from moetrain.data import load_tokenizer
+
+        cfg.model.vocab_size = load_tokenizer(cfg.data.tokenizer, cfg.data.cache_dir).vocab_size
+    return dims.validate(cfg)
+
+
+def distinct_ranks(dims: ParallelDims) -> list[int]:
+    """One rank per pipeline stage (data-parallel, cp and tp coordinates 0): every other rank
+    holds what one of these holds, or less."""
+    return [pp * (dims.world_size // dims.pp) for pp in range(dims.pp)]
+
+
+def plan_rank(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    state: RankState,
+    dtype: torch.dtype,
+    device_type: str,
+) -> RankPlan:
+    sh = act.shapes(cfg, dims, dtype, device_type)
+    per_mb = [act.chunk_bytes(cfg, sh, c) for c in state.chunks]
+    stage_ids = [c.stage for c in state.chunks]
+    kept = [act.input_only_bytes(cfg, sh, c) for c in state.chunks]
+    peak, flight = act.peak_in_flight(cfg, dims, state.coords["pp"], stage_ids, per_mb, kept)
+    rope = act.rope_bytes(cfg, sh) * (max(sum(flight), 1) if dims.cp > 1 else 1)
+    return RankPlan(state, per_mb, flight, peak, act.recompute_bytes(cfg, sh, state.chunks), rope)
+
+
+def plan(
+    cfg: JobConfig,
+    world_size: int,
+    build_optimizers: BuildOptimizers,
+    *,
+    device_type: str = "cuda",
+    gpu: GPU | None = None,
+    gpus_per_node: int = 8,
+    ranks: list[int] | None = None,
+    overlap: dict[str, float] | None = None,
+) -> Plan:
+    """Validate the layout of ``cfg`` at ``world_size`` ranks and plan its distinct ranks
+    (or ``ranks``); with ``gpu`` price their traffic and step time too."""
+    dims = check_layout(cfg, world_size, device_type)
+    dtype = compute_dtype(cfg, device_type)
+    out = []
+    sh = act.shapes(cfg, dims, dtype, device_type)
+    for rank in ranks if ranks is not None else distinct_ranks(dims):
+        state = build_rank(cfg, dims, rank, build_optimizers, device_type)
+        rp = plan_rank(cfg, dims, state, dtype, device_type)
+        if gpu is not None:
+            rp.axes = traffic(cfg, dims, state, sh, dtype, gpus_per_node)
+            rp.estimate = estimate(cfg, dims, state, rp.axes, gpu, overlap)
+        out.append(rp)
+    return Plan(cfg, dims, device_type, dtype, out, gpu, gpus_per_node)
+
+
+# ----------------------------------------------------------------------------- memory check
+
+
+def available_memory(device: torch.device) -> tuple[float, str]:
+    """Bytes this rank may use and where the figure comes from: the GPU's free memory on
+    CUDA; on a CPU the machine's available memory (MemAvailable) shared by the node's ranks
+    (LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free memory of {torch.cuda.get_device_name(device)}"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    avail = _mem_available()
+    return avail / local, f"MemAvailable {avail / 1e9:.1f} GB / {local} local rank(s)"
+
+
+def _mem_available() -> float:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))  # not Linux

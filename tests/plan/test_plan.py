@@ -1,0 +1,130 @@
+"""``moetrain plan`` as a user runs it: the command and its exit statuses, refusals with the
+trainer's own messages at any world size, the search, the constants as inputs, the page's
+published-runs table against the file the tool writes, and DeepSeek-V3's experts at 2,048
+ranks against a hand count."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrain.cli import main as moetrain
+from moetrain.config import ConfigError, load_config
+from moetrain.parallel.dims import ParallelDims
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_EP = ["--config", "configs/tiny_ep.yaml", "--world", "8"]
+
+
+def test_plan_prints_every_figure_and_says_whether_it_fits(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    assert moetrain(["plan", *TINY_EP, "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    for line in ("layout: pp 1 x dp_replicate 1 x dp_shard 4 x cp 1 x tp 2",
+                 "ep 4 with expert tp", "parameters (local shards)", "optimizer states (float32)",
+                 "start-up", ": fits 80 GB", "traffic per step", "ep   group of 4",
+                 "estimate on h100"):  # fmt: skip
+        assert line in out, (line, out)
+    # The same plan through --json: one distinct rank (no pipeline), the figures as numbers.
+    assert moetrain(["plan", *TINY_EP, "--gpu", "h100", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and len(data["ranks"]) == 1
+    assert set(data["ranks"][0]["traffic"]) == {"dp", "tp", "ep"}  # edp = 4 / ep 4 = 1
+    # Too little memory: exit status 1 and the advice.
+    assert moetrain(["plan", *TINY_EP, "--gpu", "h100", "--memory-gb", "0.01"]) == 1
+    assert "DOES NOT FIT 0.01 GB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.pp=16"],  # 61 layers do not split into 16 stages
+        ["parallel.pp=1", "parallel.ep=3"],  # ep does not divide 256 experts
+        ["parallel.pp=1", "parallel.tp=3"],  # nor tp the world
+        ["parallel.pp=1", "train.global_batch_size=1920"],  # 1920 / dp 2048
+    ],
+)
+def test_a_layout_refused_at_2048_ranks_is_refused_with_the_trainers_message(
+    overrides, capsys, monkeypatch
+) -> None:
+    monkeypatch.chdir(REPO)
+    cfg = load_config("configs/deepseek_v3.yaml", overrides)
+    with pytest.raises(ConfigError) as trainer:
+        ParallelDims.from_config(cfg.parallel, 2048).validate(cfg)
+    argv = ["plan", "--config", "configs/deepseek_v3.yaml", "--world", "2048", *overrides]
+    assert moetrain(argv) == 2
+    assert capsys.readouterr().err.strip() == f"moetrain: config error: {trainer.value}"
+
+
+def test_search_ranks_what_fits_and_says_why_the_rest_does_not(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    argv = ["plan", *TINY_EP, "--gpu", "h100", "--search", "--memory-gb", "3",
+            "parallel.pp=1", "parallel.cp=1", "parallel.activation_checkpointing=none"]  # fmt: skip
+    assert moetrain(argv) == 0
+    out = capsys.readouterr().out
+    assert "fastest that fit (estimated):" in out
+    # tp=8 leaves 6 heads whole on no rank: refused with validation's message.
+    assert "x model.n_heads: 6 is not divisible by parallel.tp=8" in out
+    rows = [line.split() for line in out.splitlines() if "zero_stage=" in line]
+    times = [float(r[0]) for r in rows if len(r) > 3 and r[0][0].isdigit()]
+    assert times == sorted(times) and len(times) >= 3
+
+
+def test_every_constant_is_an_input() -> None:
+    from moetrain.plan import hardware, planner
+    from moetrain.train.engine import build_optimizers
+
+    cfg = load_config(REPO / "configs/tiny_ep.yaml")
+
+    def step(**consts) -> float:
+        gpu = hardware.gpu("h100", consts)
+        return planner.plan(cfg, 8, build_optimizers, gpu=gpu).step_s
+
+    base = step()
+    assert step(matmul_efficiency=0.3) > base  # half the compute rate: slower
+    assert step(nvlink_gbs=45.0) > base  # a tenth of the bandwidth: slower
+    with pytest.raises(ValueError, match="not a GPU constant"):
+        hardware.gpu("h100", {"no_such": 1.0})
+
+
+def test_published_table_on_the_page_is_the_tools_file() -> None:
+    sys.path.insert(0, str(REPO / "tools"))
+    import plan_published as P
+
+    rows = P.read_rows()
+    assert [r["run"] for r in rows] == [run.name for run in P.RUNS]
+    page = (REPO / "docs" / "plan.md").read_text()
+    assert P.render(rows) in page, "docs/plan.md: rerun python tools/plan_published.py --print"
+
+
+@pytest.mark.slow
+def test_deepseek_v3_at_2048_ranks_holds_its_experts_and_nothing_whole() -> None:
+    """The whole 671B model on the meta device under a 2,048-rank fake process group: the
+    planned rank holds exactly its 256 / ep experts of each of the 58 MoE layers (3 D F
+    each, fp32), and its non-expert parameters sharded 2,048 ways (ZeRO-3: each one's first
+    dimension cut in 2,048 chunks of ceil(n / 2,048) rows, as FSDP2 pads them)."""
+    import torch
+
+    from moetrain.model.transformer import Transformer
+    from moetrain.plan import planner
+    from moetrain.train.engine import build_optimizers
+
+    overrides = ["parallel.pp=1", "parallel.ep=64", "parallel.zero_stage=3",
+                 "train.global_batch_size=16384"]  # fmt: skip
+    cfg = load_config(REPO / "configs/deepseek_v3.yaml", overrides)
+    plan = planner.plan(cfg, 2048, build_optimizers)
+    s = plan.ranks[0].state
+    moe_layers = 61 - 3
+    assert s.expert_elements == moe_layers * (256 // 64) * 3 * 7168 * 2048
+    assert s.n_params == 671_026_404_352
+    with torch.device("meta"):
+        whole = Transformer(cfg.model, cfg.moe)
+    padded = sum(
+        -(-p.shape[0] // 2048) * p[0].numel()
+        for name, p in whole.named_parameters()
+        if ".experts." not in name
+    )
+    assert s.params == 4 * (s.expert_elements + padded)
