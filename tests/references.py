@@ -199,5 +199,7 @@ NO_NUMBERS: dict[str, str] = {
     "train.checkpoint_every": "when checkpoints are written (resume: train.resume)",
     "train.keep_last": "how many checkpoints are kept",
     "train.collective_timeout_s": "how long a collective waits before failing",
+    "train.resume_allow_changes": "which config changes a resume accepts "
+    "(tests/train/test_resume_honesty.py)",
 }
 """Keys of ``SECTIONS`` that change no trained number, with why."""

@@ -62,7 +62,7 @@ def run_one(cfg: JobConfig) -> dict[str, float]:
 
     start = time.perf_counter()
     trainer = Trainer(cfg)
-    summary = trainer.fit()
+    summary = trainer.fit(finished_ok=True)  # a finished run whose row was lost: re-read
     out = run_summary(read_scalars(cfg.train.output_dir))
     out["eval_loss"] = float(summary["eval_loss"])
     out["active_params"] = float(trainer.n_active)
