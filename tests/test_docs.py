@@ -21,13 +21,13 @@ import argparse
 import contextlib
 import importlib.util
 import re
-import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from doc_commands import blocks, commands, unlabeled_commands
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -37,27 +37,14 @@ IGNORED_TOP = {"outputs", "runs", "checkpoints", "build", "dist", "__pycache__"}
 TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - IGNORED_TOP - {
     n for n in (p.name for p in REPO.iterdir()) if n.endswith(".egg-info")
 }
-SHELL = {"", "bash", "sh", "shell", "console"}
 # Names of files that live beside the repository, not in it: a clone would not have them.
 FOREIGN = re.compile(r"\.\./shared|\bANCHORS\b|\b(?:DESIGN|PLATFORM|STYLE)\.md\b")
 # Absolute paths into a machine's own directories (an illustrative '/no/such/file' is fine).
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|home|root|tmp|Users|mnt|opt|srv|scratch)/")
-_FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
 
 
 def _rel(page: Path) -> str:
     return page.relative_to(REPO).as_posix()
-
-
-def _blocks(page: Path) -> Iterator[tuple[int, str, str]]:
-    """(line number, fence language or None outside a fence, line) for every line."""
-    lang: str | None = None
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        fence = _FENCE.match(line)
-        if fence:
-            lang = (fence.group(2) or "") if lang is None else None
-            continue
-        yield number, lang, line
 
 
 # ----------------------------------------------------------------------------- paths
@@ -65,7 +52,7 @@ def _blocks(page: Path) -> Iterator[tuple[int, str, str]]:
 
 def _path_tokens(page: Path) -> Iterator[tuple[int, str]]:
     """Tokens of code spans and of non-YAML code blocks that could name a file."""
-    for number, lang, line in _blocks(page):
+    for number, lang, line in blocks(page):
         if lang is None:
             texts = re.findall(r"`([^`]+)`", line)
         elif lang in ("yaml", "yml", "python", "py"):
@@ -142,35 +129,6 @@ def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 # ----------------------------------------------------------------------------- commands
 
 
-def _commands(page: Path) -> Iterator[tuple[int, list[str]]]:
-    """(line, argv) of every command in a shell code block; continuation lines joined, comments
-    dropped, ``&&`` / ``;`` chains split, leading ``VAR=value`` assignments removed."""
-    pending, start = "", 0
-    for number, lang, line in _blocks(page):
-        if lang not in SHELL:
-            continue
-        if not pending:
-            start = number
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        full, pending = pending + line, ""
-        try:
-            words = shlex.split(full, comments=True)
-        except ValueError:
-            continue  # not shell (a diagram, log output)
-        command: list[str] = []
-        for word in [*words, "&&"]:
-            if word in ("&&", ";", "||"):
-                while command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", command[0]):
-                    command.pop(0)
-                if command:
-                    yield start, command
-                command = []
-            else:
-                command.append(word)
-
-
 class _Parsed(BaseException):  # noqa: N818 (not an error: escapes `except Exception`)
     def __init__(self, namespace: argparse.Namespace) -> None:
         super().__init__("parsed")
@@ -230,11 +188,12 @@ def _load_tool(path: Path) -> Any:
 def check_training(argv: list[str], world_size: int = 1) -> None:
     """A training command's arguments parse, its config loads and validates, and its layout
     fits ``world_size`` ranks."""
-    from moetrain.train.cli import train_main
     from moetrain.config import load_config
     from moetrain.parallel.dims import ParallelDims
+    from moetrain.train.cli import train_main
 
     args = parse_only(train_main, argv)
+    assert args.config is not None, "training needs --config (moetrain refuses to run without)"
     cfg = load_config(args.config, args.overrides)
     ParallelDims.from_config(cfg.parallel, world_size).validate(cfg)
 
@@ -245,8 +204,14 @@ def _check_ablate(args: argparse.Namespace) -> None:
     load_sweep(args.sweep, args.overrides, args.out)  # builds and validates every run's config
 
 
+def _check_prepare(args: argparse.Namespace) -> None:
+    from moetrain.config import load_config
+
+    load_config(args.config, args.overrides)  # the data.* keys it reads: names, types, values
+
+
 # Checks beyond parsing for commands that take a config; other commands are parsed only.
-DEEPER = {"ablate": _check_ablate}
+DEEPER = {"ablate": _check_ablate, "prepare-data": _check_prepare}
 
 
 def check_moetrain(argv: list[str], world_size: int = 1) -> None:
@@ -315,7 +280,7 @@ def check_command(argv: list[str]) -> bool:
     return True
 
 
-COMMANDS = [(page, number, argv) for page in PAGES for number, argv in _commands(page)]
+COMMANDS = [(page, number, argv) for page in PAGES for number, argv in commands(page)]
 
 
 @pytest.mark.parametrize(
@@ -338,10 +303,33 @@ def test_commands_are_found() -> None:
     assert checked >= 20, checked
 
 
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_commands_are_in_shell_fences(page: Path) -> None:
+    """A command in a fence without a language (kept for diagrams, trees and output) would
+    escape the checks above: such a fence must be marked ``bash``."""
+    found = unlabeled_commands(page)
+    problems = [f"{_rel(page)}:{n}: {line!r}: mark the fence bash" for n, line in found]
+    assert not problems, "\n".join(problems)
+
+
+def test_fence_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "```\nmoetrain --config configs/tiny.yaml\n```\n```\nroute -> experts\n```\n"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text)
+    page = REPO / "docs" / "_probe.md"
+    assert unlabeled_commands(page) == [(2, "moetrain --config configs/tiny.yaml")]
+    assert list(commands(page)) == []  # neither fence is a shell fence: the diagram is no command
+
+
 @pytest.mark.parametrize(
     "argv, error",
     [
         (["moetrain", "--config", "configs/tiny.yaml", "moe.topk=2"], "moe.topk: unknown key"),
+        (["moetrain", "moe.top_k=1"], "training needs --config"),
+        (
+            ["moetrain", "prepare-data", "--config", "configs/tiny.yaml", "data.datset=x.jsonl",
+             "--out", "x"],
+            "data.datset: unknown key",
+        ),  # fmt: skip
         (["moetrain", "no-such-command"], "unknown command"),
         (["moetrain", "ablate"], "SystemExit"),  # the sweep file is required
         (
