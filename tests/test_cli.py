@@ -83,14 +83,14 @@ def _options_without_help(command_main) -> list[str]:
     import argparse
 
     seen: list[argparse.ArgumentParser] = []
-    original = argparse.ArgumentParser.parse_args
+    original = argparse.ArgumentParser.parse_known_args  # what every parse_* method calls
 
     def record(self, *args, **kwargs):
         seen.append(self)
         return original(self, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(argparse.ArgumentParser, "parse_args", record)
+        mp.setattr(argparse.ArgumentParser, "parse_known_args", record)
         with pytest.raises(SystemExit):
             command_main(["--help"])
     assert seen, "no parser ran"

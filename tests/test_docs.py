@@ -137,33 +137,38 @@ class _Parsed(BaseException):  # noqa: N818 (not an error: escapes `except Excep
 
 @contextlib.contextmanager
 def _stop_after_parsing() -> Iterator[None]:
-    """Make the first ``ArgumentParser.parse_args`` / ``parse_known_args`` call raise with its
-    result, so that a ``main(argv)`` parses its arguments and does nothing else."""
-    original_args = argparse.ArgumentParser.parse_args
-    original_known = argparse.ArgumentParser.parse_known_args
+    """Make the first ``ArgumentParser.parse_args`` / ``parse_intermixed_args`` /
+    ``parse_known_args`` call raise with its result, so that a ``main(argv)`` parses its
+    arguments and does nothing else."""
+    methods = ("parse_args", "parse_intermixed_args", "parse_known_args")
+    originals = {name: getattr(argparse.ArgumentParser, name) for name in methods}
     depth = {"in_parse_args": 0}
 
-    def parse_args(self, args=None, namespace=None):
-        depth["in_parse_args"] += 1
-        try:
-            result = original_args(self, args, namespace)
-        finally:
-            depth["in_parse_args"] -= 1
-        raise _Parsed(result)
+    def whole(name: str) -> Callable[..., Any]:
+        def parse(self, args=None, namespace=None):
+            depth["in_parse_args"] += 1
+            try:
+                result = originals[name](self, args, namespace)
+            finally:
+                depth["in_parse_args"] -= 1
+            raise _Parsed(result)
+
+        return parse
 
     def parse_known_args(self, args=None, namespace=None):
-        result = original_known(self, args, namespace)
+        result = originals["parse_known_args"](self, args, namespace)
         if depth["in_parse_args"]:  # inside parse_args (or a subparser): let it finish
             return result
         raise _Parsed(result[0])
 
-    argparse.ArgumentParser.parse_args = parse_args
+    argparse.ArgumentParser.parse_args = whole("parse_args")
+    argparse.ArgumentParser.parse_intermixed_args = whole("parse_intermixed_args")
     argparse.ArgumentParser.parse_known_args = parse_known_args
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_args = original_args
-        argparse.ArgumentParser.parse_known_args = original_known
+        for name, method in originals.items():
+            setattr(argparse.ArgumentParser, name, method)
 
 
 def parse_only(main: Callable[[list[str]], Any], argv: list[str]) -> argparse.Namespace:
@@ -253,10 +258,29 @@ def _torchrun(argv: list[str]) -> tuple[int, list[str]]:
     return nproc * nnodes, argv[i:]
 
 
+def _sbatch(argv: list[str]) -> None:
+    """``sbatch [--nodes=N] tools/slurm/train.sbatch CONFIG key=value ...``: the script exists,
+    and its training command checks for the allocation's world size (N nodes of the script's
+    default 8 processes)."""
+    nodes, i = 2, 0  # the script's #SBATCH --nodes
+    while i < len(argv) and argv[i].startswith("-"):
+        name, _, value = argv[i].partition("=")
+        if name in ("--nodes", "-N"):
+            nodes = int(value)
+        i += 1
+    script, config, overrides = argv[i], argv[i + 1], argv[i + 2 :]
+    assert (REPO / script).is_file(), f"{script} does not exist"
+    if script == "tools/slurm/train.sbatch":
+        check_training(["--config", config, *overrides], world_size=nodes * 8)
+
+
 def check_command(argv: list[str]) -> bool:
     """Check one command line; False when it is not one this test knows (pip, tensorboard)."""
     program, rest = argv[0], argv[1:]
     world = 1
+    if program == "sbatch":
+        _sbatch(rest)
+        return True
     if program == "torchrun":
         world, rest = _torchrun(rest)
         program = "python"
@@ -325,6 +349,10 @@ def test_fence_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         (["moetrain", "--config", "configs/tiny.yaml", "moe.topk=2"], "moe.topk: unknown key"),
         (["moetrain", "moe.top_k=1"], "training needs --config"),
+        (
+            ["sbatch", "tools/slurm/train.sbatch", "configs/gpu_1b.yaml", "parallel.tp=8"],
+            "4 kv heads are not divisible by parallel.tp=8",
+        ),
         (
             ["moetrain", "prepare-data", "--config", "configs/tiny.yaml", "data.datset=x.jsonl",
              "--out", "x"],

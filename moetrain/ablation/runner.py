@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value for every run")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (subprocesses)")
     parser.add_argument("--out", help="sweep output directory (default: the file's output_dir)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options and key=value in any order
     if args.parallel < 1:
         parser.error("--parallel must be >= 1")
     from moetrain.train.trainer import setup_logging

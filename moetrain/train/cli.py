@@ -29,7 +29,7 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options and key=value in any order
     if args.config is None:
         print(f"moetrain: no --config given; nothing was run.\n{START}\n"
               "moetrain --help lists the commands; configs/ holds the experiment files.",
