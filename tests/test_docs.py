@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +37,11 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # What a clean clone has at its top: not the ignored run outputs (outputs/, runs/) that a
 # working tree may hold.
 IGNORED_TOP = {"outputs", "runs", "checkpoints", "build", "dist", "__pycache__"}
-TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - IGNORED_TOP - {
-    n for n in (p.name for p in REPO.iterdir()) if n.endswith(".egg-info")
-}
+TOP = (
+    {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
+    - IGNORED_TOP
+    - {n for n in (p.name for p in REPO.iterdir()) if n.endswith(".egg-info")}
+)
 # Names of files that live beside the repository, not in it: a clone would not have them.
 FOREIGN = re.compile(r"\.\./shared|\bANCHORS\b|\b(?:DESIGN|PLATFORM|STYLE)\.md\b")
 # Absolute paths into a machine's own directories (an illustrative '/no/such/file' is fine).
@@ -354,8 +359,15 @@ def test_fence_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
             "4 kv heads are not divisible by parallel.tp=8",
         ),
         (
-            ["moetrain", "prepare-data", "--config", "configs/tiny.yaml", "data.datset=x.jsonl",
-             "--out", "x"],
+            [
+                "moetrain",
+                "prepare-data",
+                "--config",
+                "configs/tiny.yaml",
+                "data.datset=x.jsonl",
+                "--out",
+                "x",
+            ],
             "data.datset: unknown key",
         ),  # fmt: skip
         (["moetrain", "no-such-command"], "unknown command"),
@@ -422,3 +434,195 @@ def test_every_tensorboard_scalar_is_documented(tmp_path: Path) -> None:
     missing = [t for t in tags if not _documented(t, page)]
     assert not missing, f"written to TensorBoard but not in docs/dashboards.md: {missing}"
     assert not _documented("train/no_such_tag", page)
+
+
+# ----------------------------------------------------------------------------- quoted figures
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?%?")
+
+
+def numbers(text: str) -> list[float]:
+    """The numbers of ``text`` as values: ``1e-5``, ``1.5e-2``, ``0.1%`` (0.001), ``1,924``."""
+    out = []
+    for token in _NUMBER.findall(text):
+        value = float(token.rstrip("%").replace(",", ""))
+        out.append(value / 100 if token.endswith("%") else value)
+    return out
+
+
+def _constant(path: str, name: str) -> Any:
+    """The literal a module assigns to ``name``, read from its source (nothing imported)."""
+    import ast
+
+    for node in ast.parse((REPO / path).read_text()).body:
+        targets = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                   if isinstance(t, ast.Name)]  # fmt: skip
+        if name in targets:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} assigns no {name}")
+
+
+def _tolerance_rows() -> dict[str, list[float]]:
+    """parallel.md's tolerance table, row by row, from ``TOLERANCES`` of tests/multirank.py
+    (the fp32 cell, then the bf16 one) and ``CLAMPED``."""
+    tol, clamped = (
+        _constant("tests/multirank.py", "TOLERANCES"),
+        _constant("tests/multirank.py", "CLAMPED"),
+    )
+    f, b = tol["fp32"], tol["bf16"]
+    return {
+        "losses, norms, MoE statistics": [f["value"]["atol"], f["value"]["rtol"],
+                                          b["value"]["atol"], b["value"]["rtol"]],
+        "first step's gradients": [f["grad"]["first"], b["grad"]["first"]],
+        "later steps' gradients, AdamW moments": [
+            f["grad"]["later"], clamped["grad_later"], clamped["param"]["atol"],
+            clamped["param"]["rtol"], b["grad"]["later"]],
+        "final parameters": [f["param"]["atol"], f["param"]["rtol"], b["param"]["atol"]],
+        "router scores in another histogram bin": [f["hist"]["moved"], b["hist"]["moved"]],
+    }  # fmt: skip
+
+
+def _table_row(text: str, first_cell: str) -> str:
+    """The cells after the first of the table row that starts with ``first_cell``."""
+    rows = [line for line in text.splitlines() if line.startswith(f"| {first_cell}")]
+    assert len(rows) == 1, f"{len(rows)} rows start with {first_cell!r}"
+    return rows[0].split("|", 2)[2]
+
+
+def _accounting_bytes_sent() -> tuple[float, float, str]:
+    """(lowest, highest, layout of the highest) "bytes sent / analytic" of docs/accounting.md,
+    the page tests/parallel/test_accounting.py writes from what it measures."""
+    page = (REPO / "docs/accounting.md").read_text().split("| layout | model state")[1]
+    page = page.split("\n\n")[0].splitlines()  # the first table, model state and traffic
+    row = re.compile(r"\| [A-Z].* \| \d\.\d{4} \| \d\.\d{4} \|")
+    rows = [line.split("|")[1:-1] for line in page if row.match(line)]
+    values = [(float(r[2]), r[0].strip()) for r in rows]
+    return min(values)[0], max(values)[0], max(values)[1]
+
+
+def _gpu_1b() -> dict[str, float]:
+    """configs/gpu_1b.yaml's model on the meta device: parameters, FLOPs, analytic memory
+    (``analytic_memory`` of tools/bench_e2e.py), the MFU denominator of an H100."""
+    import torch
+
+    from moetrain.config import load_config
+    from moetrain.model import Transformer
+    from moetrain.train.metrics import _PEAK_FLOPS
+
+    cfg = load_config(REPO / "configs" / "gpu_1b.yaml", ["model.vocab_size=4096"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.moe)
+    state, acts = _load_tool(REPO / "tools" / "bench_e2e.py").analytic_memory(
+        cfg, model.num_params()
+    )
+    return {"total": model.num_params() / 1e9, "active": model.num_params(active=True) / 1e9,
+            "gflop": model.flops_per_token(cfg.data.seq_len) / 1e9, "state": state / 1e9,
+            "acts": acts / 1e9, "peak": _PEAK_FLOPS["H100"] / 1e12}  # fmt: skip
+
+
+def _matrix_layouts() -> float:
+    found = re.search(r"(\d+) option factors, (\d+) layouts", (REPO / "docs/matrix.md").read_text())
+    return float(found.group(2))
+
+
+@dataclass(frozen=True)
+class Quote:
+    """A figure a page quotes and where it comes from. ``pattern`` finds the quote on the
+    page (its first group: the text holding the figures); ``expected`` reads the figures
+    from the source now, as numbers, rounded as the page writes them, or the exact text."""
+
+    page: str
+    source: str
+    pattern: str
+    expected: Callable[[], list[float] | str]
+
+
+QUOTES = [
+    Quote("README.md", "tests/interop/test_families.py (LOGIT_ATOL)",
+          r"fp32 logits within (\S+) of transformers'",
+          lambda: [_constant("tests/interop/test_families.py", "LOGIT_ATOL")]),
+    Quote("docs/interop.md", "tests/interop/test_families.py (LOGIT_ATOL)",
+          r"gives transformers' logits within (\S+) \(`LOGIT_ATOL`",
+          lambda: [_constant("tests/interop/test_families.py", "LOGIT_ATOL")]),
+    Quote("docs/interop.md", "tests/interop/test_self_contained.py (LOGIT_ATOL)",
+          r"moetrain's within (\S+) \(`LOGIT_ATOL`\)",
+          lambda: [_constant("tests/interop/test_self_contained.py", "LOGIT_ATOL")]),
+    Quote("README.md", "docs/matrix.md (written by tests/parallel/test_matrix.py)",
+          r"crossed with (\d+) layouts", lambda: [_matrix_layouts()]),
+    Quote("docs/parallel.md", "docs/matrix.md (written by tests/parallel/test_matrix.py)",
+          r"-- with (\d+) layouts", lambda: [_matrix_layouts()]),
+    *[Quote("docs/parallel.md", "tests/multirank.py (TOLERANCES, CLAMPED)",
+            rf"(?m)^\| {re.escape(row)}[^|]*(\|.*)$", lambda row=row: _tolerance_rows()[row])
+      for row in ("losses, norms, MoE statistics", "first step's gradients",
+                  "later steps' gradients, AdamW moments", "final parameters",
+                  "router scores in another histogram bin")],
+    Quote("docs/parallel.md", "docs/accounting.md (written by tests/parallel/test_accounting.py)",
+          r"The bytes-sent ratios sit (between \S+ and \S+ \([^)]*\))",
+          lambda: f"between {_accounting_bytes_sent()[0]:.4f} and "
+                  f"{_accounting_bytes_sent()[1]:.4f} ({_accounting_bytes_sent()[2]})"),
+    Quote("docs/moe.md", "docs/default_run.json (written by tools/run_figures.py)",
+          r"(?s)\*\*The default, 500 steps\*\*.*?\n\n(\| \| \|\n.*?\n)\n",
+          lambda: _load_tool(REPO / "tools" / "run_figures.py").render_table(
+              json.loads((REPO / "docs" / "default_run.json").read_text()))),
+    Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
+          r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
+          lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),
+                                                       ("gflop", 2))]),
+    Quote("docs/gpu.md", "configs/gpu_1b.yaml and analytic_memory of tools/bench_e2e.py",
+          r"(?s)per parameter \(fp32 weights.*?\*\*(\S+) GB\*\*.*?are \*\*(\S+) GB\*\*",
+          lambda: [round(_gpu_1b()["state"], 1), round(_gpu_1b()["acts"], 1)]),
+    Quote("docs/gpu.md", "_PEAK_FLOPS of moetrain/train/metrics.py",
+          r"datasheet bf16 peak, (\S+) TFLOP/s for an H100", lambda: [_gpu_1b()["peak"]]),
+]  # fmt: skip
+
+
+def quote_problems(quote: Quote, text: str | None = None) -> list[str]:
+    """What differs between ``quote``'s page and its source (``text``: the page, if given)."""
+    text = (REPO / quote.page).read_text() if text is None else text
+    found = re.search(quote.pattern, text)
+    if found is None:
+        return [f"{quote.page}: no quote matches {quote.pattern!r} (rephrased? update QUOTES)"]
+    quoted = "".join(found.groups())
+    want = quote.expected()
+    if isinstance(want, str):
+        same = quoted.strip() == want.strip()
+    else:
+        got = numbers(" ".join(found.groups()))
+        same = len(got) == len(want) and all(math.isclose(a, b, rel_tol=1e-9) for a, b in
+                                             zip(got, want, strict=True))  # fmt: skip
+    if same:
+        return []
+    return [f"{quote.page} quotes {quoted.strip()!r}, but {quote.source} says {want!r}"]
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=[f"{q.page}:{q.source.split()[0]}" for q in QUOTES])
+def test_quoted_figures_match_their_sources(quote: Quote) -> None:
+    problems = quote_problems(quote)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_stale_figure_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check fails when the page changes (README's old "1e-6" tolerance) and when the
+    source changes (a rerun whose eval loss differs, in docs/default_run.json)."""
+    readme = QUOTES[0]
+    text = (REPO / readme.page).read_text()
+    stale = text.replace("fp32 logits within 1e-5", "fp32 logits within 1e-6")
+    assert stale != text
+    assert quote_problems(readme, stale) == [
+        "README.md quotes '1e-6', but tests/interop/test_families.py (LOGIT_ATOL) says [1e-05]"
+    ]
+    table = next(q for q in QUOTES if q.page == "docs/moe.md")
+    data = json.loads((REPO / "docs" / "default_run.json").read_text())
+    last = list(data["figures"]["eval_loss"])[-1]
+    data["figures"]["eval_loss"][last] += 0.01
+    (tmp_path / "default_run.json").write_text(json.dumps(data))
+    original = Path.read_text
+
+    def read(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self == REPO / "docs" / "default_run.json":
+            return original(tmp_path / "default_run.json", *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read)
+    problems = quote_problems(table)
+    assert len(problems) == 1 and "eval loss at steps" in problems[0], problems
