@@ -107,6 +107,17 @@ def test_paths_resolve_inside_the_repository(page: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+def undocumented_configs(readme: str) -> list[str]:
+    """Files under configs/ that README.md's table of experiment files does not name."""
+    files = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
+    return [f for f in files if f"`{f}`" not in readme]
+
+
+def test_every_config_file_is_documented() -> None:
+    assert not undocumented_configs((REPO / "README.md").read_text())
+    assert undocumented_configs("") and "configs/tiny.yaml" in undocumented_configs("")
+
+
 def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checker itself catches each kind of bad reference."""
     page = REPO / "docs" / "_test_docs_probe.md"
@@ -520,6 +531,18 @@ def _gpu_1b() -> dict[str, float]:
             "acts": acts / 1e9, "peak": _PEAK_FLOPS["H100"] / 1e12}  # fmt: skip
 
 
+def _tiny_params() -> float:
+    """configs/tiny.yaml's parameters, millions (the default tokenizer's 4096 ids)."""
+    import torch
+
+    from moetrain.config import load_config
+    from moetrain.model import Transformer
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["model.vocab_size=4096"])
+    with torch.device("meta"):
+        return round(Transformer(cfg.model, cfg.moe).num_params() / 1e6, 1)
+
+
 def _matrix_layouts() -> float:
     found = re.search(r"(\d+) option factors, (\d+) layouts", (REPO / "docs/matrix.md").read_text())
     return float(found.group(2))
@@ -547,6 +570,8 @@ QUOTES = [
     Quote("docs/interop.md", "tests/interop/test_self_contained.py (LOGIT_ATOL)",
           r"moetrain's within (\S+) \(`LOGIT_ATOL`\)",
           lambda: [_constant("tests/interop/test_self_contained.py", "LOGIT_ATOL")]),
+    Quote("README.md", "configs/tiny.yaml (the model on the meta device)",
+          r"the default run: a (\S+)M-parameter MoE", lambda: [_tiny_params()]),
     Quote("README.md", "docs/matrix.md (written by tests/parallel/test_matrix.py)",
           r"crossed with (\d+) layouts", lambda: [_matrix_layouts()]),
     Quote("docs/parallel.md", "docs/matrix.md (written by tests/parallel/test_matrix.py)",
