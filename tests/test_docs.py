@@ -548,6 +548,46 @@ def _matrix_layouts() -> float:
     return float(found.group(2))
 
 
+def _sweep(name: str) -> dict[str, dict[str, float]]:
+    """A sweep's summary (docs/sweeps/<name>_summary.csv, the ``summary.csv`` that
+    ``moetrain ablate`` wrote): per run, every numeric column."""
+    import csv
+
+    with open(REPO / "docs" / "sweeps" / f"{name}_summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for row in rows:
+        values = {}
+        for key, value in row.items():
+            try:
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                continue
+        out[row["run"]] = values
+    return out
+
+
+def _docs_sweep_caption() -> list[float]:
+    """dashboards.md's figures of configs/sweeps/docs.yaml, in the order the caption writes
+    them, rounded as it writes them."""
+    s = _sweep("docs")
+    base, none, bias = s["aux_loss_coef=0.01"], s["aux_loss_coef=0.0"], s["aux-free-bias"]
+
+    def triple(row: dict[str, float], fig: str, scale: float = 1, digits: int = 4) -> list:
+        return [round(scale * row[f"{fig}{k}"], digits) for k in ("mean", "lo", "hi")]
+
+    return [
+        *triple(base, "eval_loss_"), *triple(none, "eval_loss_"), *triple(bias, "eval_loss_"),
+        *triple(none, "eval_loss_diff_"), *triple(bias, "eval_loss_diff_"),
+        *triple(none, "dropped_fraction_diff_", 100, 1),
+        *triple(bias, "dropped_fraction_diff_", 100, 1),
+        -round(none["router_entropy_diff_mean"], 2),
+        *triple(none, "router_entropy_diff_", 1, 2)[1:],
+        -round(bias["router_entropy_diff_mean"], 2),
+        *triple(bias, "router_entropy_diff_", 1, 2)[1:],
+    ]  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Quote:
     """A figure a page quotes and where it comes from. ``pattern`` finds the quote on the
@@ -589,6 +629,13 @@ QUOTES = [
           r"(?s)\*\*The default, 500 steps\*\*.*?\n\n(\| \| \|\n.*?\n)\n",
           lambda: _load_tool(REPO / "tools" / "run_figures.py").render_table(
               json.loads((REPO / "docs" / "default_run.json").read_text()))),
+    Quote("docs/dashboards.md", "docs/sweeps/docs_summary.csv (moetrain ablate's summary)",
+          r"(?s)\(the baseline\) (\S+ \[\S+ \S+\]), no aux loss (\S+ \[\S+ \S+\]),\s+aux-loss-free "
+          r"bias \(rate 0\.002\) (\S+ \[\S+ \S+\]);.*?\((\S+ \[\S+ \S+\]) and (\S+ \[\S+ \S+\])\),"
+          r".*?aux loss (\S+) points more.*?\((\[\S+ \S+\])\), with the\s+bias (\S+) points "
+          r"\((\[\S+ \S+\])\)\. The router entropy is not: (\S+) lower without the aux loss\s+"
+          r"\((\[\S+ \S+\])\), (\S+) lower with the bias \((\[\S+ \S+\])\)",
+          _docs_sweep_caption),
     Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
           r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
           lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),
