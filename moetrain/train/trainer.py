@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moetrain.config import ConfigError, JobConfig, config_to_yaml, resume_changes
+from moetrain.config import ConfigError, JobConfig, config_to_yaml
 from moetrain.data import (
     PackedBatches,
     check_data,
@@ -52,6 +52,7 @@ from moetrain.train.resilience import (
     NonFiniteGuard,
     PreemptionGuard,
 )
+from moetrain.train.resume import check_resume_config, refuse_weights_only
 from moetrain.train.specialization import SpecializationLog
 from moetrain.train.start import Start, find_start
 
@@ -352,7 +353,7 @@ class Trainer:
         # What the checkpoint is (verified, its fingerprint matched, its step and config read)
         # before any tensor is: a refused resume costs no load.
         path, saved = self.ckpt.peek(path, expected_fingerprint=self.fingerprint)
-        _refuse_weights_only(path, saved)
+        refuse_weights_only(path, saved)
         check_resume_config(path, saved, self.cfg)
         # Keys are full-model names under every layout: DCP reshards a checkpoint saved under
         # another layout on load. Data state is the global stream position (layout-free).
@@ -691,44 +692,6 @@ class Trainer:
             bar.write(line)
         else:
             log.info(line)
-
-
-def check_resume_config(path: Path, saved: dict[str, Any], cfg: JobConfig) -> None:
-    """Refuse a resume whose config changes a key that changes what the model computes (or
-    the data stream), unless ``train.resume_allow_changes`` lists it; log every change a
-    resume accepts. Which key is which: ``RESUME_KEYS`` (moetrain/config.py)."""
-    if not isinstance(saved.get("config"), dict):
-        return  # a checkpoint written without its config: nothing to compare
-    changes = resume_changes(saved["config"], cfg)
-    allowed = set(cfg.train.resume_allow_changes)
-    refused = [c for c in changes if c.kind == "function" and c.key not in allowed]
-    if refused:
-        keys = ", ".join(c.key for c in refused)
-        raise ConfigError(
-            f"train.resume: {path} was trained with other values of keys that change what the "
-            f"model computes or the data it reads: {'; '.join(map(str, refused))} (checkpoint "
-            f"-> this run). Resume with the checkpoint's values, start a new run in another "
-            f"train.output_dir, or accept the change with train.resume_allow_changes=[{keys}]"
-        )
-    for c in changes:
-        if c.kind == "saved":
-            log.warning("resume: %s is not used: %s (to change it, start a new run)", c, c.why)
-        elif c.kind == "function":
-            log.warning("resume: %s accepted (train.resume_allow_changes): %s", c, c.why)
-        else:
-            log.info("resume: %s (%s)", c, c.why)
-
-
-def _refuse_weights_only(path: Path, extra: dict[str, Any]) -> None:
-    """A checkpoint that ``moetrain import-hf`` wrote holds model weights only: resuming it
-    would fail deep in DCP (no optimizer state). Say what to do instead."""
-    if isinstance(extra, dict) and "source" in extra and "scheduler" not in extra:
-        raise CheckpointError(
-            f"train.resume: {path} holds only the weights that moetrain import-hf read from "
-            f"{extra['source']} (no optimizer state), and is not resumed; train from them with "
-            f"model.init_from: {extra['source']} and a train.output_dir of their own (the "
-            "config.yaml import-hf wrote beside it does both)"
-        )
 
 
 def run(cfg: JobConfig) -> dict[str, float]:
