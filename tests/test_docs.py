@@ -588,6 +588,38 @@ def _docs_sweep_caption() -> list[float]:
     ]  # fmt: skip
 
 
+def _balancing_table() -> str:
+    """moe.md's balancing table: tools/sweep_table.py on the sweep's summary and warnings."""
+    tool = _load_tool(REPO / "tools" / "sweep_table.py")
+    warnings = json.loads((REPO / "docs" / "sweeps" / "balancing_warnings.json").read_text())
+    summary = REPO / "docs" / "sweeps" / "balancing_summary.csv"
+    return tool.render(summary, warnings, bold="aux-0.01+bias-0.01")
+
+
+def _balancing_prose() -> list[float]:
+    """The rerun's figures moe.md's prose quotes, in its order, rounded as it writes them."""
+    s = _sweep("balancing")
+
+    def diff(run: str, fig: str, scale: float, digits: int) -> list[float]:
+        return [round(scale * s[run][f"{fig}_diff_{k}"], digits) for k in ("mean", "lo", "hi")]
+
+    return [
+        *diff("aux-0.01+bias-0.01", "dropped_fraction", 100, 1),
+        *diff("aux-0.01+bias-0.01", "max_over_mean", 1, 2),
+        *diff("aux-0.01+bias-0.02", "max_over_mean", 1, 2),
+        *diff("aux-0.01+bias-0.02", "dropped_fraction", 100, 1),
+        *diff("aux-0.01+bias-0.05", "dropped_fraction", 100, 1),
+    ]
+
+
+def _balancing_warning_steps() -> list[float]:
+    """(first, last) warning step of the peak-lr-3e-3 variants, then the lr-1e-3 one's steps."""
+    w = json.loads((REPO / "docs" / "sweeps" / "balancing_warnings.json").read_text())
+    fast = [step for run, v in w.items() if "lr-1e-3" not in run for step in v["steps"]]
+    slow = sorted(step for run, v in w.items() if "lr-1e-3" in run for step in v["steps"])
+    return [min(fast), max(fast), *slow]
+
+
 @dataclass(frozen=True)
 class Quote:
     """A figure a page quotes and where it comes from. ``pattern`` finds the quote on the
@@ -636,6 +668,17 @@ QUOTES = [
           r"\((\[\S+ \S+\])\)\. The router entropy is not: (\S+) lower without the aux loss\s+"
           r"\((\[\S+ \S+\])\), (\S+) lower with the bias \((\[\S+ \S+\])\)",
           _docs_sweep_caption),
+    Quote("docs/moe.md", "docs/sweeps/balancing_summary.csv and _warnings.json (sweep_table)",
+          r"(?s)fails when the table below is not that\.\n\n(\| variant .*?\n)\n",
+          _balancing_table),
+    Quote("docs/moe.md", "docs/sweeps/balancing_summary.csv (moetrain ablate's summary)",
+          r"(?s)differences are\s+within noise on every figure \(dropped (\S+) points "
+          r"(\[\S+ \S+\]),\s+max/mean (\S+) (\[\S+\s+\S+\])\),.*?beyond noise on both "
+          r"\(max/mean (\S+)\s+(\[\S+ \S+\]), dropped (\S+) (\[\S+ \S+\])\),"
+          r".*?still drops more \((\S+)\s+points (\[\S+ \S+\])\)", _balancing_prose),
+    Quote("docs/moe.md", "docs/sweeps/balancing_warnings.json (sweep_table --log)",
+          r"(?s)routes each batch to one expert: at steps (\S+)-(\S+) of the runs with a peak lr "
+          r"of 3e-3, at steps\s+(\S+) and (\S+) with a peak lr", _balancing_warning_steps),
     Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
           r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
           lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),
@@ -649,9 +692,11 @@ QUOTES = [
 
 
 UNCHECKED = {
-    "docs/moe.md": "the early_routing screen's table and the forward-hook study before it: run "
-    "before sweep summaries were kept beside the docs, on code that has changed since, and "
-    "hours of CPU to repeat",
+    "docs/moe.md": "the early_routing screen's table and the forward-hook study before it, and "
+    "the per-step token shares and the chosen variant's differences of the balancing run that "
+    "chose the default: run before sweep summaries were kept beside the docs, on code that has "
+    "changed since (the balancing screen's rerun is checked; the early_routing screen takes "
+    "hours of CPU to repeat)",
 }
 """Figures a page quotes that no file backs, with why: named on the page itself (it says
 `UNCHECKED`), never silently. Figures added since are quoted from a file, in ``QUOTES``."""

@@ -8,9 +8,9 @@ from the baseline for a few figures, with the collapse warnings of its runs.
 
 ``--log`` reads the sweep's console output (``sweep: run NAME/seed_S`` starts each run) and
 counts, per variant over its seeds, the router-collapse and one-expert-per-batch warnings:
-first lines plus summarised repeats; ``--warnings-out`` keeps those counts beside the
-summary, and ``--warnings`` reads them back. tests/test_docs.py renders the table from the
-two files and fails when the page's table is not it.
+first lines plus summarised repeats, and the steps of the first lines; ``--warnings-out``
+keeps them beside the summary, and ``--warnings`` reads them back. tests/test_docs.py
+renders the table from the two files and fails when the page's table is not it.
 """
 
 from __future__ import annotations
@@ -34,20 +34,22 @@ _REPEAT = re.compile(r"WARNING moe layer \d+: (?:router collapse|one expert per 
                      r"(?P<n>\d+) more times?")  # fmt: skip
 
 
-def collapse_counts(log_text: str) -> dict[str, int]:
-    """Per variant (a run key without its ``/seed_S``): collapse warnings over its runs."""
-    counts: dict[str, int] = {}
+def collapse_warnings(log_text: str) -> dict[str, dict[str, list[int] | int]]:
+    """Per variant (a run key without its ``/seed_S``): its runs' collapse warnings, first
+    lines plus summarised repeats (``count``), and the steps of the first lines (``steps``)."""
+    found: dict[str, dict[str, list[int] | int]] = {}
     variant = None
     for line in log_text.splitlines():
         if m := _RUN.search(line):
             variant = m["key"].split("/seed_")[0]
-            counts.setdefault(variant, 0)
+            found.setdefault(variant, {"count": 0, "steps": []})
         elif variant is not None:
             if _FIRST.search(line):
-                counts[variant] += 1
+                found[variant]["count"] += 1
+                found[variant]["steps"].append(int(re.findall(r"step (\d+)\)", line)[-1]))
             elif m := _REPEAT.search(line):
-                counts[variant] += int(m["n"])
-    return counts
+                found[variant]["count"] += int(m["n"])
+    return found
 
 
 def _cell(mean: float, lo: float, hi: float, scale: float, digits: int, sign: bool) -> str:
@@ -55,7 +57,7 @@ def _cell(mean: float, lo: float, hi: float, scale: float, digits: int, sign: bo
     return f"{f.format(scale * mean)} [{f.format(scale * lo)}, {f.format(scale * hi)}]"
 
 
-def render(summary: Path, warnings: dict[str, int] | None, bold: str | None = None,
+def render(summary: Path, warnings: dict[str, dict] | None, bold: str | None = None,
            figures: tuple[str, ...] = tuple(FIGURES)) -> str:  # fmt: skip
     with open(summary, newline="") as f:
         rows = list(csv.DictReader(f))
@@ -81,7 +83,7 @@ def render(summary: Path, warnings: dict[str, int] | None, bold: str | None = No
                 noise = r[f"{fig}_diff_within_noise"] == "true"
                 cells.append(diff + (" within noise" if noise else ""))
         if warnings is not None:
-            cells.append(str(warnings.get(r["run"], 0)))
+            cells.append(str(warnings.get(r["run"], {"count": 0})["count"]))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     warnings = None
     if args.log:
-        warnings = collapse_counts(Path(args.log).read_text())
+        warnings = collapse_warnings(Path(args.log).read_text())
         if args.warnings_out:
             Path(args.warnings_out).write_text(json.dumps(warnings, indent=1) + "\n")
     elif args.warnings:
