@@ -4,8 +4,8 @@ request for the Triton kernels without it is a clear error naming how to install
 Each case runs in a fresh interpreter. The missing-triton case hides the installed triton with
 an import hook (a finder first on ``sys.meta_path`` that refuses ``triton`` and its
 submodules), so both sides run on this one machine; the same script without the hook is the
-other side, and a check that the hook hides triton keeps the first honest. About 15 s on 2
-cores (three interpreters importing torch).
+other side, and a check that the hook hides triton keeps the first honest. About 30 s on 2
+busy cores (three interpreters importing torch).
 """
 
 from __future__ import annotations

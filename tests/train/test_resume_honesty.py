@@ -3,7 +3,8 @@ what the model computes (naming the keys) unless ``train.resume_allow_changes`` 
 says when a value it was given is not used (the schedule and optimizer are the checkpoint's),
 and a run resumed with another ``moe.top_k`` (allowed) finishes, routing stability included.
 
-Micro runs of one to three steps: about 10 s on 2 cores.
+Micro runs of one to three steps: about 30 s on 2 busy cores (the top_k case, with its
+evaluations, is most of it).
 """
 
 from __future__ import annotations
