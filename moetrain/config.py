@@ -606,9 +606,9 @@ class TrainConfig:
     resume_allow_changes: list[str] = field(default_factory=list)
     """Keys whose value may differ from the resumed checkpoint's although the change alters
     what the model computes or the data stream its position belongs to (``moe.top_k``,
-    ``moe.score_func``, ``model.rope_theta``, ``data.dataset``, ...): a resume that changes such a key is
-    refused, naming it, unless it is listed here, e.g. ``[moe.top_k]``. Each accepted change
-    is logged. Which keys need it: ``RESUME_KEYS`` in moetrain/config.py and
+    ``moe.score_func``, ``model.rope_theta``, ``data.dataset``, ...): a resume that changes
+    such a key is refused, naming it, unless it is listed here, e.g. ``[moe.top_k]``. Each
+    accepted change is logged. Which keys need it: ``RESUME_KEYS`` in moetrain/config.py and
     docs/checkpoints.md. Shape changes (the checkpoint fingerprint) are refused whatever
     this says."""
 
