@@ -18,7 +18,7 @@ See docs/kernels.md for the exact contracts.
 
 from __future__ import annotations
 
-import importlib.util
+import functools
 
 import torch
 from moetrain.kernels import common, torch_ops
@@ -40,8 +40,23 @@ __all__ = [
 ]
 
 
+@functools.cache
 def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton imports (not only whether it is on the path: a broken installation
+    counts as missing). Triton is an optional dependency: moetrain's ``[gpu]`` and ``[test]``
+    extras install it; without it the torch backend runs everything."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+MISSING_TRITON = (
+    "kernel backend 'triton' requested but triton is not installed (it is optional: "
+    "pip install triton, or moetrain's extra: pip install -e '.[gpu]'); the 'torch' and "
+    "'auto' backends run without it"
+)
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:
@@ -58,7 +73,7 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     if name == "auto":
         return "triton" if device.type == "cuda" and _triton_available() else "torch"
     if not _triton_available():
-        raise RuntimeError("kernel backend 'triton' requested but triton is not installed")
+        raise RuntimeError(MISSING_TRITON)
     if device.type != "cuda" and not interpreter_enabled():
         raise RuntimeError(
             f"kernel backend 'triton' on device {device} needs the Triton CPU interpreter: "

@@ -1,18 +1,35 @@
-"""The ``moetrain`` command line.
+"""The ``moetrain`` command line: a command word picks a subcommand, ``train`` by default.
 
-moetrain [train] --config configs/tiny.yaml key.sub=value ...
-moetrain ablate configs/sweeps/router.yaml [--parallel N] [key.sub=value ...]
-moetrain prepare-data --config configs/tiny.yaml data.dataset=big.jsonl --out data/big
-moetrain import-hf HF_DIR OUT_DIR | export-hf CHECKPOINT_DIR OUT_DIR | generate PATH --prompt TEXT
-moetrain plan --config configs/qwen3_30b_a3b.yaml --world 8 --gpu h100 [--search]
-python -m moetrain.train --config configs/tiny.yaml key.sub=value ...
+``moetrain --help`` prints ``HELP`` (plain text: it is what a terminal shows). Training needs
+``--config``: ``moetrain`` alone, or training options without a config file, is an error
+that names how to start (``moetrain.train.cli``), never a silent run of built-in defaults.
 """
 
 from __future__ import annotations
 
 import sys
 
-from moetrain.train.cli import train_main
+from moetrain.train.cli import START, train_main
+
+HELP = f"""\
+usage: moetrain [COMMAND] [OPTIONS] [section.key=value ...]
+
+Train and study Mixture-of-Experts language models.
+
+{START}
+
+commands (train is the default: moetrain --config FILE ... trains):
+  train         moetrain [train] --config FILE [key=value ...] [--print-config]
+  ablate        moetrain ablate SWEEP.yaml [--parallel N] [--out DIR] [key=value ...]
+  prepare-data  moetrain prepare-data --config FILE data.dataset=PATH --out DIR
+  import-hf     moetrain import-hf HF_DIR OUT_DIR
+  export-hf     moetrain export-hf RUN_OR_CHECKPOINT OUT_DIR
+  generate      moetrain generate RUN_OR_HF_DIR --prompt TEXT
+  plan          moetrain plan --config FILE --world N [--gpu h100] [--search] [key=value ...]
+
+moetrain COMMAND --help shows a command's options; torchrun --nproc-per-node N -m
+moetrain.train --config FILE ... trains on N processes. Every config key: docs/config.md.
+"""
 
 
 def ablate_main(argv: list[str] | None = None) -> int:
@@ -64,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in COMMANDS:
         return COMMANDS[argv[0]](argv[1:])
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print("\ncommands: " + ", ".join(COMMANDS) + " (default: train)")
+        print(HELP, end="")
         return 0
     if argv and not argv[0].startswith("-") and "=" not in argv[0]:
         # Neither an option nor a key=value override of the default train command: a word

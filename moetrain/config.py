@@ -619,7 +619,10 @@ class TrainConfig:
     the newest one that verifies; start fresh when there is none; refuse when checkpoints
     exist but none verifies. "never": start fresh; refuse when ``<output_dir>/checkpoints``
     holds any checkpoint. Or the path of a checkpoint (or of a checkpoints directory: its
-    latest) to resume from. A refused start exits with status 2 and writes nothing."""
+    latest) to resume from. A resume with nothing to train (the checkpoint is at
+    ``steps`` or past it) is refused, and so is one whose config changes a key that changes
+    what the model computes (``resume_allow_changes``; docs/checkpoints.md). A refused start
+    exits with status 2 and writes nothing."""
     compile: bool = False
     """Wrap the model in torch.compile."""
     nonfinite_policy: Literal["skip", "halt"] = "skip"
@@ -653,6 +656,14 @@ class TrainConfig:
     """Write every training step's routing (the global batch's expert ids per MoE layer) to
     ``<output_dir>/routing/train/step_<8-digit step>.pt``, the format ``routing_replay``
     reads."""
+    resume_allow_changes: list[str] = field(default_factory=list)
+    """Keys whose value may differ from the resumed checkpoint's although the change alters
+    what the model computes or the data stream its position belongs to (``moe.top_k``,
+    ``moe.score_func``, ``model.rope_theta``, ``data.dataset``, ...): a resume that changes
+    such a key is refused, naming it, unless it is listed here, e.g. ``[moe.top_k]``. Each
+    accepted change is logged. Which keys need it: ``RESUME_KEYS`` in moetrain/config.py and
+    docs/checkpoints.md. Shape changes (the checkpoint fingerprint) are refused whatever
+    this says."""
 
     def validate(self) -> None:
         _positive("train", self, "global_batch_size", "micro_batch_size", "eval_batches",
@@ -889,6 +900,11 @@ class JobConfig:
             if self.train.routing_replay is not None:
                 _fail("moe.force_load_balancing", "and train.routing_replay both replace the "
                       "router's choice; set one of them")
+        keys = flat_keys(self)
+        unknown = [k for k in self.train.resume_allow_changes if k not in keys]
+        if unknown:
+            _fail("train.resume_allow_changes", f"{unknown} are not config keys (write them "
+                  "as section.key, e.g. moe.top_k)")
         if self.model.upcycle_from is not None and moe.num_experts == 0:
             _fail("model.upcycle_from", "needs MoE layers: set moe.num_experts > 0")
         if moe.token_group_seqs is not None and moe.num_experts:
@@ -899,6 +915,123 @@ class JobConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- resuming
+
+ResumeKind = Literal["free", "saved", "function"]
+
+RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
+    # What changing a key does to a resumed run: the one table of it. A key, or "section.*"
+    # for every key of a section (an exact key wins). Kinds:
+    #   free      the model computes the same function and the data stream is the same
+    #             (precision, compute path, layout, logging, cadence, run length): accepted;
+    #   saved     restored from the checkpoint (the optimizer's hyperparameters and the
+    #             learning-rate schedule): accepted, and the log says the value is not used;
+    #   function  the model would compute something else from the same weights, or read
+    #             another data stream than the one its saved position belongs to: refused,
+    #             naming the keys, unless train.resume_allow_changes lists them.
+    # A key this table does not name is "function": a new key is refused on resume until it
+    # is classified here, and tests/test_config.py fails for any key the table leaves out.
+    "model.*": ("function", "architecture, attention and positions"),
+    "model.attention_backend": ("free", "compute path: sdpa and flex give the same numbers"),
+    "model.init_from": ("free", "where a run's first weights come from; a resume reads the "
+                        "checkpoint's"),
+    "model.upcycle_from": ("free", "where a run's first weights come from"),
+    "model.upcycle_granularity": ("free", "how a run's first weights are made"),
+    "model.upcycle_router_std": ("free", "how a run's first weights are made"),
+    "model.upcycle_noise": ("free", "how a run's first weights are made"),
+    "model.mtp_loss_weight": ("free", "a loss weight: the objective of the next steps"),
+    "moe.*": ("function", "routing, scores, capacity and experts"),
+    "moe.kernels": ("free", "compute path: Triton and torch give the same numbers"),
+    "moe.aux_loss_coef": ("free", "a loss weight: the objective of the next steps"),
+    "moe.seq_aux_loss_coef": ("free", "a loss weight: the objective of the next steps"),
+    "moe.global_aux_loss_coef": ("free", "a loss weight: the objective of the next steps"),
+    "moe.z_loss_coef": ("free", "a loss weight: the objective of the next steps"),
+    "data.*": ("function", "the data stream: the saved position is a position in it"),
+    "data.tokenizer": ("function", "what the token ids mean"),
+    "data.literal_special_tokens": ("function", "what the token ids mean"),
+    "data.domain_column": ("free", "reporting: the specialization view's domains"),
+    "data.cache_dir": ("free", "where caches live"),
+    "data.trust_remote_code": ("free", "a permission"),
+    "optim.*": ("saved", "the optimizer state and the learning-rate schedule are the "
+                "checkpoint's"),
+    "optim.grad_clip": ("free", "applied at every step from the config"),
+    "train.steps": ("free", "run length"),
+    "train.global_batch_size": ("function", "the saved data position counts steps of this "
+                                "many sequences"),
+    "train.micro_batch_size": ("free", "gradient accumulation: the same numbers"),
+    "train.seed": ("function", "the router jitter's noise is drawn from it"),
+    "train.device": ("free", "precision and compute"),
+    "train.dtype": ("free", "precision"),
+    "train.output_dir": ("free", "where the run writes"),
+    "train.eval_every": ("free", "evaluation cadence"),
+    "train.eval_batches": ("free", "evaluation size"),
+    "train.checkpoint_every": ("free", "checkpoint cadence"),
+    "train.keep_last": ("free", "checkpoint retention"),
+    "train.resume": ("free", "which checkpoint"),
+    "train.resume_allow_changes": ("free", "this list"),
+    "train.compile": ("free", "compute path"),
+    "train.nonfinite_policy": ("free", "failure policy"),
+    "train.max_nonfinite_skips": ("free", "failure policy"),
+    "train.collective_timeout_s": ("free", "failure policy"),
+    "train.routing_replay": ("function", "the routing of the training forward"),
+    "train.record_routing": ("free", "logging"),
+    "train.benchmark": ("free", "a permission (moe.force_load_balancing is refused on its own)"),
+    "train.memory_check": ("free", "a start-up check"),
+    "train.memory_per_rank_gb": ("free", "a start-up check's figure"),
+    "log.*": ("free", "logging and warnings"),
+    "parallel.*": ("free", "layout: checkpoints reshard, and every layout gives one "
+                   "process's numbers"),
+}  # fmt: skip
+
+
+def flat_keys(cfg: JobConfig) -> dict[str, Any]:
+    """Every key of ``cfg`` as ``section.key`` -> value."""
+    return {f"{section}.{k}": v for section, values in cfg.to_dict().items()
+            for k, v in values.items()}  # fmt: skip
+
+
+def resume_kind(key: str) -> tuple[ResumeKind, str] | None:
+    """``RESUME_KEYS``'s entry for ``key`` (exact, else its section's), or None."""
+    return RESUME_KEYS.get(key) or RESUME_KEYS.get(key.split(".")[0] + ".*")
+
+
+@dataclass
+class ResumeChange:
+    key: str
+    saved: Any
+    now: Any
+    kind: ResumeKind
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.saved!r} -> {self.now!r}"
+
+
+def resume_changes(saved: dict[str, Any], cfg: JobConfig) -> list[ResumeChange]:
+    """The keys whose value in ``cfg`` differs from the checkpoint's config ``saved`` (a
+    ``JobConfig.to_dict()``), with their kind. A key the checkpoint's config lacks (added
+    since it was written) counts with its default, the behaviour before it existed."""
+    defaults = flat_keys(JobConfig())
+    before = {f"{section}.{k}": v for section, values in saved.items()
+              if isinstance(values, dict) for k, v in values.items()}  # fmt: skip
+    changes = []
+    for key, now in flat_keys(cfg).items():
+        was = before.get(key, defaults[key])
+        if _plain(was) != _plain(now):
+            kind, why = resume_kind(key) or ("function", "not classified in RESUME_KEYS")
+            changes.append(ResumeChange(key, was, now, kind, why))
+    return changes
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists and ints as floats, as YAML and JSON round trips give them back."""
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
 
 
 # ----------------------------------------------------------------------------- loading

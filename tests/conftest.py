@@ -25,10 +25,12 @@ if not torch.cuda.is_available():
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest's hook signature
     """``exhaustive`` tests (the full equivalence matrix, about an hour on two cores) run
-    only when asked for: ``-m slow`` or ``-m exhaustive``. The default run, the README's test
-    command and CI, has the matrix's covering design instead (tests/parallel/test_matrix.py)."""
-    expr = config.getoption("markexpr") or ""
-    if "slow" in expr or "exhaustive" in expr:
+    only when asked for: ``-m slow`` or ``-m exhaustive`` (``tests/selection.py``). The
+    default run, the README's test command and CI, has the matrix's covering design instead
+    (tests/parallel/test_matrix.py)."""
+    from selection import asks_for_exhaustive
+
+    if asks_for_exhaustive(config):
         return
     keep = [i for i in items if i.get_closest_marker("exhaustive") is None]
     if len(keep) != len(items):

@@ -211,5 +211,7 @@ NO_NUMBERS: dict[str, str] = {
     "train.collective_timeout_s": "how long a collective waits before failing",
     "train.memory_check": "whether a start that cannot fit is refused before it allocates",
     "train.memory_per_rank_gb": "the memory figure that check compares the plan with",
+    "train.resume_allow_changes": "which config changes a resume accepts "
+    "(tests/train/test_resume_honesty.py)",
 }
 """Keys of ``SECTIONS`` that change no trained number, with why."""

@@ -228,7 +228,24 @@ CKPT_CASES = [
         "ckpt-other-data-seed",
         None,
         ["data.seed=7"],
-        "data error: data.seed: the checkpoint's data order used seed 0, this run has 7",
+        "config error: train.resume: {ckpt} was trained with other values of keys that change "
+        "what the model computes or the data it reads: data.seed 0 -> 7 (checkpoint -> this "
+        "run).",
+    ),
+    (
+        "ckpt-other-routing",
+        None,
+        ["moe.top_k=1", "moe.score_func=sigmoid"],
+        "moe.top_k 2 -> 1; moe.score_func 'softmax' -> 'sigmoid' (checkpoint -> this run). "
+        "Resume with the checkpoint's values, start a new run in another train.output_dir, or "
+        "accept the change with train.resume_allow_changes=[moe.top_k, moe.score_func]\n",
+    ),
+    (
+        "ckpt-nothing-to-train",
+        None,
+        ["train.steps=1"],
+        "config error: train.steps: 1, and the checkpoint {ckpt} is at step 1: nothing to "
+        "train. Raise train.steps to train on, or give a new run its own train.output_dir\n",
     ),
     (
         "ckpt-auto-none-verifies",
@@ -262,8 +279,8 @@ def test_bad_checkpoint_is_one_clear_error(case, trained: Path, tmp_path: Path, 
             "--config",
             TINY,
             *MICRO,
-            *extra,
             "train.steps=2",
+            *extra,
             f"train.output_dir={run}",
             f"train.resume={resume}",
         ],

@@ -38,6 +38,8 @@ BAD_OVERRIDES = [
     (["modle.dim=4"], "modle: unknown key; top level has model, moe"),
     (["moe.top_k=two"], "moe.top_k: expected int, got 'two'"),
     (["moe.top_k=2.5"], "moe.top_k: expected int, got 2.5"),
+    (["train.resume_allow_changes=[moe.topk]"],
+     "train.resume_allow_changes: ['moe.topk'] are not config keys"),
     (["moe.renormalize=maybe"], "moe.renormalize: expected bool, got 'maybe'"),
     (["moe.score_func=relu"], "moe.score_func: expected 'softmax' | 'sigmoid', got 'relu'"),
     (["moe.drop_policy=random"], "moe.drop_policy: expected 'probs' | 'position'"),
@@ -133,3 +135,51 @@ def test_cli_reports_config_errors_with_exit_2(capsys: pytest.CaptureFixture[str
         == 0
     )
     assert "top_k: 1" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- resume keys
+
+
+def unclassified_keys(cfg: JobConfig) -> list[str]:
+    """Config keys that ``RESUME_KEYS`` names neither exactly nor by their section."""
+    from moetrain.config import flat_keys, resume_kind
+
+    return [key for key in flat_keys(cfg) if resume_kind(key) is None]
+
+
+def test_every_config_key_is_classified_for_resume() -> None:
+    """A key added to a config section must say in ``RESUME_KEYS`` (moetrain/config.py)
+    whether a resume may change it: until then a resume treats it as changing the model's
+    function (refused), and this test fails naming it."""
+    missing = unclassified_keys(JobConfig())
+    assert not missing, (
+        f"{missing}: classify them in RESUME_KEYS (moetrain/config.py): free (precision, "
+        "logging, cadence, layout), saved (restored from the checkpoint) or function"
+    )
+
+
+def test_resume_classification_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key the table leaves out is reported by the test above, and a resume changing it is
+    refused as function-changing (the default for a new key)."""
+    from moetrain import config as config_module
+    from moetrain.config import resume_changes
+
+    table = dict(config_module.RESUME_KEYS)
+    del table["train.dtype"]
+    monkeypatch.setattr(config_module, "RESUME_KEYS", table)
+    assert unclassified_keys(JobConfig()) == ["train.dtype"]
+    saved = JobConfig().to_dict()
+    now = load_config(None, ["train.dtype=bf16", "log.log_every=3", "moe.top_k=1"])
+    kinds = {c.key: c.kind for c in resume_changes(saved, now)}
+    assert kinds == {"train.dtype": "function", "log.log_every": "free", "moe.top_k": "function"}
+
+
+def test_a_key_the_checkpoint_lacks_counts_with_its_default() -> None:
+    """A checkpoint written before a key existed behaved as the key's default does."""
+    from moetrain.config import resume_changes
+
+    saved = JobConfig().to_dict()
+    del saved["model"]["sliding_window"], saved["moe"]["group_score"]
+    assert resume_changes(saved, JobConfig()) == []
+    changed = resume_changes(saved, load_config(None, ["moe.group_score=max"]))
+    assert [(c.key, c.saved, c.now) for c in changed] == [("moe.group_score", "top2", "max")]

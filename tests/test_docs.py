@@ -20,44 +20,36 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
+import math
 import re
-import shlex
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from doc_commands import blocks, commands, unlabeled_commands
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # What a clean clone has at its top: not the ignored run outputs (outputs/, runs/) that a
 # working tree may hold.
 IGNORED_TOP = {"outputs", "runs", "checkpoints", "build", "dist", "__pycache__"}
-TOP = {p.name for p in REPO.iterdir() if not p.name.startswith(".")} - IGNORED_TOP - {
-    n for n in (p.name for p in REPO.iterdir()) if n.endswith(".egg-info")
-}
-SHELL = {"", "bash", "sh", "shell", "console"}
+TOP = (
+    {p.name for p in REPO.iterdir() if not p.name.startswith(".")}
+    - IGNORED_TOP
+    - {n for n in (p.name for p in REPO.iterdir()) if n.endswith(".egg-info")}
+)
 # Names of files that live beside the repository, not in it: a clone would not have them.
 FOREIGN = re.compile(r"\.\./shared|\bANCHORS\b|\b(?:DESIGN|PLATFORM|STYLE)\.md\b")
 # Absolute paths into a machine's own directories (an illustrative '/no/such/file' is fine).
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])/(?:work|home|root|tmp|Users|mnt|opt|srv|scratch)/")
-_FENCE = re.compile(r"^\s*(`{3,}|~{3,})\s*([\w+-]*)")
 
 
 def _rel(page: Path) -> str:
     return page.relative_to(REPO).as_posix()
-
-
-def _blocks(page: Path) -> Iterator[tuple[int, str, str]]:
-    """(line number, fence language or None outside a fence, line) for every line."""
-    lang: str | None = None
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        fence = _FENCE.match(line)
-        if fence:
-            lang = (fence.group(2) or "") if lang is None else None
-            continue
-        yield number, lang, line
 
 
 # ----------------------------------------------------------------------------- paths
@@ -65,7 +57,7 @@ def _blocks(page: Path) -> Iterator[tuple[int, str, str]]:
 
 def _path_tokens(page: Path) -> Iterator[tuple[int, str]]:
     """Tokens of code spans and of non-YAML code blocks that could name a file."""
-    for number, lang, line in _blocks(page):
+    for number, lang, line in blocks(page):
         if lang is None:
             texts = re.findall(r"`([^`]+)`", line)
         elif lang in ("yaml", "yml", "python", "py"):
@@ -115,6 +107,17 @@ def test_paths_resolve_inside_the_repository(page: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
+def undocumented_configs(readme: str) -> list[str]:
+    """Files under configs/ that README.md's table of experiment files does not name."""
+    files = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "configs").rglob("*.yaml"))
+    return [f for f in files if f"`{f}`" not in readme]
+
+
+def test_every_config_file_is_documented() -> None:
+    assert not undocumented_configs((REPO / "README.md").read_text())
+    assert undocumented_configs("") and "configs/tiny.yaml" in undocumented_configs("")
+
+
 def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checker itself catches each kind of bad reference."""
     page = REPO / "docs" / "_test_docs_probe.md"
@@ -142,35 +145,6 @@ def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 # ----------------------------------------------------------------------------- commands
 
 
-def _commands(page: Path) -> Iterator[tuple[int, list[str]]]:
-    """(line, argv) of every command in a shell code block; continuation lines joined, comments
-    dropped, ``&&`` / ``;`` chains split, leading ``VAR=value`` assignments removed."""
-    pending, start = "", 0
-    for number, lang, line in _blocks(page):
-        if lang not in SHELL:
-            continue
-        if not pending:
-            start = number
-        if line.rstrip().endswith("\\"):
-            pending += line.rstrip()[:-1] + " "
-            continue
-        full, pending = pending + line, ""
-        try:
-            words = shlex.split(full, comments=True)
-        except ValueError:
-            continue  # not shell (a diagram, log output)
-        command: list[str] = []
-        for word in [*words, "&&"]:
-            if word in ("&&", ";", "||"):
-                while command and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", command[0]):
-                    command.pop(0)
-                if command:
-                    yield start, command
-                command = []
-            else:
-                command.append(word)
-
-
 class _Parsed(BaseException):  # noqa: N818 (not an error: escapes `except Exception`)
     def __init__(self, namespace: argparse.Namespace) -> None:
         super().__init__("parsed")
@@ -179,33 +153,38 @@ class _Parsed(BaseException):  # noqa: N818 (not an error: escapes `except Excep
 
 @contextlib.contextmanager
 def _stop_after_parsing() -> Iterator[None]:
-    """Make the first ``ArgumentParser.parse_args`` / ``parse_known_args`` call raise with its
-    result, so that a ``main(argv)`` parses its arguments and does nothing else."""
-    original_args = argparse.ArgumentParser.parse_args
-    original_known = argparse.ArgumentParser.parse_known_args
+    """Make the first ``ArgumentParser.parse_args`` / ``parse_intermixed_args`` /
+    ``parse_known_args`` call raise with its result, so that a ``main(argv)`` parses its
+    arguments and does nothing else."""
+    methods = ("parse_args", "parse_intermixed_args", "parse_known_args")
+    originals = {name: getattr(argparse.ArgumentParser, name) for name in methods}
     depth = {"in_parse_args": 0}
 
-    def parse_args(self, args=None, namespace=None):
-        depth["in_parse_args"] += 1
-        try:
-            result = original_args(self, args, namespace)
-        finally:
-            depth["in_parse_args"] -= 1
-        raise _Parsed(result)
+    def whole(name: str) -> Callable[..., Any]:
+        def parse(self, args=None, namespace=None):
+            depth["in_parse_args"] += 1
+            try:
+                result = originals[name](self, args, namespace)
+            finally:
+                depth["in_parse_args"] -= 1
+            raise _Parsed(result)
+
+        return parse
 
     def parse_known_args(self, args=None, namespace=None):
-        result = original_known(self, args, namespace)
+        result = originals["parse_known_args"](self, args, namespace)
         if depth["in_parse_args"]:  # inside parse_args (or a subparser): let it finish
             return result
         raise _Parsed(result[0])
 
-    argparse.ArgumentParser.parse_args = parse_args
+    argparse.ArgumentParser.parse_args = whole("parse_args")
+    argparse.ArgumentParser.parse_intermixed_args = whole("parse_intermixed_args")
     argparse.ArgumentParser.parse_known_args = parse_known_args
     try:
         yield
     finally:
-        argparse.ArgumentParser.parse_args = original_args
-        argparse.ArgumentParser.parse_known_args = original_known
+        for name, method in originals.items():
+            setattr(argparse.ArgumentParser, name, method)
 
 
 def parse_only(main: Callable[[list[str]], Any], argv: list[str]) -> argparse.Namespace:
@@ -230,11 +209,12 @@ def _load_tool(path: Path) -> Any:
 def check_training(argv: list[str], world_size: int = 1) -> None:
     """A training command's arguments parse, its config loads and validates, and its layout
     fits ``world_size`` ranks."""
-    from moetrain.train.cli import train_main
     from moetrain.config import load_config
     from moetrain.parallel.dims import ParallelDims
+    from moetrain.train.cli import train_main
 
     args = parse_only(train_main, argv)
+    assert args.config is not None, "training needs --config (moetrain refuses to run without)"
     cfg = load_config(args.config, args.overrides)
     ParallelDims.from_config(cfg.parallel, world_size).validate(cfg)
 
@@ -245,14 +225,16 @@ def _check_ablate(args: argparse.Namespace) -> None:
     load_sweep(args.sweep, args.overrides, args.out)  # builds and validates every run's config
 
 
-def _check_plan(args: argparse.Namespace) -> None:
+def _check_config(args: argparse.Namespace) -> None:
     from moetrain.config import load_config
 
-    load_config(args.config, args.overrides)  # the layout itself may be one plan refuses
+    # The keys a command reads (data.* for prepare-data): names, types, values. The layout
+    # itself may be one that plan refuses, which is its answer, not an error of the page.
+    load_config(args.config, args.overrides)
 
 
 # Checks beyond parsing for commands that take a config; other commands are parsed only.
-DEEPER = {"ablate": _check_ablate, "plan": _check_plan}
+DEEPER = {"ablate": _check_ablate, "prepare-data": _check_config, "plan": _check_config}
 
 
 def check_moetrain(argv: list[str], world_size: int = 1) -> None:
@@ -294,10 +276,29 @@ def _torchrun(argv: list[str]) -> tuple[int, list[str]]:
     return nproc * nnodes, argv[i:]
 
 
+def _sbatch(argv: list[str]) -> None:
+    """``sbatch [--nodes=N] tools/slurm/train.sbatch CONFIG key=value ...``: the script exists,
+    and its training command checks for the allocation's world size (N nodes of the script's
+    default 8 processes)."""
+    nodes, i = 2, 0  # the script's #SBATCH --nodes
+    while i < len(argv) and argv[i].startswith("-"):
+        name, _, value = argv[i].partition("=")
+        if name in ("--nodes", "-N"):
+            nodes = int(value)
+        i += 1
+    script, config, overrides = argv[i], argv[i + 1], argv[i + 2 :]
+    assert (REPO / script).is_file(), f"{script} does not exist"
+    if script == "tools/slurm/train.sbatch":
+        check_training(["--config", config, *overrides], world_size=nodes * 8)
+
+
 def check_command(argv: list[str]) -> bool:
     """Check one command line; False when it is not one this test knows (pip, tensorboard)."""
     program, rest = argv[0], argv[1:]
     world = 1
+    if program == "sbatch":
+        _sbatch(rest)
+        return True
     if program == "torchrun":
         world, rest = _torchrun(rest)
         program = "python"
@@ -321,7 +322,7 @@ def check_command(argv: list[str]) -> bool:
     return True
 
 
-COMMANDS = [(page, number, argv) for page in PAGES for number, argv in _commands(page)]
+COMMANDS = [(page, number, argv) for page in PAGES for number, argv in commands(page)]
 
 
 @pytest.mark.parametrize(
@@ -344,10 +345,44 @@ def test_commands_are_found() -> None:
     assert checked >= 20, checked
 
 
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_commands_are_in_shell_fences(page: Path) -> None:
+    """A command in a fence without a language (kept for diagrams, trees and output) would
+    escape the checks above: such a fence must be marked ``bash``."""
+    found = unlabeled_commands(page)
+    problems = [f"{_rel(page)}:{n}: {line!r}: mark the fence bash" for n, line in found]
+    assert not problems, "\n".join(problems)
+
+
+def test_fence_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    text = "```\nmoetrain --config configs/tiny.yaml\n```\n```\nroute -> experts\n```\n"
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text)
+    page = REPO / "docs" / "_probe.md"
+    assert unlabeled_commands(page) == [(2, "moetrain --config configs/tiny.yaml")]
+    assert list(commands(page)) == []  # neither fence is a shell fence: the diagram is no command
+
+
 @pytest.mark.parametrize(
     "argv, error",
     [
         (["moetrain", "--config", "configs/tiny.yaml", "moe.topk=2"], "moe.topk: unknown key"),
+        (["moetrain", "moe.top_k=1"], "training needs --config"),
+        (
+            ["sbatch", "tools/slurm/train.sbatch", "configs/gpu_1b.yaml", "parallel.tp=8"],
+            "4 kv heads are not divisible by parallel.tp=8",
+        ),
+        (
+            [
+                "moetrain",
+                "prepare-data",
+                "--config",
+                "configs/tiny.yaml",
+                "data.datset=x.jsonl",
+                "--out",
+                "x",
+            ],
+            "data.datset: unknown key",
+        ),  # fmt: skip
         (["moetrain", "no-such-command"], "unknown command"),
         (["moetrain", "ablate"], "SystemExit"),  # the sweep file is required
         (
@@ -412,3 +447,315 @@ def test_every_tensorboard_scalar_is_documented(tmp_path: Path) -> None:
     missing = [t for t in tags if not _documented(t, page)]
     assert not missing, f"written to TensorBoard but not in docs/dashboards.md: {missing}"
     assert not _documented("train/no_such_tag", page)
+
+
+# ----------------------------------------------------------------------------- quoted figures
+
+_NUMBER = re.compile(r"(?<![\w.])-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?%?")
+
+
+def numbers(text: str) -> list[float]:
+    """The numbers of ``text`` as values: ``1e-5``, ``1.5e-2``, ``0.1%`` (0.001), ``1,924``."""
+    out = []
+    for token in _NUMBER.findall(text):
+        value = float(token.rstrip("%").replace(",", ""))
+        out.append(value / 100 if token.endswith("%") else value)
+    return out
+
+
+def _constant(path: str, name: str) -> Any:
+    """The literal a module assigns to ``name``, read from its source (nothing imported)."""
+    import ast
+
+    for node in ast.parse((REPO / path).read_text()).body:
+        targets = [t.id for t in getattr(node, "targets", [getattr(node, "target", None)])
+                   if isinstance(t, ast.Name)]  # fmt: skip
+        if name in targets:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{path} assigns no {name}")
+
+
+def _tolerance_rows() -> dict[str, list[float]]:
+    """parallel.md's tolerance table, row by row, from ``TOLERANCES`` of tests/multirank.py
+    (the fp32 cell, then the bf16 one) and ``CLAMPED``."""
+    tol, clamped = (
+        _constant("tests/multirank.py", "TOLERANCES"),
+        _constant("tests/multirank.py", "CLAMPED"),
+    )
+    f, b = tol["fp32"], tol["bf16"]
+    return {
+        "losses, norms, MoE statistics": [f["value"]["atol"], f["value"]["rtol"],
+                                          b["value"]["atol"], b["value"]["rtol"]],
+        "first step's gradients": [f["grad"]["first"], b["grad"]["first"]],
+        "later steps' gradients, AdamW moments": [
+            f["grad"]["later"], clamped["grad_later"], clamped["param"]["atol"],
+            clamped["param"]["rtol"], b["grad"]["later"]],
+        "final parameters": [f["param"]["atol"], f["param"]["rtol"], b["param"]["atol"]],
+        "router scores in another histogram bin": [f["hist"]["moved"], b["hist"]["moved"]],
+    }  # fmt: skip
+
+
+def _table_row(text: str, first_cell: str) -> str:
+    """The cells after the first of the table row that starts with ``first_cell``."""
+    rows = [line for line in text.splitlines() if line.startswith(f"| {first_cell}")]
+    assert len(rows) == 1, f"{len(rows)} rows start with {first_cell!r}"
+    return rows[0].split("|", 2)[2]
+
+
+def _accounting_bytes_sent() -> tuple[float, float, str]:
+    """(lowest, highest, layout of the highest) "bytes sent / analytic" of docs/accounting.md,
+    the page tests/parallel/test_accounting.py writes from what it measures."""
+    page = (REPO / "docs/accounting.md").read_text().split("| layout | model state")[1]
+    page = page.split("\n\n")[0].splitlines()  # the first table, model state and traffic
+    row = re.compile(r"\| [A-Z].* \| \d\.\d{4} \| \d\.\d{4} \|")
+    rows = [line.split("|")[1:-1] for line in page if row.match(line)]
+    values = [(float(r[2]), r[0].strip()) for r in rows]
+    return min(values)[0], max(values)[0], max(values)[1]
+
+
+def _gpu_1b() -> dict[str, float]:
+    """configs/gpu_1b.yaml's model on the meta device: parameters, FLOPs, analytic memory
+    (``analytic_memory`` of tools/bench_e2e.py), the MFU denominator of an H100."""
+    import torch
+
+    from moetrain.config import load_config
+    from moetrain.model import Transformer
+    from moetrain.train.metrics import _PEAK_FLOPS
+
+    cfg = load_config(REPO / "configs" / "gpu_1b.yaml", ["model.vocab_size=4096"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model, cfg.moe)
+    state, acts = _load_tool(REPO / "tools" / "bench_e2e.py").analytic_memory(
+        cfg, model.num_params()
+    )
+    return {"total": model.num_params() / 1e9, "active": model.num_params(active=True) / 1e9,
+            "gflop": model.flops_per_token(cfg.data.seq_len) / 1e9, "state": state / 1e9,
+            "acts": acts / 1e9, "peak": _PEAK_FLOPS["H100"] / 1e12}  # fmt: skip
+
+
+def _tiny_params() -> float:
+    """configs/tiny.yaml's parameters, millions (the default tokenizer's 4096 ids)."""
+    import torch
+
+    from moetrain.config import load_config
+    from moetrain.model import Transformer
+
+    cfg = load_config(REPO / "configs" / "tiny.yaml", ["model.vocab_size=4096"])
+    with torch.device("meta"):
+        return round(Transformer(cfg.model, cfg.moe).num_params() / 1e6, 1)
+
+
+def _matrix_layouts() -> float:
+    found = re.search(r"(\d+) option factors, (\d+) layouts", (REPO / "docs/matrix.md").read_text())
+    return float(found.group(2))
+
+
+def _sweep(name: str) -> dict[str, dict[str, float]]:
+    """A sweep's summary (docs/sweeps/<name>_summary.csv, the ``summary.csv`` that
+    ``moetrain ablate`` wrote): per run, every numeric column."""
+    import csv
+
+    with open(REPO / "docs" / "sweeps" / f"{name}_summary.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    out = {}
+    for row in rows:
+        values = {}
+        for key, value in row.items():
+            try:
+                values[key] = float(value)
+            except (TypeError, ValueError):
+                continue
+        out[row["run"]] = values
+    return out
+
+
+def _docs_sweep_caption() -> list[float]:
+    """dashboards.md's figures of configs/sweeps/docs.yaml, in the order the caption writes
+    them, rounded as it writes them."""
+    s = _sweep("docs")
+    base, none, bias = s["aux_loss_coef=0.01"], s["aux_loss_coef=0.0"], s["aux-free-bias"]
+
+    def triple(row: dict[str, float], fig: str, scale: float = 1, digits: int = 4) -> list:
+        return [round(scale * row[f"{fig}{k}"], digits) for k in ("mean", "lo", "hi")]
+
+    return [
+        *triple(base, "eval_loss_"), *triple(none, "eval_loss_"), *triple(bias, "eval_loss_"),
+        *triple(none, "eval_loss_diff_"), *triple(bias, "eval_loss_diff_"),
+        *triple(none, "dropped_fraction_diff_", 100, 1),
+        *triple(bias, "dropped_fraction_diff_", 100, 1),
+        -round(none["router_entropy_diff_mean"], 2),
+        *triple(none, "router_entropy_diff_", 1, 2)[1:],
+        -round(bias["router_entropy_diff_mean"], 2),
+        *triple(bias, "router_entropy_diff_", 1, 2)[1:],
+    ]  # fmt: skip
+
+
+def _balancing_table() -> str:
+    """moe.md's balancing table: tools/sweep_table.py on the sweep's summary and warnings."""
+    tool = _load_tool(REPO / "tools" / "sweep_table.py")
+    warnings = json.loads((REPO / "docs" / "sweeps" / "balancing_warnings.json").read_text())
+    summary = REPO / "docs" / "sweeps" / "balancing_summary.csv"
+    return tool.render(summary, warnings, bold="aux-0.01+bias-0.01")
+
+
+def _balancing_prose() -> list[float]:
+    """The rerun's figures moe.md's prose quotes, in its order, rounded as it writes them."""
+    s = _sweep("balancing")
+
+    def diff(run: str, fig: str, scale: float, digits: int) -> list[float]:
+        return [round(scale * s[run][f"{fig}_diff_{k}"], digits) for k in ("mean", "lo", "hi")]
+
+    return [
+        *diff("aux-0.01+bias-0.01", "dropped_fraction", 100, 1),
+        *diff("aux-0.01+bias-0.01", "max_over_mean", 1, 2),
+        *diff("aux-0.01+bias-0.02", "max_over_mean", 1, 2),
+        *diff("aux-0.01+bias-0.02", "dropped_fraction", 100, 1),
+        *diff("aux-0.01+bias-0.05", "dropped_fraction", 100, 1),
+    ]
+
+
+def _balancing_warning_steps() -> list[float]:
+    """(first, last) warning step of the peak-lr-3e-3 variants, then the lr-1e-3 one's steps."""
+    w = json.loads((REPO / "docs" / "sweeps" / "balancing_warnings.json").read_text())
+    fast = [step for run, v in w.items() if "lr-1e-3" not in run for step in v["steps"]]
+    slow = sorted(step for run, v in w.items() if "lr-1e-3" in run for step in v["steps"])
+    return [min(fast), max(fast), *slow]
+
+
+@dataclass(frozen=True)
+class Quote:
+    """A figure a page quotes and where it comes from. ``pattern`` finds the quote on the
+    page (its first group: the text holding the figures); ``expected`` reads the figures
+    from the source now, as numbers, rounded as the page writes them, or the exact text."""
+
+    page: str
+    source: str
+    pattern: str
+    expected: Callable[[], list[float] | str]
+
+
+QUOTES = [
+    Quote("README.md", "tests/interop/test_families.py (LOGIT_ATOL)",
+          r"fp32 logits within (\S+) of transformers'",
+          lambda: [_constant("tests/interop/test_families.py", "LOGIT_ATOL")]),
+    Quote("docs/interop.md", "tests/interop/test_families.py (LOGIT_ATOL)",
+          r"gives transformers' logits within (\S+) \(`LOGIT_ATOL`",
+          lambda: [_constant("tests/interop/test_families.py", "LOGIT_ATOL")]),
+    Quote("docs/interop.md", "tests/interop/test_self_contained.py (LOGIT_ATOL)",
+          r"moetrain's within (\S+) \(`LOGIT_ATOL`\)",
+          lambda: [_constant("tests/interop/test_self_contained.py", "LOGIT_ATOL")]),
+    Quote("README.md", "configs/tiny.yaml (the model on the meta device)",
+          r"the default run: a (\S+)M-parameter MoE", lambda: [_tiny_params()]),
+    Quote("README.md", "docs/matrix.md (written by tests/parallel/test_matrix.py)",
+          r"crossed with (\d+) layouts", lambda: [_matrix_layouts()]),
+    Quote("docs/parallel.md", "docs/matrix.md (written by tests/parallel/test_matrix.py)",
+          r"-- with (\d+) layouts", lambda: [_matrix_layouts()]),
+    *[Quote("docs/parallel.md", "tests/multirank.py (TOLERANCES, CLAMPED)",
+            rf"(?m)^\| {re.escape(row)}[^|]*(\|.*)$", lambda row=row: _tolerance_rows()[row])
+      for row in ("losses, norms, MoE statistics", "first step's gradients",
+                  "later steps' gradients, AdamW moments", "final parameters",
+                  "router scores in another histogram bin")],
+    Quote("docs/parallel.md", "docs/accounting.md (written by tests/parallel/test_accounting.py)",
+          r"The bytes-sent ratios sit (between \S+ and \S+ \([^)]*\))",
+          lambda: f"between {_accounting_bytes_sent()[0]:.4f} and "
+                  f"{_accounting_bytes_sent()[1]:.4f} ({_accounting_bytes_sent()[2]})"),
+    Quote("docs/moe.md", "docs/default_run.json (written by tools/run_figures.py)",
+          r"(?s)\*\*The default, 500 steps\*\*.*?\n\n(\| \| \|\n.*?\n)\n",
+          lambda: _load_tool(REPO / "tools" / "run_figures.py").render_table(
+              json.loads((REPO / "docs" / "default_run.json").read_text()))),
+    Quote("docs/dashboards.md", "docs/sweeps/docs_summary.csv (moetrain ablate's summary)",
+          r"(?s)\(the baseline\) (\S+ \[\S+ \S+\]), no aux loss (\S+ \[\S+ \S+\]),\s+aux-loss-free "
+          r"bias \(rate 0\.002\) (\S+ \[\S+ \S+\]);.*?\((\S+ \[\S+ \S+\]) and (\S+ \[\S+ \S+\])\),"
+          r".*?aux loss (\S+) points more.*?\((\[\S+ \S+\])\), with the\s+bias (\S+) points "
+          r"\((\[\S+ \S+\])\)\. The router entropy is not: (\S+) lower without the aux loss\s+"
+          r"\((\[\S+ \S+\])\), (\S+) lower with the bias \((\[\S+ \S+\])\)",
+          _docs_sweep_caption),
+    Quote("docs/moe.md", "docs/sweeps/balancing_summary.csv and _warnings.json (sweep_table)",
+          r"(?s)fails when the table below is not that\.\n\n(\| variant .*?\n)\n",
+          _balancing_table),
+    Quote("docs/moe.md", "docs/sweeps/balancing_summary.csv (moetrain ablate's summary)",
+          r"(?s)differences are\s+within noise on every figure \(dropped (\S+) points "
+          r"(\[\S+ \S+\]),\s+max/mean (\S+) (\[\S+\s+\S+\])\),.*?beyond noise on both "
+          r"\(max/mean (\S+)\s+(\[\S+ \S+\]), dropped (\S+) (\[\S+ \S+\])\),"
+          r".*?still drops more \((\S+)\s+points (\[\S+ \S+\])\)", _balancing_prose),
+    Quote("docs/moe.md", "docs/sweeps/balancing_warnings.json (sweep_table --log)",
+          r"(?s)routes each batch to one expert: at steps (\S+)-(\S+) of the runs with a peak lr "
+          r"of 3e-3, at steps\s+(\S+) and (\S+) with a peak lr", _balancing_warning_steps),
+    Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
+          r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
+          lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),
+                                                       ("gflop", 2))]),
+    Quote("docs/gpu.md", "configs/gpu_1b.yaml and analytic_memory of tools/bench_e2e.py",
+          r"(?s)per parameter \(fp32 weights.*?\*\*(\S+) GB\*\*.*?are \*\*(\S+) GB\*\*",
+          lambda: [round(_gpu_1b()["state"], 1), round(_gpu_1b()["acts"], 1)]),
+    Quote("docs/gpu.md", "_PEAK_FLOPS of moetrain/train/metrics.py",
+          r"datasheet bf16 peak, (\S+) TFLOP/s for an H100", lambda: [_gpu_1b()["peak"]]),
+]  # fmt: skip
+
+
+UNCHECKED = {
+    "docs/moe.md": "the early_routing screen's table and the forward-hook study before it, and "
+    "the per-step token shares and the chosen variant's differences of the balancing run that "
+    "chose the default: run before sweep summaries were kept beside the docs, on code that has "
+    "changed since (the balancing screen's rerun is checked; the early_routing screen takes "
+    "hours of CPU to repeat)",
+}
+"""Figures a page quotes that no file backs, with why: named on the page itself (it says
+`UNCHECKED`), never silently. Figures added since are quoted from a file, in ``QUOTES``."""
+
+
+def test_unchecked_figures_say_so() -> None:
+    for page in UNCHECKED:
+        assert "`UNCHECKED`" in (REPO / page).read_text(), f"{page} does not say which figures"
+
+
+def quote_problems(quote: Quote, text: str | None = None) -> list[str]:
+    """What differs between ``quote``'s page and its source (``text``: the page, if given)."""
+    text = (REPO / quote.page).read_text() if text is None else text
+    found = re.search(quote.pattern, text)
+    if found is None:
+        return [f"{quote.page}: no quote matches {quote.pattern!r} (rephrased? update QUOTES)"]
+    quoted = "".join(found.groups())
+    want = quote.expected()
+    if isinstance(want, str):
+        same = quoted.strip() == want.strip()
+    else:
+        got = numbers(" ".join(found.groups()))
+        same = len(got) == len(want) and all(math.isclose(a, b, rel_tol=1e-9) for a, b in
+                                             zip(got, want, strict=True))  # fmt: skip
+    if same:
+        return []
+    return [f"{quote.page} quotes {quoted.strip()!r}, but {quote.source} says {want!r}"]
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=[f"{q.page}:{q.source.split()[0]}" for q in QUOTES])
+def test_quoted_figures_match_their_sources(quote: Quote) -> None:
+    problems = quote_problems(quote)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_stale_figure_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check fails when the page changes (README's old "1e-6" tolerance) and when the
+    source changes (a rerun whose eval loss differs, in docs/default_run.json)."""
+    readme = QUOTES[0]
+    text = (REPO / readme.page).read_text()
+    stale = text.replace("fp32 logits within 1e-5", "fp32 logits within 1e-6")
+    assert stale != text
+    assert quote_problems(readme, stale) == [
+        "README.md quotes '1e-6', but tests/interop/test_families.py (LOGIT_ATOL) says [1e-05]"
+    ]
+    table = next(q for q in QUOTES if q.page == "docs/moe.md")
+    data = json.loads((REPO / "docs" / "default_run.json").read_text())
+    last = list(data["figures"]["eval_loss"])[-1]
+    data["figures"]["eval_loss"][last] += 0.01
+    (tmp_path / "default_run.json").write_text(json.dumps(data))
+    original = Path.read_text
+
+    def read(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self == REPO / "docs" / "default_run.json":
+            return original(tmp_path / "default_run.json", *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", read)
+    problems = quote_problems(table)
+    assert len(problems) == 1 and "eval loss at steps" in problems[0], problems

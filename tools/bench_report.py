@@ -34,9 +34,9 @@ instruction mix), checked in CI without a GPU: [kernels_compiled.md](kernels_com
 """
 
 NOT_MEASURED = """\
-**GPU figures have not been measured yet.** The kernels were written and tested in
-sessions without a GPU (Triton under the CPU interpreter), so there is no number here to
-report, and none has been estimated. The GPU suite below measures all of them.
+**GPU figures have not been measured yet.** `docs/benchmarks.csv` holds no GPU row, so there
+is no number here to report, and none has been estimated. The GPU suite below measures all
+of them on any CUDA machine.
 
 """
 
@@ -92,63 +92,63 @@ SUITE_PARTS = [
      "([plan.md](plan.md#balanced-routing-for-benchmarks)), 50 steps each, `moetrain plan`'s "
      "estimated step beside each measured one (`plan_step`), profiler tables under 45% MFU",
      330),
-    ("peer", "builds MegaBlocks' `grouped_gemm` from its carried sdist in the background "
-     "(`TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_CUTLASS=1`) into a folder of the machine that "
-     "later parts and calls find; `gemm` then adds it as a peer", 300),
+    ("peer", "builds MegaBlocks' `grouped_gemm` from its source distribution in `.whl/` "
+     "(`tools/gpu_wheels.sh` fetches it) in the background (`TORCH_CUDA_ARCH_LIST=9.0 "
+     "GROUPED_GEMM_CUTLASS=1`) into a folder outside the tree, where later parts and later runs on "
+     "the same machine find it; `gemm` then adds it as a peer; skipped without the sdist", 300),
 ]  # fmt: skip
-SUITE_CALLS = [
-    ("PARTS=tests,tiny,peer BUDGET=330", "4-6"),
-    ("PARTS=gemm,router,permute BUDGET=420", "5-7"),
-    ("PARTS=layer,e2e BUDGET=480", "6-8"),
-]
-
 SUITE_INTRO = """\
 ## Running the GPU suite
 
-`tools/gpu_suite.sh` runs every check and benchmark above in one command of a `device`
-call, part by part, each under its own time budget (`timeout`; a part that runs out is
-killed and recorded as `timeout`, the rest go on). It installs nothing that is already
-there: moetrain is imported from the working tree through a shim folder of symlinks on
-`PYTHONPATH` (kernels/ is mapped to `moetrain.kernels`, so the bare tree cannot be used,
-and `pip install -e .` would reach for a registry); `datasets`, `dill` and `multiprocess`,
-which the GPU image lacks, come from carried wheels, installed with `--no-index --no-deps`
-only if `import datasets` fails. Everything lands in four files under `$OUT`:
-`results.csv` (rows of this page's schema), `summary.txt`, `suite.log` and `logs.tar.gz`
-(per-part logs, pytest output, profiler tables, the two loss curves), rewritten after
-every part.
-
-"""
-
-SUITE_PLAN = """\
-### The 30 device minutes
-
-Before the calls, here: `bash tools/gpu_wheels.sh` (fills the git-ignored `.whl/`, 1.8 MB:
-the three wheels and the grouped_gemm sdist), commit, and note `git rev-parse --short HEAD`
-as `<commit>` (the device's copy of the tree has no `.git`). Then three `run` calls, each
-issued as soon as the previous one returns (an idle warm machine costs device time too),
-each with `carry: [".whl"]` and `timeout_s: 600`:
-
-"""
-
-SUITE_AFTER = """\
-With the first machine start (1-2 minutes) and the transfers that is about 20-25 minutes,
-leaving a few for one re-run of a part that failed (`BUDGET_<PART>=seconds` and
-`ARGS_<PART>="..."` adjust one part, e.g. `ARGS_GEMM="--shapes deepseek-v3-rank"`). Call 2
-finds the MegaBlocks build of call 1 only on the same machine; on a fresh one it runs
-without that peer. Each reply's files arrive, read-only, under its `files_at` folder: before the
-next call or at the end, merge and regenerate, then commit the figures:
+On any machine with a CUDA GPU, from the repository's root, with moetrain's dependencies and
+its `[test]` extra installed (`pip install -e ".[test]"`: pytest, transformers, triton):
 
 ```bash
-python tools/merge_gpu_results.py <files_at>/results.csv --commit <commit>
-mkdir -p gpu_logs && tar xzf <files_at>/logs.tar.gz -C gpu_logs  # read; do not commit
-git add docs/benchmarks.*
-git commit -m "benchmarks: GPU figures (<device>, torch <v>, triton <v>)" -- docs/benchmarks.*
+bash tools/gpu_suite.sh                                  # every part, within BUDGET seconds
+OUT=gpu_results BUDGET=1500 bash tools/gpu_suite.sh      # every part at its full budget
+PARTS=gemm,router bash tools/gpu_suite.sh                # some parts
 ```
 
-Merging is idempotent (a row's identity is its run timestamp, device, benchmark, case,
-routing, dtype, op and impl), so merging the same file twice changes nothing. The README's
-kernel row should then say what was measured, and the issue's closing note should list
-each target above as met or not with its figure.
+It runs the parts below in order, each under its own time budget (a part that runs out is
+killed and recorded as `timeout`, the rest go on; `BUDGET` caps the whole run, default 540 s,
+and `BUDGET_<PART>=seconds` or `ARGS_<PART>="..."` adjust one part, e.g.
+`ARGS_GEMM="--shapes deepseek-v3-rank"`). moetrain runs from the working tree, through a
+folder of symlinks first on `PYTHONPATH`, so the suite measures the checkout it is started
+from whatever else is installed. Everything lands in `OUT` (default: a new temporary folder,
+named on the last line), rewritten after every part, so a run cut short keeps every finished
+part:
+
+{files}
+"""
+
+SUITE_FILES = [
+    ("results.csv", "one row per measured figure (the schema of `docs/benchmarks.csv`: device, "
+     "commit, shapes, time, TFLOP/s, GB/s, ratios to the peer and the ceiling), and one "
+     "`suite` row per part: ok / fail / timeout / skipped, seconds"),
+    ("summary.txt", "one line per part, then the headline figures"),
+    ("suite.log", "everything the suite printed: the environment (torch, triton, CUDA, the "
+     "GPU), each part's output"),
+    ("logs.tar.gz", "per-part logs, the pytest output, the profiler tables of `e2e`, the two "
+     "loss curves of `tiny`"),
+]  # fmt: skip
+
+SUITE_AFTER = """\
+To keep the figures with the code they measured, merge the rows into `docs/benchmarks.csv`
+and regenerate this page (merging twice changes nothing: a row's identity is its run
+timestamp, device, benchmark, case, routing, dtype, op and impl):
+
+```bash
+python tools/merge_gpu_results.py gpu_results/results.csv
+```
+
+Each row records the commit the suite ran at (`git rev-parse`; in a copy of the tree without
+`.git`, set `MOETRAIN_COMMIT=<hash>` for the suite or pass `--commit <hash>` to the merge).
+
+A machine without network access needs `datasets` and the MegaBlocks sdist brought along:
+`bash tools/gpu_wheels.sh` on a machine with network fills the git-ignored `.whl/` with the
+`datasets`, `dill` and `multiprocess` wheels (Python 3.12, manylinux x86_64) and the
+`grouped_gemm` sdist; copy `.whl/` into the checkout on the GPU machine, and the suite installs
+the wheels (`--no-index --no-deps`, into a folder of its own) only if `import datasets` fails.
 
 """
 
@@ -156,12 +156,10 @@ each target above as met or not with its figure.
 def suite_section() -> str:
     parts = ["| part | what | budget |\n|---|---|---:|\n"]
     parts += [f"| `{name}` | {what} | {budget} s |\n" for name, what, budget in SUITE_PARTS]
-    calls = ["| call | `command` | command minutes (expected) |\n|---|---|---:|\n"]
-    calls += [
-        f"| {i} | `MOETRAIN_COMMIT=<commit> {env} bash tools/gpu_suite.sh` | {minutes} |\n"
-        for i, (env, minutes) in enumerate(SUITE_CALLS, 1)
-    ]
-    return SUITE_INTRO + "".join(parts) + "\n" + SUITE_PLAN + "".join(calls) + "\n" + SUITE_AFTER
+    files = "| file | content |\n|---|---|\n" + "".join(
+        f"| `{name}` | {what} |\n" for name, what in SUITE_FILES
+    )
+    return SUITE_INTRO.format(files=files) + "".join(parts) + "\n" + SUITE_AFTER
 
 
 MEGABLOCKS = """\
@@ -170,14 +168,13 @@ MEGABLOCKS = """\
 MegaBlocks itself cannot be installed beside this project (0.10 pins torch < 2.7.1 and
 numpy < 2.1); its grouped GEMM is the separate `grouped_gemm` package, which is what the
 benchmark compares against (`grouped_gemm.backend.gmm`: fwd, dgrad and wgrad). It has no
-wheel to carry: `pip download --only-binary=:all:` for cp312 manylinux x86_64 (the GPU
-machine's platform) finds none in any of its releases (0.0.1 to 0.3.0, checked 2026-11);
-0.3.0 is a source distribution only, whose build needs nvcc, the CUDA build of the torch
-it will run with (2.11 + CUDA 13 there; its pyproject asks for torch 2.7, which
-`--no-build-isolation` bypasses) and the CUTLASS headers it ships. A machine without a GPU
-has neither nvcc nor a CUDA torch, so it cannot be built here; `tools/gpu_wheels.sh`
-fetches the sdist and the suite's `peer` part builds it on the GPU machine (CUTLASS mode,
-sm_90), in the background while the correctness part runs. Where that build fails or runs
+wheel: `pip download --only-binary=:all:` for cp312 manylinux x86_64 finds none in any of
+its releases (0.0.1 to 0.3.0, checked 2026-11); 0.3.0 is a source distribution only, whose
+build needs nvcc, the CUDA build of the torch it will run with (its pyproject asks for
+torch 2.7, which `--no-build-isolation` bypasses) and the CUTLASS headers it ships, so it
+can only be built on a GPU machine. `tools/gpu_wheels.sh` fetches the sdist into `.whl/` and
+the suite's `peer` part builds it there (CUTLASS mode, sm_90), in the background while the
+correctness part runs. Where that build fails or runs
 out of time, `logs.tar.gz` (`logs/peer.log`) says why, and the grouped GEMM tables have no
 `megablocks` rows.
 

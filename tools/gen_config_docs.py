@@ -29,7 +29,7 @@ truth); a test fails when this page is stale.
 A run is configured by a YAML file with one mapping per section, plus dotted overrides on
 the command line:
 
-```
+```bash
 moetrain --config configs/tiny.yaml moe.top_k=1 train.steps=50 moe.capacity_factor=null
 ```
 
@@ -39,7 +39,7 @@ is allowed (for example `moe.top_k: must be in [1, moe.num_experts=8], got 9`).
 
 To see what a file and its overrides resolve to, without running anything:
 
-```
+```bash
 moetrain --config configs/tiny.yaml moe.top_k=1 --print-config
 ```
 
@@ -47,7 +47,20 @@ moetrain --config configs/tiny.yaml moe.top_k=1 --print-config
 YAML (the format of the `<train.output_dir>/config.yaml` a run writes), then exits: status
 0, or 2 with the error naming the key. Checks that need the world size (the parallel layout)
 or the data run when training starts.
+
+`--config` is required: `moetrain` without it is an error that names how to start, not a
+silent run of the defaults below (they are the dataclasses' fallbacks, not a tuned
+experiment). An empty YAML file gives exactly those defaults, on purpose.
+
+The **on resume** column says what a resume does when the key differs from the checkpoint's
+config (`RESUME_KEYS` in `moetrain/config.py`; [checkpoints.md](checkpoints.md#resume-trainresume)):
+*free* changes are accepted and logged; *saved* keys are restored from the checkpoint, so a
+new value is not used (and the log says so); *refused* keys change what the model computes or
+the data stream its position belongs to, and the resume stops, naming them, unless
+`train.resume_allow_changes` lists them.
 """
+
+RESUME = {"free": "free", "saved": "saved", "function": "refused"}
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -75,7 +88,7 @@ def render() -> str:
         out.append(f"\n## `{section.name}`: {root_docs.get(section.name, '')}\n")
         if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
             out.append(" ".join(cls.__doc__.split()) + "\n")
-        out.append("| key | type | default | meaning |\n|---|---|---|---|")
+        out.append("| key | type | default | on resume | meaning |\n|---|---|---|---|---|")
         docs = field_docs(cls)
         hints = __import__("typing").get_type_hints(cls, vars(config_module))
         for f in dataclasses.fields(cls):
@@ -83,7 +96,9 @@ def render() -> str:
             type_name = config_module._type_name(hints[f.name]).replace("|", "\\|")
             shown = "null" if default is None else repr(default).replace("|", "\\|")
             meaning = docs.get(f.name, "").replace("|", "\\|")
-            out.append(f"| `{section.name}.{f.name}` | {type_name} | `{shown}` | {meaning} |")
+            kind = config_module.resume_kind(f"{section.name}.{f.name}") or ("function", "")
+            out.append(f"| `{section.name}.{f.name}` | {type_name} | `{shown}` | "
+                       f"{RESUME[kind[0]]} | {meaning} |")  # fmt: skip
     return "\n".join(out) + "\n"
 
 

@@ -15,7 +15,7 @@ in order (default budget in seconds; --dry: CPU, tiny shapes, Triton interpreter
     e2e      configs/gpu_1b.yaml, triton/torch x compile off/on and triton with
              forced balanced routing, MFU, memory, moetrain plan's step estimate
              beside each measured step                                            (330)
-    peer     MegaBlocks' grouped_gemm built from a carried sdist, in the background
+    peer     MegaBlocks' grouped_gemm built from its sdist in .whl/, in the background
              while tests/tiny run (only when .whl/grouped_gemm-*.tar.gz is there)  (420)
 
 A part gets min(its budget, what is left of --budget); one that cannot get 20 s is skipped.
@@ -283,7 +283,7 @@ class Suite:
             return
         if not sdists or self.args.dry:
             self.say("== peer: no .whl/grouped_gemm-*.tar.gz (or dry run): MegaBlocks peer absent")
-            self.suite_row("peer", "skipped", 0.0, "no grouped_gemm sdist carried")
+            self.suite_row("peer", "skipped", 0.0, "no grouped_gemm sdist in .whl/")
             return
         env = dict(os.environ, TORCH_CUDA_ARCH_LIST="9.0", GROUPED_GEMM_CUTLASS="1",
                    MAX_JOBS=str(os.cpu_count() or 8))  # fmt: skip

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The GPU suite in one command: offline set-up, then every correctness check and benchmark
-# of issue 17 as timed parts, CSV rows and logs under $OUT (see docs/benchmarks.md,
-# "Running the GPU suite", for the device calls).
+# The GPU suite in one command, on any CUDA machine: every correctness check and benchmark of
+# the kernels and of training, as timed parts, their CSV rows and logs under $OUT (see
+# docs/gpu.md and docs/benchmarks.md, "Running the GPU suite").
 #
 #   bash tools/gpu_suite.sh                          # every part, within BUDGET seconds
 #   PARTS=tests,tiny,gemm bash tools/gpu_suite.sh    # some parts (tools/gpu_suite.py --help)
 #   DRY=1 bash tools/gpu_suite.sh                    # CPU dry run: tiny shapes, interpreter
 #
-# Environment: OUT (results folder; the device tool sets it, else a new temporary one), PARTS
+# Environment: OUT (results folder; default a new temporary one, named at the end), PARTS
 # (comma-separated, default all), BUDGET (seconds for all parts, default 540), DRY=1 (CPU),
-# MOETRAIN_COMMIT (the commit the tree is at: the device's copy has no .git), PYTHON.
+# MOETRAIN_COMMIT (the commit the tree is at, for a copy without .git), PYTHON.
 #
-# Set-up, installing nothing that is already there and reaching no registry:
+# Set-up, installing nothing that is already there:
 # - moetrain: the package maps kernels/ to moetrain.kernels (pyproject package-dir), so the
 #   tree cannot simply go on PYTHONPATH. A shim folder gets a `moetrain` directory of
 #   symlinks to every entry of moetrain/ plus `kernels` -> kernels/, and goes first on
@@ -19,16 +19,17 @@
 #   installed moetrain elsewhere is shadowed, since path entries precede site-packages.)
 #   PYTHONSAFEPATH=1 keeps `python -m pytest` from putting the repo root first on sys.path,
 #   where moetrain/ would be found without its kernels.
-# - datasets, dill, multiprocess (absent on the GPU image): if `import datasets` fails and
-#   .whl/ holds wheels (tools/gpu_wheels.sh fetches them here; carry `.whl`), they are
-#   installed with --no-index --no-deps into /tmp/moetrain_site, which joins PYTHONPATH.
+# - datasets, dill, multiprocess, for a machine without network access: if `import datasets`
+#   fails and .whl/ holds wheels (tools/gpu_wheels.sh fetches them on a machine with network;
+#   copy .whl/ along), they are installed with --no-index --no-deps into /tmp/moetrain_site,
+#   which joins PYTHONPATH.
 # - MegaBlocks' grouped_gemm: no wheel exists; if .whl/ holds its sdist, tools/gpu_suite.py
 #   builds it in the background (part "peer") into /tmp/moetrain_peer.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
 PY=${PYTHON:-python3}
-# Outside the tree by default: a folder in it would travel with the next device call.
+# Outside the tree by default: results are not part of the checkout.
 OUT=${OUT:-$(mktemp -d /tmp/moetrain_gpu_out.XXXXXX)}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/moetrain_suite.XXXXXX)
@@ -51,14 +52,14 @@ setup() {
     if "$PY" -c "import datasets" 2>/dev/null; then
         echo "datasets: already importable, nothing installed"
     elif compgen -G ".whl/*.whl" >/dev/null; then
-        echo "datasets: missing; installing the carried wheels: $(cd .whl && echo *.whl)"
+        echo "datasets: missing; installing the wheels in .whl/: $(cd .whl && echo *.whl)"
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$site" .whl/*.whl || echo "WARNING: wheel install failed"
         case ":$PYTHONPATH:" in *":$site:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$site" ;; esac
         "$PY" -c "import datasets; print('datasets', datasets.__version__, 'from', datasets.__file__)" \
             || echo "WARNING: datasets still does not import: training parts will fail"
     else
-        echo "WARNING: datasets missing and no .whl/ carried (run tools/gpu_wheels.sh, carry .whl)"
+        echo "WARNING: datasets missing and no .whl/ (pip install datasets, or tools/gpu_wheels.sh elsewhere and copy .whl/)"
     fi
 
     "$PY" - <<'EOF'

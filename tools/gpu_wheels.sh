@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Fetch, here (where pip reaches a registry), what the GPU machine lacks, into .whl/ (git-
-# ignored; name `.whl` in the device call's carry). tools/gpu_suite.sh installs the wheels
-# there with --no-index --no-deps, and only when `import datasets` fails.
+# For a GPU machine without network access: fetch, on a machine where pip reaches a registry,
+# what the GPU suite needs beyond torch, triton and the usual scientific stack, into .whl/
+# (git-ignored); copy .whl/ into the checkout on the GPU machine. tools/gpu_suite.sh installs
+# the wheels there with --no-index --no-deps, and only when `import datasets` fails.
 #
 #   bash tools/gpu_wheels.sh          # datasets + dill + multiprocess, grouped_gemm sdist
 #
-# - datasets and the two dependencies the GPU image lacks (dill, multiprocess), as cp312
-#   manylinux x86_64 wheels: the rest of datasets' requirements (pyarrow, fsspec, pandas,
-#   huggingface-hub, xxhash, ...) are already there. Versions: what this checkout is tested
-#   with; override with DATASETS=... DILL=... MULTIPROCESS=....
+# - datasets and two of its dependencies a bare CUDA image often lacks (dill, multiprocess),
+#   as manylinux x86_64 wheels for CPython PYTHON_VERSION (default 3.12): the rest of its
+#   requirements (pyarrow, fsspec, pandas, huggingface-hub, xxhash, ...) are expected there.
+#   Versions: what this checkout is tested with; override with DATASETS=... DILL=...
+#   MULTIPROCESS=....
 # - grouped_gemm (MegaBlocks' grouped GEMM): PyPI has no wheel of it for any Python or
 #   torch, only a source distribution (with CUTLASS headers inside), so the suite can build
 #   it on the GPU machine (part "peer"). pip must run a package's setup.py even to download
@@ -26,7 +28,7 @@ git check-ignore -q .whl/ || { echo "refusing: .whl/ is not git-ignored here"; e
 mkdir -p .whl
 rm -f .whl/*.whl .whl/*.tar.gz  # one version of each: two would stop the whole install
 
-"$PY" -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+"$PY" -m pip download --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     --platform manylinux1_x86_64 -d .whl \

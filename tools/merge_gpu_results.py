@@ -6,8 +6,8 @@
 RESULTS.csv is what tools/gpu_suite.sh wrote under $OUT (it may sit in a read-only folder:
 it is only read). Rows are validated against the schema (tools/bench_common.CSV_FIELDS; an
 older file's missing columns stay blank), CPU rows are dropped unless --include-cpu (dry
-runs are not figures), a commit the device could not know ("unknown": its copy of the tree
-has no .git) is filled from --commit, and rows are deduplicated by their identity
+runs are not figures), a commit the suite could not know ("unknown": a copy of the tree
+without .git) is filled from --commit, and rows are deduplicated by their identity
 (bench_common.ROW_KEY: run timestamp, device, benchmark, case, routing, dtype, op, impl),
 a merged row replacing an older one with the same key. Merging the same file twice leaves
 docs/benchmarks.csv byte for byte unchanged. Then tools/bench_report.py regenerates

@@ -62,7 +62,7 @@ def run_one(cfg: JobConfig) -> dict[str, float]:
 
     start = time.perf_counter()
     trainer = Trainer(cfg)
-    summary = trainer.fit()
+    summary = trainer.fit(finished_ok=True)  # a finished run whose row was lost: re-read
     out = run_summary(read_scalars(cfg.train.output_dir))
     out["eval_loss"] = float(summary["eval_loss"])
     out["active_params"] = float(trainer.n_active)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value for every run")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (subprocesses)")
     parser.add_argument("--out", help="sweep output directory (default: the file's output_dir)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options and key=value in any order
     if args.parallel < 1:
         parser.error("--parallel must be >= 1")
     from moetrain.train.trainer import setup_logging

@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="DIR",
         help="check every shard of a prepared dataset against its checksum",
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options and key=value in any order
     if (args.out is None) == (args.verify is None):
         parser.error("give --out DIR to prepare, or --verify DIR to check")
 

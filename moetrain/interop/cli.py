@@ -78,7 +78,9 @@ def export_hf_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="tensor dtype (default: the "
                         "dtype each tensor was saved in: an imported bf16 model stays bf16, a "
                         "trained one is fp32)")  # fmt: skip
-    parser.add_argument("--max-shard-gb", type=float, default=5.0)
+    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors "
+                        "file in GiB; bigger models are split into several with an index "
+                        "(default: %(default)s)")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR "
                         "whole (never the run, its tokenizer or its source)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -130,12 +132,22 @@ def generate_main(argv: list[str] | None = None) -> int:
         "(KV cache; greedy unless --temperature > 0).",
     )
     parser.add_argument("path", help="a moetrain checkpoint / run dir, or a transformers dir")
-    parser.add_argument("--prompt", required=True)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at "
+                        "most; fewer at the end-of-text token or the model's context "
+                        "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; "
+                        "0: greedy (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: sample "
+                        "from the smallest set of tokens whose probability reaches P "
+                        "(default: %(default)s, every token)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling generator "
+                        "(default: %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where to run: cpu, cuda, cuda:1 ... (default: %(default)s)",
+    )
     parser.add_argument("--show-ids", action="store_true", help="also print the token ids")
     args = parser.parse_args(argv)
     from moetrain.model.generate import generate

@@ -1,6 +1,11 @@
 """``moetrain train`` (the default command) and ``python -m moetrain.train`` /
 ``torchrun -m moetrain.train``: parse the config and its overrides, train, and report bad input
-the user can fix as one line with exit status 2."""
+the user can fix as one line with exit status 2.
+
+A config file is required. Without one moetrain would train its dataclasses' defaults (an
+untuned 8-expert model into ``outputs/run``), which is what a forgotten ``--config`` looks
+like rather than an experiment anybody chose; so a missing ``--config`` is an error that
+names how to start (an empty YAML file still gives the built-in defaults, on purpose)."""
 
 from __future__ import annotations
 
@@ -9,18 +14,27 @@ import sys
 
 from moetrain.config import ConfigError, load_config
 
+START = """\
+start here (from the repository's root):
+  moetrain --config configs/tiny.yaml   train a tiny MoE on the embedded corpus (minutes, CPU)"""
+
 
 def train_main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="moetrain train",
         description="Train an MoE language model. Overrides are dotted keys: moe.top_k=2.",
     )
-    parser.add_argument("--config", help="YAML experiment file (see configs/)")
+    parser.add_argument("--config", help="YAML experiment file (see configs/); required")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument(
         "--print-config", action="store_true", help="print the resolved config and exit"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # options and key=value in any order
+    if args.config is None:
+        print(f"moetrain: no --config given; nothing was run.\n{START}\n"
+              "moetrain --help lists the commands; configs/ holds the experiment files.",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as exc:

@@ -101,13 +101,24 @@ def layer_specialization(
 
 def routing_stability(earlier: dict[int, Any], final: dict[int, Any]) -> dict[int, float]:
     """Per layer: the fraction of tokens whose top-1 expert (column 0 of ids (T, K), the
-    highest score) is the same in ``earlier`` and ``final``."""
+    highest score) is the same in ``earlier`` and ``final``. Each record is read with its own
+    K (a run resumed with another ``moe.top_k`` has records of both); a layer only one of them
+    routed is left out."""
     out = {}
     for layer, ids in final.items():
-        a = np.asarray(earlier[layer]).reshape(-1, np.asarray(ids).shape[-1])[:, 0]
-        b = np.asarray(ids).reshape(a.shape[0], -1)[:, 0]
+        if layer not in earlier:
+            continue
+        a, b = _top1(earlier[layer]), _top1(ids)
+        if a.shape != b.shape:
+            raise ValueError(f"layer {layer}: {a.shape[0]} routed tokens against {b.shape[0]}")
         out[layer] = float((a == b).mean())
     return out
+
+
+def _top1(ids: Any) -> np.ndarray:
+    """(T,) the first-choice expert of every token of ids (..., K)."""
+    ids = np.asarray(ids)
+    return ids.reshape(-1, ids.shape[-1])[:, 0]
 
 
 # ----------------------------------------------------------------------------- records
@@ -170,8 +181,14 @@ def stability_over_steps(records: dict[int, dict[str, Any]]) -> dict[int, dict[i
     """{step: {layer: stability against the last record}} for every record."""
     if not records:
         return {}
-    final = records[max(records)]["ids"]
-    return {step: routing_stability(r["ids"], final) for step, r in sorted(records.items())}
+    final = records[max(records)]
+    # Only records of the same eval tokens compare (a run resumed with another data.seq_len
+    # or train.eval_batches evaluates other tokens).
+    return {
+        step: routing_stability(r["ids"], final["ids"])
+        for step, r in sorted(records.items())
+        if torch.equal(torch.as_tensor(r["input_ids"]), torch.as_tensor(final["input_ids"]))
+    }
 
 
 # ----------------------------------------------------------------------------- rendering

@@ -52,6 +52,7 @@ from moetrain.train.resilience import (
     NonFiniteGuard,
     PreemptionGuard,
 )
+from moetrain.train.resume import check_resume_config, refuse_weights_only
 from moetrain.train.specialization import SpecializationLog
 from moetrain.train.start import Start, find_start
 
@@ -240,6 +241,13 @@ class Trainer:
                 "model.attention_backend: flex trains on CUDA only (FlexAttention has no "
                 "backward on CPU); use sdpa, which gives the same numbers (docs/attention.md)"
             )
+        if cfg.moe.kernels == "triton" and cfg.moe.num_experts:
+            from moetrain.kernels import resolve_backend
+
+            try:  # here rather than at the first forward: a config error, not a traceback
+                resolve_backend("triton", self.device)
+            except RuntimeError as exc:
+                raise ConfigError(f"moe.kernels: {exc}") from None
         self.out_dir = Path(tcfg.output_dir)
         # Starting from another framework's checkpoint: its architecture replaces the YAML's
         # first (the start factory edits cfg).
@@ -300,6 +308,7 @@ class Trainer:
         self.ckpt = CheckpointManager(self.out_dir / "checkpoints", tcfg.keep_last)
         self.fingerprint = model_fingerprint(cfg, vocab)
         self.step = 0
+        self.resumed_from: Path | None = None  # the checkpoint maybe_resume loaded
         torch.manual_seed(tcfg.seed)  # whatever draws from the global generator starts here
 
         # Dashboard cadence, dead-expert/imbalance warnings. TensorBoard is opened by fit once
@@ -380,7 +389,11 @@ class Trainer:
                     "start a new train.output_dir"
                 )
             return
-        _refuse_weights_only(path)
+        # What the checkpoint is (verified, its fingerprint matched, its step and config read)
+        # before any tensor is: a refused resume costs no load.
+        path, saved = self.ckpt.peek(path, expected_fingerprint=self.fingerprint)
+        refuse_weights_only(path, saved)
+        check_resume_config(path, saved, self.cfg)
         # Keys are full-model names under every layout: DCP reshards a checkpoint saved under
         # another layout on load. Data state is the global stream position (layout-free).
         state = self.engine.app_state()
@@ -391,7 +404,14 @@ class Trainer:
         self.train_data.load_state_dict(extra["data"])
         set_rng_state(extra["rng"])
         self.step = int(extra["step"])
+        self.resumed_from = path
         log.info("resumed from %s at step %d", path, self.step)
+        schedule = self.engine.schedulers[0].lr_lambdas[0]
+        total = schedule.total_steps
+        if self.cfg.train.steps > total and self.step > 0 and schedule.schedule == "cosine":
+            log.warning("train.steps=%d runs past the resumed schedule's %d steps: the learning "
+                        "rate stays at its floor (optim.min_lr_ratio x optim.lr) from step %d "
+                        "on", self.cfg.train.steps, total, total)  # fmt: skip
 
     # ------------------------------------------------------------------ steps
 
@@ -495,13 +515,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def fit(self, stop_at: int | None = None) -> dict[str, float]:
+    def fit(self, stop_at: int | None = None, *, finished_ok: bool = False) -> dict[str, float]:
         """Train to ``train.steps`` (or stop early at ``stop_at`` with a checkpoint, as an
-        interruption would) and return the final eval loss and the unigram entropy."""
+        interruption would) and return the final eval loss and the unigram entropy.
+
+        A resume that would train nothing (the checkpoint is at ``train.steps`` or past it)
+        is refused with a ConfigError, unless ``finished_ok``: then the run is evaluated and
+        summarised again (a sweep re-reading a finished run)."""
         cfg, tcfg = self.cfg, self.cfg.train
         end = tcfg.steps if stop_at is None else min(stop_at, tcfg.steps)
         # Validate first, write after: a refused start leaves the run directory as it was.
         self.maybe_resume()
+        if self.resumed_from is not None and self.step >= tcfg.steps and not finished_ok:
+            raise ConfigError(
+                f"train.steps: {tcfg.steps}, and the checkpoint {self.resumed_from} is at step "
+                f"{self.step}: nothing to train. Raise train.steps to train on, or give a new "
+                "run its own train.output_dir"
+            )
         self._open_run_dir()
         self._measure_peak()
         entropy = unigram_entropy(self.tokenizer, cfg.data) if self.is_main else 0.0
@@ -543,7 +573,7 @@ class Trainer:
             self.peak_flops / 1e9,
             self.peak_source,
         )
-        if 0 < tcfg.steps <= cfg.optim.warmup_steps:
+        if 0 < tcfg.steps <= cfg.optim.warmup_steps and self.resumed_from is None:
             log.warning("optim.warmup_steps=%d >= train.steps=%d: the learning rate rises for "
                         "the whole run and never reaches optim.lr=%g", cfg.optim.warmup_steps,
                         tcfg.steps, cfg.optim.lr)  # fmt: skip
@@ -716,22 +746,6 @@ class Trainer:
             bar.write(line)
         else:
             log.info(line)
-
-
-def _refuse_weights_only(path: Path) -> None:
-    """A checkpoint that ``moetrain import-hf`` wrote holds model weights only: resuming it
-    would fail deep in DCP (no optimizer state). Say what to do instead."""
-    try:
-        extra = torch.load(Path(path) / "extra.pt", map_location="cpu", weights_only=True)
-    except Exception:
-        return  # not an import (per-rank extras, or unreadable: the load reports it)
-    if isinstance(extra, dict) and "source" in extra and "scheduler" not in extra:
-        raise CheckpointError(
-            f"train.resume: {path} holds only the weights that moetrain import-hf read from "
-            f"{extra['source']} (no optimizer state), and is not resumed; train from them with "
-            f"model.init_from: {extra['source']} and a train.output_dir of their own (the "
-            "config.yaml import-hf wrote beside it does both)"
-        )
 
 
 def run(cfg: JobConfig) -> dict[str, float]:

@@ -91,7 +91,10 @@ def test_print_config_shows_the_checkpoints_architecture(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     hf = save_hf("qwen3_moe", tmp_path / "hf").config
-    assert main(["--print-config", f"model.init_from={tmp_path / 'hf'}", "data.seq_len=32"]) == 0
+    empty = tmp_path / "empty.yaml"  # the built-in defaults (training needs a --config)
+    empty.write_text("{}\n")
+    show = ["--config", str(empty), "--print-config", "data.seq_len=32"]
+    assert main([*show, f"model.init_from={tmp_path / 'hf'}"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["model"]["dim"] == hf.hidden_size
     assert cfg["model"]["head_dim"] == hf.head_dim
@@ -99,7 +102,7 @@ def test_print_config_shows_the_checkpoints_architecture(
     assert cfg["moe"]["num_experts"] == hf.num_experts
     assert cfg["moe"]["dense_layers"] == [1]
     # A directory that is not a checkpoint: the one-line refusal, as training gives.
-    assert main(["--print-config", f"model.init_from={tmp_path}", "data.seq_len=32"]) == 2
+    assert main([*show, f"model.init_from={tmp_path}"]) == 2
     assert "has no config.json" in capsys.readouterr().err
 
 

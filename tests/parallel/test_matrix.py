@@ -412,8 +412,9 @@ def pytest_generate_tests(metafunc) -> None:
     only when the run asks for exhaustive tests (the design is not computed otherwise)."""
     if metafunc.function.__name__ != "test_exhaustive_cell":
         return
-    expr = metafunc.config.getoption("markexpr") or ""
-    cells = exhaustive_cells() if ("exhaustive" in expr or "slow" in expr) else ()
+    from selection import asks_for_exhaustive
+
+    cells = exhaustive_cells() if asks_for_exhaustive(metafunc.config) else ()
     metafunc.parametrize("cell", list(cells), ids=[cell_id(*c) for c in cells])
 
 

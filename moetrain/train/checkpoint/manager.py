@@ -358,6 +358,25 @@ class CheckpointManager:
                 f"cannot load checkpoint {path}: {failures.text(self.world_size)}"
             ) from failures.__cause__
 
+    def peek(
+        self, path: str | Path, *, expected_fingerprint: dict[str, Any] | None = None
+    ) -> tuple[Path, dict[str, Any]]:
+        """The checkpoint ``path`` stands for (a checkpoint root: its ``latest()``), checked
+        as ``load`` checks it, and its extra (rank 0's when extras are per rank: the step and
+        the job config are the same in every one), without reading a tensor: what a resume
+        decides on before it loads the weights. Collective; raises CheckpointError."""
+        self._check_layout()
+
+        def read() -> tuple[Path, dict[str, Any]]:
+            found, manifest = self._check_loadable(Path(path), expected_fingerprint)
+            name = extra_name(0 if manifest.get("per_rank_extra") else None)
+            return found, torch.load(found / name, map_location="cpu", weights_only=True)
+
+        try:
+            return self._phase(read)
+        except _RankFailures as failures:
+            raise CheckpointError(failures.text(self.world_size)) from failures.__cause__
+
     def _check_loadable(
         self, path: Path, expected: dict[str, Any] | None
     ) -> tuple[Path, dict[str, Any]]:
