@@ -240,6 +240,15 @@ def test_the_readme_chain_runs_as_written(
     lap(export)
     _check_export(tmp_path / export[2], tmp_path / export[3])
     lap(["transformers load of the export"])
+
+    # Planning runs the published configs at their sizes (meta device: nothing allocated).
+    for plan in [a for a in readme_commands() if a[:2] == ["moetrain", "plan"]]:
+        code, out, err = _in_process(plan, capsys)
+        assert code in (0, 1), err  # 1: the layout does not fit, which plan says
+        shows = "fastest that fit" if "--search" in plan else "memory per rank"
+        assert shows in out, out[-2000:]
+        ran.append(plan)
+        lap(plan)
     print("\n".join(laps))
 
     missing = [" ".join(a) for a in readme_commands() if not _ran_or_listed(a, ran)]
