@@ -232,12 +232,17 @@ class FakeCuda:
     def set_rng_state_all(self, states) -> None:
         self.calls.append(("set_rng_state_all", [s.clone() for s in states]))
 
+    def mem_get_info(self, device) -> tuple[int, int]:
+        self.calls.append(("mem_get_info", device))
+        return 60 * 2**30, 80 * 2**30
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
     fake = FakeCuda()
     for name in ("is_available", "get_device_name", "get_device_capability", "synchronize",
-                 "set_device", "get_rng_state_all", "set_rng_state_all"):  # fmt: skip
+                 "set_device", "get_rng_state_all", "set_rng_state_all",
+                 "mem_get_info"):  # fmt: skip
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     return fake
 
@@ -293,6 +298,19 @@ def test_init_distributed_picks_nccl_and_the_local_device(fake_cuda, monkeypatch
     trainer.init_distributed(torch.device("cpu"), 30)
     assert fake_cuda.calls == [("set_device", torch.device("cuda", 1))]
     assert started == [("nccl", timedelta(seconds=30)), ("gloo", timedelta(seconds=30))]
+
+
+def test_memory_check_reads_the_gpus_free_memory(fake_cuda, monkeypatch):
+    """On CUDA the trainer's memory check budgets the device's free memory (what
+    ``torch.cuda.mem_get_info`` reports), not the host's MemAvailable."""
+    from moetrain.plan.planner import available_memory
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # ignored on a GPU: each rank has its own
+    free, source = available_memory(CUDA0)
+    assert free == 60 * 2**30 and source == "free memory of NVIDIA H100 80GB HBM3"
+    assert fake_cuda.calls == [("mem_get_info", CUDA0)]
+    cpu_free, cpu_source = available_memory(torch.device("cpu"))
+    assert "8 local rank(s)" in cpu_source and cpu_free > 0
 
 
 def test_synchronize_and_peak_flops_on_cuda(fake_cuda):
