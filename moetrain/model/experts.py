@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.kernels import grouped_mm
+from moetrain.kernels.fp8 import Recipe, Reduce, fp8_grouped_mm
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
@@ -31,6 +32,12 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, ffn_dim, dim))
         for w in (self.w1, self.w3, self.w2):
             nn.init.normal_(w, std=1.0 / math.sqrt(w.shape[1]))
+        # FP8 grouped GEMMs (``train.fp8``, set by ``moetrain.model.fp8.convert_to_fp8``):
+        # (recipe, backend), or None for the compute dtype.
+        self.fp8: tuple[Recipe, str] | None = None
+        # Expert tensor parallelism (installed from outside): the max over the ranks holding
+        # the other slices of the FFN width, so that an FP8 scale over F covers all of it.
+        self.amax_reduce: Reduce | None = None
 
     def forward(self, x_ND: torch.Tensor, offs_E: torch.Tensor, backend: str) -> torch.Tensor:
         """offs_E: int32 cumulative end row of each expert; rows past offs_E[-1] give zeros.
@@ -38,11 +45,26 @@ class GroupedExperts(nn.Module):
         Under expert tensor parallelism the weights are DTensors sharded over the FFN width
         (``moetrain.parallel.tensor_parallel``): this rank computes with its slice, and the
         dispatcher sums the partial outputs (``ExpertTPDispatcher``)."""
+        if self.fp8 is not None:
+            return self._forward_fp8(x_ND, offs_E)
         w1, w3, w2 = (_local(w).to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
         h_NF = F.silu(grouped_mm(x_ND, w1, offs_E, backend=backend)) * grouped_mm(
             x_ND, w3, offs_E, backend=backend
         )
         return grouped_mm(h_NF, w2, offs_E, backend=backend)
+
+    def _forward_fp8(self, x_ND: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """The same SwiGLU with FP8 grouped GEMMs, cast from the master weights; F is split
+        over expert-TP ranks: the M of w1/w3's GEMMs and the K of w2's (``amax_reduce``)."""
+        recipe, backend = self.fp8
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
+        r = self.amax_reduce
+
+        def up(w: torch.Tensor) -> torch.Tensor:
+            return fp8_grouped_mm(x_ND, w, offs_E, recipe, backend, reduce_m=r)
+
+        h_NF = F.silu(up(w1)) * up(w3)
+        return fp8_grouped_mm(h_NF, w2, offs_E, recipe, backend, reduce_k=r)
 
 
 class FeedForward(nn.Module):

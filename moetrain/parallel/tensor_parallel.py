@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 
 from moetrain.config import ParallelConfig
 from moetrain.model.attention import Attention, LatentAttention
-from moetrain.model.ep_dispatch import ExpertTPDispatcher
+from moetrain.model.ep_dispatch import AmaxOverGroup, ExpertTPDispatcher
 from moetrain.model.moe import MoELayer
 
 
@@ -152,6 +152,7 @@ def _shard_experts(moe: MoELayer, tp_mesh: DeviceMesh) -> None:
         sharded = distribute_tensor(w.detach(), tp_mesh, [Shard(dim)])
         setattr(experts, name, nn.Parameter(sharded, requires_grad=w.requires_grad))
     moe.dispatcher = ExpertTPDispatcher(moe.dispatcher, tp_mesh.get_group())
+    experts.amax_reduce = AmaxOverGroup(tp_mesh.get_group())
 
 
 def _gqa_plan(attn: Attention, act: object) -> dict[str, object]:
