@@ -105,15 +105,21 @@ def amax(
 def amax_to_scale(amax_: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
     """``max / max(amax, EPS)`` in fp32, rounded down to a power of two if asked (so the
     largest value still fits)."""
-    scale = FP8_MAX[dtype] / amax_.clamp(min=EPS)
+    amax_ = amax_.clamp(min=EPS)
+    # A tensor divided, not a float: torch computes ``float / tensor`` as a reciprocal times
+    # the float, one rounding more than the division the recipe states.
+    scale = torch.full_like(amax_, FP8_MAX[dtype]) / amax_
     if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        # exp2(floor(log2(s))), corrected where fp32's log2 rounded up to the next integer
+        # (s just below a power of two): a scale above s would push amax past the format's max.
+        down = torch.exp2(torch.floor(torch.log2(scale)))
+        scale = torch.where(down > scale, down / 2, down)
     return scale
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x * scale`` saturated to the format's range, rounded to nearest (even) in ``dtype``.
-    torch's cast alone turns an out-of-range e4m3 value into NaN: the clamp saturates."""
+    torch's cast alone does not saturate everywhere (e5m2 overflows to inf): the clamp does."""
     m = FP8_MAX[dtype]
     return (x.float() * scale).clamp(-m, m).to(dtype)
 
