@@ -67,9 +67,8 @@ def _cp_forced_to_1(setattr_: Callable[..., None]) -> None:
 
 
 def _fp8_local_amax(setattr_: Callable[..., None]) -> None:
-    from torch.distributed.tensor import DTensor, Replicate
-
     from moetrain.kernels import fp8
+    from torch.distributed.tensor import DTensor, Replicate
 
     whole = fp8.amax
 
