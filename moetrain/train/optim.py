@@ -102,6 +102,15 @@ class BF16MomentsAdamW(torch.optim.AdamW):
 
     moments_dtype: torch.dtype | None = torch.bfloat16
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loading casts every floating state tensor to its parameter's dtype (fp32):
+        the moments are cast back (a checkpoint of fp32 moments is rounded to nearest)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in state and state[key].dtype != self.moments_dtype:
+                    state[key] = state[key].to(self.moments_dtype)
+
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
         loss = None
