@@ -29,8 +29,8 @@ Backends, computing the scales the same way:
 
 - ``emulated``: quantize -> read back -> fp32 matmul / grouped GEMM; any device.
 - ``scaled_mm``: ``torch._scaled_mm`` (CUDA sm89+, and torch's CPU kernel) for linears;
-  ``torch._scaled_grouped_mm`` (CUDA sm90, groups of whole 16-row multiples) for expert
-  GEMMs, else one ``_scaled_mm`` per expert.
+  ``torch._scaled_grouped_mm`` (CUDA sm90+; its groups re-laid at 16-row boundaries) for
+  expert GEMMs, else one ``_scaled_mm`` per expert.
 
 Shape legend: T tokens, K contraction dim, N output features, E experts, M expert output
 columns, R rows of a grouped buffer.
@@ -269,17 +269,8 @@ def _grouped(
         return _gmm(a.dequantize(), b.dequantize(), offs_E).to(out_dtype)
     R, (E, _, M) = a.data.shape[0], b.data.shape
     sb_EM = b.inv_scale.expand(E, 1, M).reshape(E, M).contiguous()
-    if _native_grouped_ok(a.data, b.data, offs_E):
-        y = torch._scaled_grouped_mm(
-            a.data.contiguous(),
-            b.data.transpose(1, 2).contiguous().transpose(1, 2),  # column-major per expert
-            a.inv_scale.reshape(R).contiguous(),
-            sb_EM,
-            offs=offs_E,
-            out_dtype=torch.bfloat16,
-        )
-        rows = torch.arange(R, device=y.device, dtype=torch.int32).unsqueeze(1)
-        return y.masked_fill_(rows >= offs_E[-1], 0).to(out_dtype)
+    if _native_grouped_ok(a.data, b.data):
+        return _native_grouped(a, b.data, sb_EM, offs_E, out_dtype)
     y = torch.zeros(R, M, dtype=out_dtype, device=a.data.device)
     start = 0
     for e, end in enumerate(offs_E.tolist()):
@@ -290,16 +281,57 @@ def _grouped(
     return y
 
 
-def _native_grouped_ok(a: torch.Tensor, b: torch.Tensor, offs_E: torch.Tensor) -> bool:
-    """``torch._scaled_grouped_mm``: CUDA sm90, K and M multiples of 16, every group a
-    multiple of 16 rows (checked on the host: the dispatcher already synced the counts)."""
+GROUP_ALIGN = 16
+"""``torch._scaled_grouped_mm`` wants every group to start at a multiple of 16 rows."""
+
+
+def _padded_rows(offs_E: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row goes in a buffer whose groups start at multiples of ``GROUP_ALIGN``, and
+    that buffer's group offsets; no host sync: the buffer has ``num_rows + 16 E`` rows, and
+    rows past ``offs_E[-1]`` go past its last group (computed by nothing)."""
+    E, align = offs_E.shape[0], GROUP_ALIGN
+    ends = offs_E.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded = (ends - starts + align - 1) // align * align
+    padded_ends = torch.cumsum(padded, 0)
+    rows = torch.arange(num_rows, device=offs_E.device)
+    group = torch.searchsorted(ends, rows, right=True).clamp(max=E - 1)
+    dest = (padded_ends - padded)[group] + rows - starts[group]
+    beyond = padded_ends[-1] + rows - ends[-1]  # rows past the last group
+    return torch.where(rows < ends[-1], dest, beyond), padded_ends.to(torch.int32)
+
+
+def _native_grouped(
+    a: Fp8, b_EKM: torch.Tensor, sb_EM: torch.Tensor, offs_E: torch.Tensor, out_dtype
+) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` on a copy of ``a`` whose groups are 16-row aligned (the
+    dispatcher's groups have any size): rows moved as bytes, padding rows zero."""
+    R, K = a.data.shape
+    dest, padded_offs = _padded_rows(offs_E, R)
+    rows = R + GROUP_ALIGN * offs_E.shape[0]
+    data = torch.zeros(rows, K, dtype=torch.uint8, device=a.data.device)
+    data[dest] = a.data.view(torch.uint8)
+    scale = torch.ones(rows, dtype=torch.float32, device=a.data.device)
+    scale[dest] = a.inv_scale.reshape(R)
+    y = torch._scaled_grouped_mm(
+        data.view(a.data.dtype),
+        b_EKM.transpose(1, 2).contiguous().transpose(1, 2),  # column-major per expert
+        scale,
+        sb_EM,
+        offs=padded_offs,
+        out_dtype=torch.bfloat16,
+    )[dest]
+    keep = torch.arange(R, device=y.device).unsqueeze(1) < offs_E[-1]
+    return y.masked_fill_(~keep, 0).to(out_dtype)
+
+
+def _native_grouped_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch._scaled_grouped_mm``: CUDA sm90+, K and M multiples of 16."""
     if a.device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
     if torch.cuda.get_device_capability(a.device) < (9, 0):
         return False
-    if a.shape[1] % 16 or b.shape[2] % 16:
-        return False
-    return bool((offs_E % 16 == 0).all())
+    return not (a.shape[1] % 16 or b.shape[2] % 16)
 
 
 class Fp8GroupedMMFunction(torch.autograd.Function):

@@ -343,6 +343,41 @@ def test_scaled_mm_backend_matches_emulated(recipe) -> None:
         assert _rel(a, b) <= BACKEND_BOUND, (name, _rel(a, b))
 
 
+def _fake_scaled_grouped_mm(a, b, scale_a, scale_b, offs, out_dtype):
+    """What ``torch._scaled_grouped_mm`` computes, per group, with NaN past the last group
+    (the real one leaves those rows unwritten) and a check of its alignment demand."""
+    assert (offs % F8.GROUP_ALIGN == 0).all(), offs
+    y = torch.full((a.shape[0], b.shape[2]), float("nan"))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        a_g = a[start:end].float() * scale_a[start:end, None]
+        y[start:end] = a_g @ (b[g].float() * scale_b[g][None, :])
+        start = end
+    return y.to(out_dtype)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_native_grouped_path_realigns_groups_of_any_size(recipe, monkeypatch) -> None:
+    """The CUDA grouped path's padding to 16-row groups (and back), on the CPU: torch's
+    grouped kernel replaced by what it computes, the same numbers as the emulated path."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        pytest.skip("torch has no _scaled_grouped_mm")
+    r = F8.get_recipe(recipe)
+    x, w, offs, dy = _grouped_case(9)
+    runs = {}
+    for backend in ("emulated", "scaled_mm"):
+        if backend == "scaled_mm":
+            monkeypatch.setattr(F8, "_native_grouped_ok", lambda a, b: True)
+            monkeypatch.setattr(torch, "_scaled_grouped_mm", _fake_scaled_grouped_mm)
+        x.grad = w.grad = None
+        y = F8.fp8_grouped_mm(x, w, offs, r, backend)
+        y.backward(dy)
+        runs[backend] = (y.detach(), x.grad, w.grad)
+    assert torch.isfinite(runs["scaled_mm"][0]).all() and (runs["scaled_mm"][0][37:] == 0).all()
+    for a, b in zip(runs["scaled_mm"], runs["emulated"], strict=True):
+        assert _rel(a, b) <= BACKEND_BOUND
+
+
 def test_resolve_backend() -> None:
     assert F8.resolve_backend("auto", "cpu") == "emulated"
     assert F8.resolve_backend("scaled_mm", "cpu") == "scaled_mm"
@@ -355,19 +390,19 @@ def test_resolve_backend() -> None:
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_cuda_scaled_gemms_match_emulated(recipe) -> None:
     """On an FP8 GPU: ``torch._scaled_mm`` for linears and ``torch._scaled_grouped_mm`` for
-    16-row-aligned expert groups (the native path) against the emulated path, forward and
-    every gradient, within ``BACKEND_BOUND``."""
+    expert groups of any size (re-laid at 16-row boundaries) against the emulated path,
+    forward and every gradient, within ``BACKEND_BOUND``."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("no FP8 tensor cores")
     r = F8.get_recipe(recipe)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    offs = torch.tensor([128, 128, 384, 512], dtype=torch.int32, device="cuda")
+    offs = torch.tensor([100, 100, 377, 500], dtype=torch.int32, device="cuda")  # unaligned
     x = torch.randn(512, 256, device="cuda", generator=gen, dtype=torch.bfloat16)
     w = torch.randn(4, 256, 512, device="cuda", generator=gen)
     lw = torch.randn(384, 256, device="cuda", generator=gen)
     dy = torch.randn(512, 512, device="cuda", generator=gen, dtype=torch.bfloat16)
     dz = torch.randn(512, 384, device="cuda", generator=gen, dtype=torch.bfloat16)
-    assert F8._native_grouped_ok(x.to(E4M3), w.to(E4M3), offs) == (
+    assert F8._native_grouped_ok(x.to(E4M3), w.to(E4M3)) == (
         torch.cuda.get_device_capability() >= (9, 0)
     )
     runs = {}
