@@ -78,8 +78,9 @@ def _profile(trainer: Trainer, steps: int, path: str) -> None:
     print(f"# profile written to {path}")
 
 
-def run_variant(res, args, overrides, kernels, compile_, ceiling, case, tmp):
-    impl = f"{kernels}/{'compile' if compile_ else 'eager'}"
+def run_variant(res, args, overrides, kernels, compile_, ceiling, case, tmp, impl=None):
+    """One variant's rows; ``impl`` names it (default "<kernels>/<eager|compile>")."""
+    impl = impl or f"{kernels}/{'compile' if compile_ else 'eager'}"
     cfg = load_config(args.config, [
         *overrides, f"moe.kernels={kernels}", f"train.compile={str(compile_).lower()}",
         f"train.device={args.device}", f"train.steps={args.steps}", "train.eval_every=0",

@@ -61,6 +61,7 @@ python tools/bench_router.py                  # fused router vs unfused torch, v
 python tools/bench_permute.py                 # permute / unpermute vs torch, vs HBM copy
 python tools/bench_moe_layer.py               # MoE layer time / its grouped GEMMs' time
 python tools/bench_e2e.py                     # configs/gpu_1b.yaml: MFU, memory, 4 variants
+python tools/bench_fp8.py                     # FP8 vs bf16: expert GEMMs, a linear, end to end
 python tools/compare_kernel_paths.py          # tiny config: triton vs torch losses, 50 steps
 python tools/bench_report.py                  # regenerates this page and docs/benchmarks.png
 
@@ -85,6 +86,11 @@ SUITE_PARTS = [
      "experts, rest, host syncs", 100),
     ("e2e", "`tools/bench_e2e.py`: configs/gpu_1b.yaml (1.8B total, 0.55B active), "
      "triton/torch x eager/compile, 50 steps each, profiler tables under 45% MFU", 330),
+    ("fp8", "`tools/bench_fp8.py --tokens 16384`: FP8 (tensorwise, rowwise; "
+     "`torch._scaled_grouped_mm`, `torch._scaled_mm`) against bf16 on the 3 anchor shapes' "
+     "expert GEMMs (up/down) and a dense linear, fwd / bwd / fwd+bwd, speed-ups measured in "
+     "the same run; then configs/gpu_1b.yaml with `train.fp8` none / tensorwise / rowwise, "
+     "30 steps each: tokens/s over bf16's, memory, final loss (docs/fp8.md)", 240),
     ("peer", "builds MegaBlocks' `grouped_gemm` from its carried sdist in the background "
      "(`TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_CUTLASS=1`) into a folder of the machine that "
      "later parts and calls find; `gemm` then adds it as a peer", 300),
@@ -93,6 +99,7 @@ SUITE_CALLS = [
     ("PARTS=tests,tiny,peer BUDGET=330", "4-6"),
     ("PARTS=gemm,router,permute BUDGET=420", "5-7"),
     ("PARTS=layer,e2e BUDGET=480", "6-8"),
+    ("PARTS=fp8 BUDGET=270", "4-5"),
 ]
 
 SUITE_INTRO = """\
@@ -117,15 +124,15 @@ SUITE_PLAN = """\
 
 Before the calls, here: `bash tools/gpu_wheels.sh` (fills the git-ignored `.whl/`, 1.8 MB:
 the three wheels and the grouped_gemm sdist), commit, and note `git rev-parse --short HEAD`
-as `<commit>` (the device's copy of the tree has no `.git`). Then three `run` calls, each
+as `<commit>` (the device's copy of the tree has no `.git`). Then four `run` calls, each
 issued as soon as the previous one returns (an idle warm machine costs device time too),
 each with `carry: [".whl"]` and `timeout_s: 600`:
 
 """
 
 SUITE_AFTER = """\
-With the first machine start (1-2 minutes) and the transfers that is about 20-25 minutes,
-leaving a few for one re-run of a part that failed (`BUDGET_<PART>=seconds` and
+With the first machine start (1-2 minutes) and the transfers that is about 25-30 minutes,
+leaving little for a re-run of a part that failed (`BUDGET_<PART>=seconds` and
 `ARGS_<PART>="..."` adjust one part, e.g. `ARGS_GEMM="--shapes deepseek-v3-rank"`). Call 2
 finds the MegaBlocks build of call 1 only on the same machine; on a fresh one it runs
 without that peer. Each reply's files arrive, read-only, under its `files_at` folder: before the

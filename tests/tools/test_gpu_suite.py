@@ -91,7 +91,7 @@ def test_dry_run_one_part_and_merge(tmp_path):
 @pytest.mark.timeout(900)
 def test_dry_run_every_part(tmp_path):
     out = tmp_path / "out"
-    parts = ["tests", "tiny", "gemm", "router", "permute", "layer", "e2e"]
+    parts = ["tests", "tiny", "gemm", "router", "permute", "layer", "e2e", "fp8"]
     proc = _dry_run(out, ",".join(parts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _check_outputs(out, parts)
@@ -99,7 +99,16 @@ def test_dry_run_every_part(tmp_path):
     assert passed and int(passed[0]["value"]) > 0
     benches = {r["benchmark"] for r in rows}
     assert {"correctness", "kernel_paths", "grouped_gemm", "router", "permute", "moe_layer",
-            "e2e", "suite"} <= benches  # fmt: skip
+            "e2e", "fp8_gemm", "fp8_e2e", "suite"} <= benches  # fmt: skip
+    # FP8 against bf16 measured in the same run: a speed-up (and the forward's error) per
+    # recipe and op, and each FP8 training run's tokens/s over the bf16 run's.
+    fp8 = [r for r in rows if r["benchmark"] == "fp8_gemm" and r["impl"].startswith("fp8_")]
+    assert {r["impl"] for r in fp8} == {"fp8_tensorwise", "fp8_rowwise"}
+    assert all(r["peer"] == "bf16" and float(r["ratio_peer"]) > 0 for r in fp8), fp8
+    errs = [float(r["value"]) for r in fp8 if r["op"] == "fwd"]
+    assert errs and all(0 < e < 0.1 for e in errs), errs
+    e2e = {r["impl"] for r in rows if r["benchmark"] == "fp8_e2e" and r["op"] == "speedup_vs_bf16"}
+    assert e2e == {"fp8_tensorwise", "fp8_rowwise"}
     paths = [r for r in rows if r["benchmark"] == "kernel_paths" and r["op"].endswith("diff")]
     assert paths and all(r["status"] == "pass" for r in paths)
     gemm = [r for r in rows if r["benchmark"] == "grouped_gemm" and r["impl"] == "triton"
