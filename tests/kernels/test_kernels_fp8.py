@@ -378,6 +378,35 @@ def test_native_grouped_path_realigns_groups_of_any_size(recipe, monkeypatch) ->
         assert _rel(a, b) <= BACKEND_BOUND
 
 
+def test_rowwise_recipe_is_torchaos_rowwise_float8_linear() -> None:
+    """torchao's Float8Linear with its "rowwise" recipe (axiswise scales along the
+    contraction dim, e4m3 throughout, power-of-two scales) is an independent implementation
+    of the same recipe: output, input and weight gradients equal ours on torch's CPU
+    ``_scaled_mm``. Its weight gradient scales the operands per column over the tokens
+    instead of per token; with power-of-two scales both read back the same FP8 values
+    (a scale only shifts exponents), except values 2^-14 below their slice's largest."""
+    float8 = pytest.importorskip("torchao.float8")
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("torch has no _scaled_mm")
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(64, 96, generator=gen)
+    w = torch.randn(48, 96, generator=gen) * torch.linspace(0.1, 4, 48).unsqueeze(1)
+    dy = torch.randn(64, 48, generator=gen)
+    ref = torch.nn.Sequential(torch.nn.Linear(96, 48, bias=False))
+    with torch.no_grad():
+        ref[0].weight.copy_(w)
+    config = float8.Float8LinearConfig.from_recipe_name("rowwise")
+    float8.convert_to_float8_training(ref, config=config)
+    xa = x.clone().requires_grad_()
+    ya = ref(xa)
+    ya.backward(dy)
+    xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yb = F8.fp8_linear(xb, wb, None, F8.get_recipe("rowwise"), "scaled_mm")
+    yb.backward(dy)
+    for a, b in ((ya, yb), (xa.grad, xb.grad), (ref[0].weight.grad, wb.grad)):
+        assert _rel(b, a) <= 1e-6, _rel(b, a)
+
+
 def test_resolve_backend() -> None:
     assert F8.resolve_backend("auto", "cpu") == "emulated"
     assert F8.resolve_backend("scaled_mm", "cpu") == "scaled_mm"
