@@ -380,20 +380,20 @@ first step, where the runs see the same parameters, keeps the tight tolerance, a
 losses and statistics."""
 
 
-FP8 = {"grad_first": 1e-4, "grad_later": 0.05, "param": {"atol": 1e-3, "rtol": 1e-3}}
+FP8 = {"grad_first": 2e-2, "grad_later": 0.05, "param": {"atol": 1e-3, "rtol": 1e-3}}
 """A run with ``train.fp8``. Every FP8 scale is the same under every layout (whole tensors,
-per-token rows), so the first step of an FP8 layout reproduces one FP8 process as closely as
-fp32 does -- except where a value a layout sums in another order (tp's row-parallel
-reductions) lies within its last fp32 bit of a rounding boundary of the FP8 grid: that one
-element rounds to the neighbouring FP8 value, 2^-4 (e4m3) or 2^-3 (e5m2) of itself, and the
-first step's gradients it feeds move by a few 1e-5 of their scale (measured 2.0e-5, an
-expert's w2 under tp2 SP). After a step the parameters differ by the usual last bits, and
-every weight element near a boundary may round the other way: like a clamp's edge
-(``CLAMPED``), later gradients, moments and parameters get that row's looser tolerances
-(measured 7.5e-3 of a shared expert's w2 gradient at the second step, 6.7e-5 on one of its
-parameters, under tp2 SP). A scale computed from one rank's slice instead of the whole
-tensor re-rounds every element of the slice at the first step: 4e-2 to 1.2e-1 of the first
-step's gradients (tests/faults.py ``fp8_local_amax``, tests/parallel/test_fp8_layouts.py)."""
+per-token rows), so FP8 layouts reproduce one FP8 process as closely as fp32 ones -- but for
+one discontinuity, like a clamp's (``CLAMPED``): a GEMM input that a layout sums in another
+order (tp's row-parallel reductions) and that lies within its last fp32 bit of a rounding
+boundary of the FP8 grid rounds to the neighbouring FP8 value, 2^-3 of itself. Losses keep
+the fp32 tolerance; the gradients such an element feeds move by its share of their sum: a
+few 1e-5 of a tensor's scale where thousands of tokens add up (measured 2.0e-5, an expert's
+w2 under tp2 SP), up to 8.6e-3 in an expert that about 30 tokens reach (layer 0's w3 under
+tp2 with per-head q/k norms); a gradient element near zero whose sign that flips moves its
+parameter by 2 lr (the noise-floor slack, ``noise_floor_slack``). A scale computed from
+one rank's slice instead of the whole tensor re-rounds every element of the slice: 3e-2 to
+1.2e-1 of the first step's gradients across every tensor it reaches (tests/faults.py
+``fp8_local_amax``, tests/parallel/test_fp8_layouts.py)."""
 
 BF16_MOMENTS = {"grad_later": 4e-3}
 """AdamW's moments of a run with ``optim.moments_dtype=bf16`` (compared with ``grad["later"]``):
