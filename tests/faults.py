@@ -16,8 +16,8 @@ tests/multirank.py).
   observed order of forwards and backwards.
 - ``fp8_local_amax``: FP8 scales from each rank's own slice of a tensor -- a tensor-parallel
   weight shard, a row-parallel input split by feature, an expert-TP slice of the FFN width --
-  instead of the whole tensor (the single process has no slices). Caught by every FP8 cell
-  under tp (tests/parallel/test_fp8_layouts.py).
+  instead of the whole tensor (the single process has no slices). Caught by the first
+  forward's logits, token by token (tests/parallel/test_fp8_layouts.py).
 - ``cp_forced_to_1``: config validation sets ``parallel.cp`` to 1 (a cp2 job silently
   becomes dp2). Same numbers; caught by the positions and attention shapes each rank
   observed against the raw request.

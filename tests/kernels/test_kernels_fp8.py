@@ -477,7 +477,8 @@ def error_table() -> list[dict[str, str]]:
     for name, (fp8_op, hp_op, weight, grad) in cases.items():
         for recipe in ("tensorwise", "rowwise"):
             got = []
-            for run in (lambda a, b: fp8_op(a, b, F8.get_recipe(recipe)), hp_op):
+            r = F8.get_recipe(recipe)
+            for run in (lambda a, b, op=fp8_op, r=r: op(a, b, r), hp_op):
                 a, b = x.clone().requires_grad_(), weight.clone().requires_grad_()
                 y = run(a, b)
                 y.backward(grad)
