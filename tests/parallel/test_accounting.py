@@ -381,3 +381,28 @@ def test_expert_flops_per_rank_match_the_analytic_figure_and_expert_tp_halves_th
     for res in (split, whole):
         assert res["expert_flops"] == pytest.approx(res["expert_flops_analytic"], rel=1e-12)
     assert whole["expert_flops"] == pytest.approx(2 * split["expert_flops"], rel=1e-12)
+
+
+def test_optimizer_state_bytes_come_from_the_state_or_the_declared_moments_dtype() -> None:
+    """Before a step (no state yet: what the planner sees on the meta device) from the dtype
+    the optimizer declares for its moments, after one from the state tensors themselves; and
+    the ZeRO formula takes them as its optimizer term."""
+    import torch
+
+    from moetrain.config import OptimConfig
+    from moetrain.parallel.accounting import optimizer_state_bytes_per_param, zero_bytes_per_param
+    from moetrain.train.optim import adamw
+
+    for moments, want in (("fp32", 8.0), ("bf16", 4.0)):
+        p = torch.nn.Parameter(torch.randn(6, 5))
+        opt = adamw([p], [], OptimConfig(moments_dtype=moments))
+        assert optimizer_state_bytes_per_param([opt]) == want
+        p.grad = torch.randn(6, 5)
+        opt.step()
+        assert optimizer_state_bytes_per_param([opt]) == want
+        assert zero_bytes_per_param(0, 1, optim_bytes=want) == 8 + want
+    # A planted dtype: moments stored in fp64 read as 16 bytes, not the declared 4.
+    st = opt.state[p]
+    st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].double(), st["exp_avg_sq"].double()
+    assert optimizer_state_bytes_per_param([opt]) == 16.0
+    assert zero_bytes_per_param(3, 4) == 16 / 4 and zero_bytes_per_param(1, 2, True) == 4 + 12 / 2
