@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 from moetrain.kernels.torch_ops import _gmm, _gmm_wgrad
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -185,9 +187,39 @@ def _matmul(a: Fp8, b: Fp8, backend: str, out_dtype: torch.dtype) -> torch.Tenso
     """``a (..., K) @ b (K, N)``: leading dims of ``a`` flattened for ``scaled_mm``."""
     if backend == "emulated":
         return torch.matmul(a.dequantize(), b.dequantize()).to(out_dtype)
+    if isinstance(a.data, DTensor):
+        return _scaled_mm_tp(a, b, out_dtype)
     lead, K = a.data.shape[:-1], a.data.shape[-1]
     flat = Fp8(a.data.reshape(-1, K), a.inv_scale.reshape(-1, 1))
     return _scaled_mm(flat, b, out_dtype).reshape(*lead, b.data.shape[1])
+
+
+def _scaled_mm_tp(a: Fp8, b: Fp8, out_dtype: torch.dtype) -> torch.Tensor:
+    """The scaled GEMM of tensor-parallel operands on each rank's shards: the scales were
+    reduced over the whole tensors already, and FP8 shards never move (gloo cannot carry
+    them, and a redistribution would gather a weight). Column-parallel (``a`` whole, ``b``
+    split by output column) gives output columns, row-parallel (both split along K) partial
+    sums, as the high-precision matmul does."""
+    pa, pb = a.data.placements, b.data.placements
+    mesh, last = a.data.device_mesh, a.data.ndim - 1
+    if len(pa) != 1:
+        raise NotImplementedError(f"FP8 scaled_mm on a {len(pa)}-D mesh of operands")
+    if pa[0].is_replicate() and pb[0].is_replicate():
+        out: Placement = Replicate()
+    elif pa[0].is_replicate() and pb[0].is_shard(1):
+        out = Shard(last)
+    elif pa[0].is_shard(last) and pb[0].is_shard(0):
+        out = Partial()
+    else:
+        raise NotImplementedError(f"FP8 scaled_mm of placements {pa[0]} x {pb[0]}")
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    a_local = Fp8(local(a.data), local(a.inv_scale))
+    b_local = Fp8(local(b.data), local(b.inv_scale))
+    y = _matmul(a_local, b_local, "scaled_mm", out_dtype)
+    return DTensor.from_local(y, mesh, [out], run_check=False)
 
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
