@@ -413,10 +413,12 @@ first step, where the runs see the same parameters, keeps the tight tolerance, a
 losses and statistics."""
 
 
-BF16_MOMENTS = {"grad_later": 4e-3}
+BF16_MOMENTS = {"grad_later": 1e-2}
 """AdamW's moments of a run with ``optim.moments_dtype=bf16`` (compared with ``grad["later"]``):
 a layout's moment that lies within its last fp32 bit of a bf16 rounding boundary rounds the
-other way, one bf16 ulp of itself: at most 2^-8 of the tensor's largest element."""
+other way, one bf16 ulp of itself -- up to 2^-7 of it at the bottom of a binade, so up to
+7.8e-3 of the tensor's largest element (measured 4.6e-3: an exp_avg of layers.0.ffn.w1 under
+cp2 with ZeRO-3, an exhaustive cell)."""
 
 
 def _option(options: Sequence[str], key: str) -> str | None:
