@@ -104,7 +104,13 @@ def test_dry_run_every_part(tmp_path):
     # recipe and op, and each FP8 training run's tokens/s over the bf16 run's.
     fp8 = [r for r in rows if r["benchmark"] == "fp8_gemm" and r["impl"].startswith("fp8_")]
     assert {r["impl"] for r in fp8} == {"fp8_tensorwise", "fp8_rowwise"}
-    assert all(r["peer"] == "bf16" and float(r["ratio_peer"]) > 0 for r in fp8), fp8
+    # (A CPU dry run's ratios are no figures: a loaded machine rounds some to 0.000.)
+    no_ratio = [
+        (r["case"], r["op"], r["impl"])
+        for r in fp8
+        if not (r["peer"] == "bf16" and r["ratio_peer"] and float(r["ms"]) > 0)
+    ]
+    assert not no_ratio, no_ratio
     errs = [float(r["value"]) for r in fp8 if r["op"] == "fwd"]
     assert errs and all(0 < e < 0.1 for e in errs), errs
     e2e = {r["impl"] for r in rows if r["benchmark"] == "fp8_e2e" and r["op"] == "speedup_vs_bf16"}
