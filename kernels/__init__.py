@@ -12,6 +12,10 @@ Public API (T tokens, D model dim, E experts, K top-k, N permuted rows):
     permute(x_TD, dest_TK, num_rows, backend=...) -> x_ND
     unpermute(y_ND, dest_TK, weights_TK, backend=...) -> out_TD
 
+FP8 GEMMs (``train.fp8``) live in ``moetrain.kernels.fp8``: ``fp8_linear`` and
+``fp8_grouped_mm`` with the quantization recipe and its emulated and ``torch._scaled_mm``
+backends (docs/fp8.md).
+
 The Triton modules are imported lazily, so this package imports without triton.
 See docs/kernels.md for the exact contracts.
 """

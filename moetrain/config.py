@@ -549,6 +549,11 @@ class DataConfig:
                   "file or a local Hugging Face tokenizer folder")
 
 
+BF16_MOMENT_MAX_BETA = 0.99
+"""Largest AdamW beta with bf16 moments: 1 - beta = 0.01 stays above bf16's relative
+half-ulp (2^-9 .. 2^-8), so that a decaying moment still moves."""
+
+
 @dataclass
 class OptimConfig:
     lr: float = 3e-3
@@ -570,9 +575,25 @@ class OptimConfig:
     """AdamW epsilon."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value. null: no clipping."""
+    moments_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of AdamW's two moments (exp_avg, exp_avg_sq): fp32 (torch's AdamW), or bf16
+    (half their bytes: 12 instead of 16 bytes of model state per parameter under ZeRO-0;
+    the update computed in fp32, each moment rounded to nearest once a step; needs beta1
+    and beta2 <= 0.99, or a decaying moment would round back to itself). Master weights
+    stay fp32 either way (docs/fp8.md). Checkpoints hold the moments in this dtype; a run
+    resumes from a checkpoint of either dtype."""
 
     def validate(self) -> None:
         _positive("optim", self, "lr", "eps", "grad_clip")
+        if self.moments_dtype not in ("fp32", "bf16"):
+            _fail("optim.moments_dtype", f"expected fp32 or bf16, got {self.moments_dtype!r}")
+        if self.moments_dtype == "bf16":
+            for name in ("beta1", "beta2"):
+                if getattr(self, name) > BF16_MOMENT_MAX_BETA:
+                    _fail(f"optim.{name}", f"{getattr(self, name)} with optim.moments_dtype=bf16: "
+                          f"must be <= {BF16_MOMENT_MAX_BETA} (a bf16 moment that decays by "
+                          "1 - beta < 2^-8 a step rounds back to itself); use "
+                          "optim.moments_dtype=fp32")
         if not 0 <= self.min_lr_ratio <= 1:
             _fail("optim.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0:
@@ -664,6 +685,24 @@ class TrainConfig:
     accepted change is logged. Which keys need it: ``RESUME_KEYS`` in moetrain/config.py and
     docs/checkpoints.md. Shape changes (the checkpoint fingerprint) are refused whatever
     this says."""
+    fp8: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 GEMMs (docs/fp8.md): the forward and input-gradient GEMMs of the blocks' linear
+    layers (attention, dense and shared-expert FFNs) and of the routed experts take FP8
+    inputs; the router, the embeddings, the output head, norms and the optimizer stay in
+    high precision. "tensorwise": one scale per weight (per expert), e4m3 forward and e5m2
+    output gradients; "rowwise": a scale per weight row along the contraction dim,
+    power-of-two scales, e4m3 throughout. Activations and output gradients get a scale per
+    token in both, so the numbers do not depend on the parallel layout. On top of
+    ``train.dtype`` (whose dtype the GEMM outputs keep). Checkpoints are unchanged: a run
+    resumes with another value. "none": off."""
+    fp8_experts: bool = True
+    """With ``train.fp8``: the routed experts' grouped GEMMs in FP8 too. false: only the
+    linear layers."""
+    fp8_backend: Literal["auto", "emulated", "scaled_mm"] = "auto"
+    """How FP8 GEMMs run: "scaled_mm" on FP8 tensor cores (``torch._scaled_mm``,
+    ``torch._scaled_grouped_mm`` on CUDA sm90; torch's CPU kernel for linears),
+    "emulated" (cast to FP8 and back, then an fp32 GEMM: the same numbers up to the GEMM's
+    rounding, on any device), "auto": scaled_mm on CUDA sm89+, emulated elsewhere."""
 
     def validate(self) -> None:
         _positive("train", self, "global_batch_size", "micro_batch_size", "eval_batches",
@@ -957,6 +996,8 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
     "optim.*": ("saved", "the optimizer state and the learning-rate schedule are the "
                 "checkpoint's"),
     "optim.grad_clip": ("free", "applied at every step from the config"),
+    "optim.moments_dtype": ("free", "precision: the saved moments are loaded and rounded to "
+                            "this dtype"),
     "train.steps": ("free", "run length"),
     "train.global_batch_size": ("function", "the saved data position counts steps of this "
                                 "many sequences"),
@@ -964,6 +1005,9 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
     "train.seed": ("function", "the router jitter's noise is drawn from it"),
     "train.device": ("free", "precision and compute"),
     "train.dtype": ("free", "precision"),
+    "train.fp8": ("free", "precision: checkpoints hold the high-precision weights"),
+    "train.fp8_experts": ("free", "precision"),
+    "train.fp8_backend": ("free", "compute path: the same FP8 values"),
     "train.output_dir": ("free", "where the run writes"),
     "train.eval_every": ("free", "evaluation cadence"),
     "train.eval_batches": ("free", "evaluation size"),

@@ -14,6 +14,10 @@ tests/multirank.py).
   backward right after its forward whatever ``parallel.breadth_first_micro_batches`` says;
   the engine's attribute still holds the configured value. Same numbers; caught by the
   observed order of forwards and backwards.
+- ``fp8_local_amax``: FP8 scales from each rank's own slice of a tensor -- a tensor-parallel
+  weight shard, a row-parallel input split by feature, an expert-TP slice of the FFN width --
+  instead of the whole tensor (the single process has no slices). Caught by the first
+  forward's logits, token by token (tests/parallel/test_fp8_layouts.py).
 - ``cp_forced_to_1``: config validation sets ``parallel.cp`` to 1 (a cp2 job silently
   becomes dp2). Same numbers; caught by the positions and attention shapes each rank
   observed against the raw request.
@@ -72,11 +76,35 @@ def _embedding_copies_unsynced(setattr_: Callable[..., None]) -> None:
     setattr_(Engine, "_sync_embedding_copies", lambda self: None)
 
 
+def _fp8_local_amax(setattr_: Callable[..., None]) -> None:
+    from moetrain.kernels import fp8
+    from torch.distributed.tensor import DTensor, Replicate
+
+    whole = fp8.amax
+
+    def local(x: Any, dims: Any, reduce: Any = None) -> Any:
+        # Each rank's own slice: the amax of a DTensor's local shard, with the placements the
+        # whole-tensor amax has (so the rest of the cast runs), and no reduction over the
+        # expert-TP ranks.
+        if not isinstance(x, DTensor):
+            return whole(x, dims)
+        right = whole(x, dims)
+        right = right.redistribute(
+            right.device_mesh, [Replicate() if p.is_partial() else p for p in right.placements]
+        )
+        mine = whole(x.to_local(), dims)
+        return DTensor.from_local(mine, right.device_mesh, right.placements, run_check=False,
+                                  shape=right.shape, stride=right.stride())  # fmt: skip
+
+    setattr_(fp8, "amax", local)
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "embedding_copies_unsynced": _embedding_copies_unsynced,
     "per_micro_batch_counts": _per_micro_batch_counts,
     "breadth_first_ignored": _breadth_first_ignored,
     "cp_forced_to_1": _cp_forced_to_1,
+    "fp8_local_amax": _fp8_local_amax,
 }
 
 

@@ -176,6 +176,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "optim.beta2": ("torch.optim.AdamW (the values reach its groups)", "adamw"),
     "optim.eps": ("torch.optim.AdamW (the values reach its groups)", "adamw"),
     "optim.grad_clip": ("torch.nn.utils.clip_grad_norm_", "tests/train/test_optim.py::test_clip_grad_norm"),
+    "optim.moments_dtype": ("torch.optim.AdamW with its moments rounded to bf16 after every step", "tests/train/test_optim.py::test_bf16_moments_are_torch_adamw_rounded_each_step"),
     # training
     "train.steps": ("the schedule's length by hand; golden curves", "schedule"),
     "train.global_batch_size": ("the global batch whatever the layout", "tests/data/test_batches.py::test_global_batch_does_not_depend_on_the_layout"),
@@ -190,6 +191,9 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "train.routing_replay": ("the run's own routing replayed reproduces it exactly", "replay"),
     "train.record_routing": ("the recorded ids are the router's", "replay"),
     "train.benchmark": ("a permission: moe.force_load_balancing is refused without it, accepted with it", "tests/model/test_balanced_routing.py::test_training_refuses_it_unless_the_run_is_a_benchmark"),
+    "train.fp8": ("the recipe written by hand: e4m3 / e5m2 grids built from their definitions, round-to-nearest-even by search, per-token, per-tensor and per-row scales, power-of-two scales by frexp; the GEMMs and gradients composed from that quantizer", "tests/kernels/test_kernels_fp8.py::test_emulated_linear_is_the_recipe_by_hand"),
+    "train.fp8_experts": ("each expert's rows of the grouped GEMM equal the hand recipe's linear with that expert's weight, gradients included", "tests/kernels/test_kernels_fp8.py::test_emulated_grouped_mm_is_the_recipe_by_hand_per_expert"),
+    "train.fp8_backend": ("torch._scaled_mm (torch's CPU kernel; CUDA _scaled_mm and _scaled_grouped_mm in the gpu tests) on the same FP8 values against the emulated path", "tests/kernels/test_kernels_fp8.py::test_scaled_mm_backend_matches_emulated"),
 }
 # fmt: on
 

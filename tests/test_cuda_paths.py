@@ -313,6 +313,29 @@ def test_memory_check_reads_the_gpus_free_memory(fake_cuda, monkeypatch):
     assert "8 local rank(s)" in cpu_source and cpu_free > 0
 
 
+def test_fp8_backend_and_grouped_gemm_eligibility_on_cuda(fake_cuda):
+    """``train.fp8_backend: auto`` takes FP8 tensor cores from sm89 on, emulation below; the
+    scaled grouped GEMM needs sm90 and K, M multiples of 16 (a CUDA operand stands in: only
+    its device and shape are read)."""
+    from moetrain.kernels import fp8
+
+    assert fp8.resolve_backend("auto", CUDA0) == "scaled_mm"  # the fake is an H100 (9, 0)
+    fake_cuda.capability = (8, 9)
+    assert fp8.resolve_backend("auto", CUDA0) == "scaled_mm"
+    fake_cuda.capability = (8, 0)
+    assert fp8.resolve_backend("auto", CUDA0) == "emulated"
+
+    def operand(*shape):
+        return types.SimpleNamespace(device=CUDA0, shape=shape)
+
+    assert not fp8._native_grouped_ok(operand(64, 32), operand(4, 32, 64))  # sm80
+    fake_cuda.capability = (9, 0)
+    assert fp8._native_grouped_ok(operand(64, 32), operand(4, 32, 64))
+    assert not fp8._native_grouped_ok(operand(64, 24), operand(4, 24, 64))  # K % 16
+    assert not fp8._native_grouped_ok(operand(64, 32), operand(4, 32, 40))  # M % 16
+    assert not fp8._native_grouped_ok(torch.zeros(64, 32), torch.zeros(4, 32, 64))  # CPU
+
+
 def test_synchronize_and_peak_flops_on_cuda(fake_cuda):
     from moetrain.train.metrics import _PEAK_FLOPS, peak_flops, synchronize
 

@@ -102,9 +102,10 @@ def plan_step_ms(cfg, device: torch.device) -> tuple[float, str]:
     return plan.step_s * 1e3, gpu
 
 
-def run_variant(res, args, overrides, variant, ceiling, case, tmp):
+def run_variant(res, args, overrides, variant, ceiling, case, tmp, impl=None):
+    """One variant's rows; ``impl`` names it (default ``_impl(variant)``)."""
     kernels, compile_, *extra = variant
-    impl = _impl(variant)
+    impl = impl or _impl(variant)
     balanced = BALANCED if "balanced" in extra else []
     cfg = load_config(args.config, [
         *overrides, *balanced, f"moe.kernels={kernels}", f"train.compile={str(compile_).lower()}",

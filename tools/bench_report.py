@@ -61,6 +61,7 @@ python tools/bench_router.py                  # fused router vs unfused torch, v
 python tools/bench_permute.py                 # permute / unpermute vs torch, vs HBM copy
 python tools/bench_moe_layer.py               # MoE layer time / its grouped GEMMs' time
 python tools/bench_e2e.py                     # configs/gpu_1b.yaml: 5 variants, MFU, plan's step
+python tools/bench_fp8.py                     # FP8 vs bf16: expert GEMMs, a linear, end to end
 python tools/compare_kernel_paths.py          # tiny config: triton vs torch losses, 50 steps
 python tools/bench_report.py                  # regenerates this page and docs/benchmarks.png
 
@@ -92,6 +93,11 @@ SUITE_PARTS = [
      "([plan.md](plan.md#balanced-routing-for-benchmarks)), 50 steps each, `moetrain plan`'s "
      "estimated step beside each measured one (`plan_step`), profiler tables under 45% MFU",
      330),
+    ("fp8", "`tools/bench_fp8.py --tokens 16384`: FP8 (tensorwise, rowwise; "
+     "`torch._scaled_grouped_mm`, `torch._scaled_mm`) against bf16 on the 3 anchor shapes' "
+     "expert GEMMs (up/down) and a dense linear, fwd / bwd / fwd+bwd, speed-ups measured in "
+     "the same run; then configs/gpu_1b.yaml with `train.fp8` none / tensorwise / rowwise, "
+     "30 steps each: tokens/s over bf16's, memory, final loss (docs/fp8.md)", 240),
     ("peer", "builds MegaBlocks' `grouped_gemm` from its source distribution in `.whl/` "
      "(`tools/gpu_wheels.sh` fetches it) in the background (`TORCH_CUDA_ARCH_LIST=9.0 "
      "GROUPED_GEMM_CUTLASS=1`) into a folder outside the tree, where later parts and later runs on "

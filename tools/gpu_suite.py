@@ -15,6 +15,8 @@ in order (default budget in seconds; --dry: CPU, tiny shapes, Triton interpreter
     e2e      configs/gpu_1b.yaml, triton/torch x compile off/on and triton with
              forced balanced routing, MFU, memory, moetrain plan's step estimate
              beside each measured step                                            (330)
+    fp8      FP8 vs bf16 in one run: expert GEMMs on the anchor shapes, a linear,
+             configs/gpu_1b.yaml with train.fp8 none / tensorwise / rowwise       (240)
     peer     MegaBlocks' grouped_gemm built from its sdist in .whl/, in the background
              while tests/tiny run (only when .whl/grouped_gemm-*.tar.gz is there)  (420)
 
@@ -56,7 +58,7 @@ PEER_DIR = "/tmp/moetrain_peer"
 MIN_PART_S = 20
 RESERVE_S = 10  # kept back for packing the outputs
 MAX_TAR_BYTES = 15 * 1024 * 1024
-TIMED_PARTS = ("gemm", "router", "permute", "layer", "e2e")
+TIMED_PARTS = ("gemm", "router", "permute", "layer", "e2e", "fp8")
 
 
 @dataclass
@@ -90,7 +92,7 @@ def _bench(script, gpu_args):
             dev = ["--device", "cpu", "--quick"]
             dev += [] if script == "bench_e2e.py" else ["--reps", "1"]
         extra = ["--log-dir", log_dir] if script in ("bench_moe_layer.py", "bench_e2e.py") else []
-        if script == "bench_e2e.py":  # it skips the variants that would not fit
+        if script in ("bench_e2e.py", "bench_fp8.py"):  # they skip what would not fit
             extra += ["--budget-s", f"{max(budget - 30, 10):.0f}"]
         return [_tool(script) + dev + ["--csv", csv_path] + extra]
 
@@ -116,6 +118,7 @@ PARTS = {
         Part("layer", 100, _bench("bench_moe_layer.py", ["--tokens", "16384", "--reps", "10"])),
         Part("attention", 90, _attention),
         Part("e2e", 330, _bench("bench_e2e.py", [])),
+        Part("fp8", 240, _bench("bench_fp8.py", ["--tokens", "16384", "--reps", "10"])),
     ]
 }
 PEER_BUDGET = 420
@@ -424,6 +427,11 @@ def headlines(rows: list[dict]) -> list[str]:
         elif b == "moe_layer" and op in ("layer/gemms", "host_syncs"):
             out.append(f"{b:12s} {r['case']} {impl} {op}: {r['value']}")
         elif b == "e2e" and op in ("mfu", "tokens_per_s", "mem_ratio", "plan_step"):
+            out.append(f"{b:12s} {r['case']} {impl} {op}: {r['value']} [{r['status']}]")
+        elif b == "fp8_gemm" and r["ratio_peer"]:
+            out.append(f"{b:12s} {r['case']} {op} {impl}: {r['tflops']} TFLOP/s, "
+                       f"{r['ratio_peer']}x {r['peer']} [{r['status']}]")  # fmt: skip
+        elif b == "fp8_e2e" and op in ("speedup_vs_bf16", "tokens_per_s", "final_loss"):
             out.append(f"{b:12s} {r['case']} {impl} {op}: {r['value']} [{r['status']}]")
     return out
 

@@ -9,6 +9,9 @@
   t interval, and the difference from the baseline variant with its 95% interval, paired
   by seed when both ran the same seeds (``moetrain.ablation.stats``), and whether that interval
   spans zero ("within noise").
+- ``curves.csv``: per variant and logged step, the train loss (mean over seeds) and its
+  difference from the baseline's at the same step with its 95% interval, paired by seed:
+  how closely a variant's curve tracks the baseline's (FP8 against bf16, docs/fp8.md).
 - ``results.md``: the same as markdown tables; ``results.png``: per figure the variants'
   means with their intervals as error bars and each seed as a dot; ``differences.png``: each
   variant's difference from the baseline with its interval (multi-seed sweeps);
@@ -141,7 +144,42 @@ def write_results(sweep: Sweep, rows: dict[str, dict[str, str]]) -> None:
     _write_csv(sweep.out_dir / "summary.csv", *_summary_rows(sweep, summary))
     write_atomic(sweep.out_dir / "results.md", markdown(sweep, ordered, summary))
     if ordered:
+        curves = curve_differences(sweep, rows)
+        _write_csv(sweep.out_dir / "curves.csv", list(CURVE_COLUMNS), curves)
         plot_results(sweep, summary, rows)
+
+
+CURVE_COLUMNS = ("run", "step", "n", "train_loss_mean", "train_loss_diff_mean",
+                 "train_loss_diff_lo", "train_loss_diff_hi", "train_loss_diff_kind")  # fmt: skip
+
+
+def curve_differences(sweep: Sweep, rows: dict[str, dict[str, str]]) -> list[dict[str, str]]:
+    """``curves.csv``: per variant and step that every one of its finished seeds logged, the
+    train loss's mean over seeds and its difference from the baseline's at that step
+    (``difference_interval``: paired by seed)."""
+    from moetrain.train.metrics import read_scalars
+
+    curves: dict[str, dict[int, dict[int, float]]] = {}  # variant -> seed -> step -> loss
+    for run in sweep.runs:
+        if run.key in rows:
+            loss = dict(read_scalars(run.cfg.train.output_dir).get("train/loss", []))
+            curves.setdefault(run.name, {})[run.seed or 0] = loss
+    base = curves.get(sweep.baseline, {})
+    out = []
+    for name in sweep.variants:
+        seeds = curves.get(name, {})
+        if not seeds:
+            continue
+        for step in sorted(set.intersection(*(set(c) for c in seeds.values()))):
+            mine = {s: c[step] for s, c in seeds.items()}
+            theirs = {s: c[step] for s, c in base.items() if step in c}
+            iv = mean_interval(list(mine.values()), CONFIDENCE)
+            d = difference_interval(mine, theirs, CONFIDENCE)
+            out.append({"run": name, "step": str(step), "n": str(iv.n),
+                        "train_loss_mean": repr(iv.mean), "train_loss_diff_mean": repr(d.mean),
+                        "train_loss_diff_lo": repr(d.lo), "train_loss_diff_hi": repr(d.hi),
+                        "train_loss_diff_kind": d.kind})  # fmt: skip
+    return out
 
 
 # ----------------------------------------------------------------------------- markdown

@@ -219,6 +219,19 @@ class _CommCounter:
 # ----------------------------------------------------------------------------- expert TP
 
 
+class AmaxOverGroup:
+    """The elementwise max of an FP8 amax over ``group`` (``GroupedExperts.amax_reduce``):
+    under expert tensor parallelism a scale over the FFN width covers every rank's slice."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+
+    def __call__(self, amax: torch.Tensor) -> torch.Tensor:
+        out = amax.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
+
 class ExpertTPDispatcher:
     """Expert tensor parallelism around any dispatcher: every rank of ``group`` routes the
     same tokens and holds a slice of every expert's FFN width, so its expert outputs are

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.kernels import grouped_mm
+from moetrain.kernels.fp8 import Recipe, Reduce, fp8_grouped_mm
 
 EXPERT_FFN_DIMS = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
 """Per-expert tensors (dim 0: the expert) and the dim of each that holds the FFN width, which
@@ -67,6 +68,12 @@ class GroupedExperts(nn.Module):
             self.b1 = nn.Parameter(torch.zeros(num_experts, ffn_dim))
             self.b3 = nn.Parameter(torch.zeros(num_experts, ffn_dim))
             self.b2 = nn.Parameter(torch.zeros(num_experts, dim))
+        # FP8 grouped GEMMs (``train.fp8``, set by ``moetrain.model.fp8.convert_to_fp8``):
+        # (recipe, backend), or None for the compute dtype.
+        self.fp8: tuple[Recipe, str] | None = None
+        # Expert tensor parallelism (installed from outside): the max over the ranks holding
+        # the other slices of the FFN width, so that an FP8 scale over F covers all of it.
+        self.amax_reduce: Reduce | None = None
 
     def ffn_dims(self) -> dict[str, int]:
         """This module's per-expert tensors and their FFN-width dims (``EXPERT_FFN_DIMS``)."""
@@ -80,10 +87,29 @@ class GroupedExperts(nn.Module):
         (``moetrain.parallel.tensor_parallel``): this rank computes with its slice, and the
         dispatcher sums the partial outputs (``ExpertTPDispatcher``). The biases and the
         activation are element-wise torch ops between the grouped GEMMs, whichever kernel
-        backend runs those."""
-        w1, w3, w2 = (local_part(w).to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
-        g_NF = grouped_mm(x_ND, w1, offs_E, backend=backend)
-        u_NF = grouped_mm(x_ND, w3, offs_E, backend=backend)
+        backend (or FP8 recipe, ``train.fp8``) runs those."""
+        if self.fp8 is not None:
+            # FP8 grouped GEMMs cast from the master weights; F is split over expert-TP ranks:
+            # the M of w1/w3's GEMMs and the K of w2's (``amax_reduce``).
+            recipe, fp8_backend = self.fp8
+            w1, w3, w2 = (local_part(w) for w in (self.w1, self.w3, self.w2))
+            r = self.amax_reduce
+
+            def up(w: torch.Tensor) -> torch.Tensor:
+                return fp8_grouped_mm(x_ND, w, offs_E, recipe, fp8_backend, reduce_m=r)
+
+            def down(h: torch.Tensor) -> torch.Tensor:
+                return fp8_grouped_mm(h, w2, offs_E, recipe, fp8_backend, reduce_k=r)
+        else:
+            w1, w3, w2 = (local_part(w).to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
+
+            def up(w: torch.Tensor) -> torch.Tensor:
+                return grouped_mm(x_ND, w, offs_E, backend=backend)
+
+            def down(h: torch.Tensor) -> torch.Tensor:
+                return grouped_mm(h, w2, offs_E, backend=backend)
+
+        g_NF, u_NF = up(w1), up(w3)
         if self.b1 is not None and self.b3 is not None:
             rows_N = _expert_of_rows(offs_E, x_ND.shape[0])
             g_NF = g_NF + _with_zero_row(local_part(self.b1)).to(g_NF.dtype)[rows_N]
@@ -92,7 +118,7 @@ class GroupedExperts(nn.Module):
             h_NF = clamped_swiglu(g_NF, u_NF, self.alpha, self.limit)
         else:
             h_NF = F.silu(g_NF) * u_NF
-        return grouped_mm(h_NF, w2, offs_E, backend=backend)
+        return down(h_NF)
 
     def output_bias(
         self, ids_TK: torch.Tensor, weights_TK: torch.Tensor, dest_TK: torch.Tensor

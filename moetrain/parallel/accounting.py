@@ -11,7 +11,9 @@ replicated/sharded the same way:
     zero 0: 16      zero 1: 8 + 8/N      zero 2: 4 + 12/N      zero 3: 16/N
 
 (mixed precision: 16, 4 + 12/N, 2 + 14/N, 16/N), N = dp_shard, per parameter this rank holds
-before data-parallel sharding (its tensor-parallel shard and pipeline stage).
+before data-parallel sharding (its tensor-parallel shard and pipeline stage). The optimizer's
+8 bytes are read from its real state's dtypes (``optimizer_state_bytes_per_param``): bf16
+moments (``optim.moments_dtype``) make them 4, and DDP's 16 bytes 12.
 
 Bytes sent: a ``TorchDispatchMode`` sees every collective issued, by ``torch.distributed``
 (``c10d`` ops: DDP-style buckets, ZeRO-1, FSDP2, pipelining's p2p) and by DTensor
@@ -329,11 +331,45 @@ def model_state_bytes(parts: list[torch.nn.Module], optimizers: list[Any]) -> Me
     return sample
 
 
-def zero_bytes_per_param(zero_stage: int, n: int, mixed_precision: bool = False) -> float:
-    """Model-state bytes per parameter of the ZeRO formula (docs/parallel.md), N = shard degree."""
+def optimizer_state_bytes_per_param(optimizers: list[Any]) -> float:
+    """Bytes of optimizer state per parameter element, read from the optimizers' real state:
+    the state tensors of each parameter shaped like it (AdamW's two moments; the step count
+    is a scalar), in their own dtypes -- 8 for fp32 moments, 4 for bf16 ones. Before the
+    first step, when no state exists yet, from the dtype the optimizer declares for its
+    moments (``moments_dtype``; None: each parameter's own)."""
+    state_bytes = elements = 0
+    for opt in optimizers:
+        declared = getattr(opt, "moments_dtype", None)
+        for group in opt.param_groups:
+            for p in group["params"]:
+                n = _local(p).numel()
+                if n == 0:
+                    continue
+                elements += n
+                tensors = [
+                    _local(v) for v in opt.state.get(p, {}).values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0
+                ]  # fmt: skip
+                if tensors:
+                    state_bytes += sum(t.numel() * t.element_size() for t in tensors)
+                else:
+                    itemsize = (declared or p.dtype).itemsize
+                    state_bytes += 2 * n * itemsize
+    return state_bytes / elements if elements else 0.0
+
+
+def zero_bytes_per_param(
+    zero_stage: int, n: int, mixed_precision: bool = False, optim_bytes: float = 8.0
+) -> float:
+    """Model-state bytes per parameter of the ZeRO formula (docs/parallel.md), N = shard
+    degree, ``optim_bytes`` of optimizer state per parameter (Adam's fp32 moments: 8; bf16:
+    4; ``optimizer_state_bytes_per_param`` reads it from the real state). fp32 training:
+    weights 4 + gradients 4 + O; mixed precision: bf16 weights 2 + gradients 2 + fp32 master
+    weights 4 + O (the ZeRO paper's 2 + 2 + 12 at O = 8)."""
+    o = optim_bytes
     if mixed_precision:
-        return {0: 16, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[zero_stage]
-    return {0: 16, 1: 8 + 8 / n, 2: 4 + 12 / n, 3: 16 / n}[zero_stage]
+        return {0: 8 + o, 1: 4 + (4 + o) / n, 2: 2 + (6 + o) / n, 3: (8 + o) / n}[zero_stage]
+    return {0: 8 + o, 1: 8 + o / n, 2: 4 + (4 + o) / n, 3: (8 + o) / n}[zero_stage]
 
 
 # ----------------------------------------------------------------------------- activations
@@ -658,10 +694,12 @@ def step_figures(trainer: Any, report: StepReport) -> dict[str, Any]:
     zero = cfg.parallel.zero_stage if d.dp * d.cp > 1 else 0
     cp_group = engine.meshes.cp.get_group().group_name if d.cp > 1 else None
     params = report.params_per_rank
+    optim_bytes = optimizer_state_bytes_per_param(engine.optimizers)
     return {
         "params": params,
         "memory": report.peak.total,
-        "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp) * params,
+        "optim_bytes": optim_bytes,
+        "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp, optim_bytes=optim_bytes) * params,
         "zero": zero,
         "sent": report.sent,
         "sent_cp": report.sent_by_group.get(cp_group, {}) if cp_group else {},

@@ -33,6 +33,7 @@ from moetrain.config import ConfigError
 from moetrain.model.ep_dispatch import (
     AllGatherDispatcher,
     AllToAllDispatcher,
+    AmaxOverGroup,
     ExpertTPDispatcher,
 )
 from moetrain.model.experts import EXPERT_FFN_DIMS
@@ -183,6 +184,7 @@ def apply_ep(
         layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
         if etp_group is not None:
             layer.dispatcher = ExpertTPDispatcher(layer.dispatcher, etp_group)
+            experts.amax_reduce = AmaxOverGroup(etp_group)
         # Shared experts computed while the all-to-all is in flight (same numbers).
         layer.overlap_shared = overlap and layer.shared_experts is not None
         for name in names:

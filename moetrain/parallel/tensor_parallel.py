@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 
 from moetrain.config import ParallelConfig
 from moetrain.model.attention import Attention, LatentAttention
-from moetrain.model.ep_dispatch import ExpertTPDispatcher
+from moetrain.model.ep_dispatch import AmaxOverGroup, ExpertTPDispatcher
 from moetrain.model.moe import MoELayer
 from moetrain.model.transformer import MTPBlock
 
@@ -168,6 +168,7 @@ def _shard_experts(moe: MoELayer, tp_mesh: DeviceMesh) -> None:
     for name, dim in experts.ffn_dims().items():
         _shard_parameter(experts, name, tp_mesh, dim)
     moe.dispatcher = ExpertTPDispatcher(moe.dispatcher, tp_mesh.get_group())
+    experts.amax_reduce = AmaxOverGroup(tp_mesh.get_group())
 
 
 def _shard_parameter(module: nn.Module, name: str, tp_mesh: DeviceMesh, dim: int) -> None:

@@ -31,7 +31,9 @@ from moetrain.data import (
     load_tokenizer,
     unigram_entropy,
 )
+from moetrain.kernels.fp8 import resolve_backend as resolve_fp8_backend
 from moetrain.model import Transformer, build_model
+from moetrain.model.fp8 import convert_to_fp8
 from moetrain.model.masks import document_lengths
 from moetrain.parallel.dims import ParallelDims
 from moetrain.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
@@ -293,6 +295,13 @@ class Trainer:
         # The full model is built from the seed on every rank before any sharding, so every
         # layout starts from the same parameters.
         model: Transformer = build_model(cfg.model, cfg.moe, seed=tcfg.seed, device=self.device)
+        if tcfg.fp8 != "none":  # before any parallelism: the same modules under every layout
+            backend = resolve_fp8_backend(tcfg.fp8_backend, self.device)
+            conv = convert_to_fp8(model, tcfg.fp8, tcfg.fp8_experts, backend)
+            log.info("fp8 %s (%s): %d linear layers, routed experts of %d MoE layers; "
+                     "kept in high precision for their widths: %s", tcfg.fp8, backend,
+                     len(conv.linears), len(conv.expert_layers),
+                     ", ".join(conv.unaligned) or "none")  # fmt: skip
         self.n_params, self.n_active = model.num_params(), model.num_params(active=True)
         self.moe_layer_ids = sorted(model.moe_layers())
         self.n_moe_layers = len(self.moe_layer_ids)

@@ -66,9 +66,10 @@ def zero1_shadow(
         if v in sharded.state:
             step = sharded.state[v]["step"]
             break
+    dtype = getattr(sharded, "moments_dtype", None) or torch.float32
     for shard in grad_sync.shards:
         for key in MOMENTS:
-            mine = torch.zeros(shard.size, device=device)
+            mine = torch.zeros(shard.size, device=device, dtype=dtype)
             pos = 0
             for v in shard.views:
                 if v in sharded.state:
@@ -77,7 +78,7 @@ def zero1_shadow(
             pieces = shard.gather_flat(mine, grad_sync.shard_group)
             for p, piece in zip(shard.params, pieces, strict=True):
                 st = owner[id(p)].state.setdefault(p, {})
-                st[key] = torch.zeros_like(p)
+                st[key] = torch.zeros_like(p, dtype=dtype)
                 local(st[key]).view(-1).copy_(piece)
                 st["step"] = (
                     step.clone() if step is not None else torch.zeros((), dtype=torch.float32)

@@ -168,6 +168,13 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
     # 8 sequences a step: 2 micro-batches of 4 in one process (the cheap baseline), or 4 of 2.
     "accumulation": [("micro-batches of 4", ["train.micro_batch_size=4"]),
                      ("micro-batches of 2", ["train.micro_batch_size=2"])],
+    # precision: FP8 emulated on the CPU (the GPU's scales and roundings), bf16 moments
+    # (train.fp8_experts=false: tests/parallel/test_fp8_layouts.py)
+    "fp8": [("no FP8", ["train.fp8=none"]),
+            ("FP8 tensorwise", ["train.fp8=tensorwise"]),
+            ("FP8 rowwise", ["train.fp8=rowwise"])],
+    "moments": [("fp32 moments", ["optim.moments_dtype=fp32"]),
+                ("bf16 moments", ["optim.moments_dtype=bf16"])],
     "activation_checkpointing": [("no AC", ["parallel.activation_checkpointing=none"]),
                                  ("selective AC", ["parallel.activation_checkpointing=selective"]),
                                  ("full AC", ["parallel.activation_checkpointing=full"])],

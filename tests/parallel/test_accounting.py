@@ -28,6 +28,18 @@ PAGE = Path(__file__).resolve().parents[2] / "docs" / "accounting.md"
 DP_LAYOUTS = {
     f"ZeRO-{z}, dp=2": [f"parallel.zero_stage={z}", "train.global_batch_size=4"] for z in range(4)
 }
+# Lean optimizer state beside the fp32 rows above, and FP8's saved activations beside the
+# same bf16 run without it (2 ranks, ZeRO-0, one micro-batch of 2 sequences per rank).
+LEAN_LAYOUTS = {
+    f"ZeRO-{z}, dp=2, bf16 moments": [
+        f"parallel.zero_stage={z}", "train.global_batch_size=4", "optim.moments_dtype=bf16"]
+    for z in (0, 3)
+}  # fmt: skip
+FP8_LAYOUTS = {
+    "bf16, dp=2": ["train.dtype=bf16", "train.global_batch_size=4"],
+    "bf16 + FP8 rowwise, dp=2": ["train.dtype=bf16", "train.global_batch_size=4",
+                                 "train.fp8=rowwise"],
+}  # fmt: skip
 TP_LAYOUTS = {
     "TP=2 + SP, dense": [
         "parallel.tp=2",
@@ -106,7 +118,7 @@ def measured() -> dict[str, list[dict]]:
     """Layout name -> every rank's measurement."""
     out: dict[str, list[dict]] = {}
     for world, layouts in (
-        (2, DP_LAYOUTS),
+        (2, {**DP_LAYOUTS, **LEAN_LAYOUTS, **FP8_LAYOUTS}),
         (2, {**TP_LAYOUTS, **PP_LAYOUTS, **_with_baselines(CP_LAYOUTS)}),
         (4, _with_baselines(CP4_LAYOUTS)),
     ):
@@ -174,9 +186,29 @@ def _activation_rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, 
     return rows
 
 
+def _lean_rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float, float]]:
+    """(layout, optimizer bytes per parameter read from the state, measured model-state bytes
+    per parameter, model state / formula) for the fp32-moment ZeRO-0/3 rows and their bf16
+    twins, rank 0."""
+    rows = []
+    for name in (*(f"ZeRO-{z}, dp=2" for z in (0, 3)), *LEAN_LAYOUTS):
+        r = measured[name][0]
+        rows.append((name, r["optim_bytes"], r["memory"] / r["params"], r["memory"] / r["formula"]))
+    return rows
+
+
+def _fp8_rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float]]:
+    """(run, saved activation bytes on rank 0, / the bf16 run's)."""
+    base = measured["bf16, dp=2"][0]["activations"]
+    return [(n, measured[n][0]["activations"], measured[n][0]["activations"] / base)
+            for n in FP8_LAYOUTS]  # fmt: skip
+
+
 def render_page(
     rows: list[tuple[str, float, float, str]],
     activations: list[tuple[str, float, float, float]] = (),
+    lean: list[tuple[str, float, float, float]] = (),
+    fp8: list[tuple[str, float, float]] = (),
 ) -> str:
     lines = [
         "# Accounting: measured against the formulas",
@@ -218,6 +250,32 @@ def render_page(
         "|---|---|---|---|",
     ]
     lines += [f"| {n} | {a:.4f} | {b:.4f} | {c:.4f} |" for n, a, b, c in activations]
+    lines += [
+        "",
+        "## Lean optimizer state and FP8 activations",
+        "",
+        "AdamW's moments in bf16 (`optim.moments_dtype=bf16`, [fp8.md](fp8.md)): the optimizer",
+        "bytes per parameter are read from the optimizer's real state",
+        "(`optimizer_state_bytes_per_param`, the formula's O), the model state measured as",
+        "above. fp32 master weights and gradients are kept: DDP's 16 bytes become 12, ZeRO-3's",
+        "16/N become 12/N.",
+        "",
+        "| layout | optimizer bytes / parameter | model state bytes / parameter "
+        "| model state / formula |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {o:.2f} | {b:.2f} | {f:.4f} |" for n, o, b, f in lean]
+    lines += [
+        "",
+        "Saved activations (`SavedActivations`, rank 0, parameters left out) of one bf16",
+        "micro-batch of 2 sequences of 32 tokens, without and with FP8 (`train.fp8=rowwise`):",
+        "an FP8 linear or expert GEMM keeps its input as e4m3 plus a scale per token instead",
+        "of the bf16 input and autocast's bf16 copy of the weight.",
+        "",
+        "| run | saved activations (bytes) | / bf16 |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {n} | {a:,.0f} | {r:.4f} |" for n, a, r in fp8]
     return "\n".join(lines) + "\n"
 
 
@@ -228,6 +286,27 @@ def test_zero_memory_and_dp_bytes_match_the_formulas(measured) -> None:
         line = f"{name}: memory / formula {mem:.4f}, bytes sent / analytic {sent:.4f}"
         assert abs(mem - 1) <= MEMORY_TOL, line
         assert abs(sent - 1) <= BYTES_TOL, line
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_bf16_moments_halve_the_optimizer_state_as_read_from_the_real_state(measured) -> None:
+    """The formula's optimizer bytes come from the state's dtypes: 8 with fp32 moments, 4
+    with bf16 ones, and the measured model state follows (4 bytes a parameter less under
+    ZeRO-0, 4/N under ZeRO-3)."""
+    lean = {name: (o, b, f) for name, o, b, f in _lean_rows(measured)}
+    for z, shards in ((0, 1), (3, 2)):
+        fp32, bf16 = lean[f"ZeRO-{z}, dp=2"], lean[f"ZeRO-{z}, dp=2, bf16 moments"]
+        assert (fp32[0], bf16[0]) == (8.0, 4.0)
+        assert abs(bf16[2] - 1) <= MEMORY_TOL, (z, bf16)
+        assert abs((fp32[1] - bf16[1]) - 4 / shards) <= MEMORY_TOL * 16 / shards, (fp32, bf16)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_fp8_keeps_fewer_activation_bytes(measured) -> None:
+    (_, _, base), (_, _, fp8) = _fp8_rows(measured)
+    assert base == 1.0 and fp8 < 0.9, fp8
 
 
 @pytest.mark.multirank
@@ -275,7 +354,9 @@ def test_cp_activations_scale_as_the_formula(measured) -> None:
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_accounting_page_is_current(measured) -> None:
-    page = render_page(_rows(measured), _activation_rows(measured))
+    page = render_page(
+        _rows(measured), _activation_rows(measured), _lean_rows(measured), _fp8_rows(measured)
+    )
     if os.environ.get("MOETRAIN_UPDATE_DOCS") == "1":
         PAGE.write_text(page)
     current = PAGE.read_text() if PAGE.exists() else ""
@@ -300,3 +381,28 @@ def test_expert_flops_per_rank_match_the_analytic_figure_and_expert_tp_halves_th
     for res in (split, whole):
         assert res["expert_flops"] == pytest.approx(res["expert_flops_analytic"], rel=1e-12)
     assert whole["expert_flops"] == pytest.approx(2 * split["expert_flops"], rel=1e-12)
+
+
+def test_optimizer_state_bytes_come_from_the_state_or_the_declared_moments_dtype() -> None:
+    """Before a step (no state yet: what the planner sees on the meta device) from the dtype
+    the optimizer declares for its moments, after one from the state tensors themselves; and
+    the ZeRO formula takes them as its optimizer term."""
+    import torch
+
+    from moetrain.config import OptimConfig
+    from moetrain.parallel.accounting import optimizer_state_bytes_per_param, zero_bytes_per_param
+    from moetrain.train.optim import adamw
+
+    for moments, want in (("fp32", 8.0), ("bf16", 4.0)):
+        p = torch.nn.Parameter(torch.randn(6, 5))
+        opt = adamw([p], [], OptimConfig(moments_dtype=moments))
+        assert optimizer_state_bytes_per_param([opt]) == want
+        p.grad = torch.randn(6, 5)
+        opt.step()
+        assert optimizer_state_bytes_per_param([opt]) == want
+        assert zero_bytes_per_param(0, 1, optim_bytes=want) == 8 + want
+    # A planted dtype: moments stored in fp64 read as 16 bytes, not the declared 4.
+    st = opt.state[p]
+    st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].double(), st["exp_avg_sq"].double()
+    assert optimizer_state_bytes_per_param([opt]) == 16.0
+    assert zero_bytes_per_param(3, 4) == 16 / 4 and zero_bytes_per_param(1, 2, True) == 4 + 12 / 2

@@ -106,6 +106,29 @@ def test_summary_is_recomputed_from_the_event_files(seeds_dir: Path) -> None:
 
 
 @pytest.mark.slow
+def test_curves_are_the_train_losses_paired_by_seed(seeds_dir: Path) -> None:
+    """curves.csv: at every logged step, each variant's mean train loss over the seeds and
+    its difference from the baseline's, paired by seed, from the runs' event files."""
+    loss = {(v, s): event_scalars(seeds_dir / "runs" / v / f"seed_{s}")["train/loss"]
+            for v in VARIANTS for s in SEEDS}  # fmt: skip
+    rows = read(seeds_dir / "curves.csv")
+    steps = sorted(loss[VARIANTS[0], 0])
+    assert [(r["run"], int(r["step"])) for r in rows] == [(v, t) for v in VARIANTS for t in steps]
+    for r in rows:
+        v, t = r["run"], int(r["step"])
+        assert float(r["train_loss_mean"]) == pytest.approx(
+            statistics.fmean(loss[v, s][t] for s in SEEDS), rel=1e-9)
+        d = [loss[v, s][t] - loss[VARIANTS[0], s][t] for s in SEEDS]
+        if v == VARIANTS[0]:
+            assert float(r["train_loss_diff_mean"]) == 0.0
+            continue
+        mean, _, lo, hi = interval(d)
+        assert r["train_loss_diff_kind"] == "paired"
+        for key, want in (("mean", mean), ("lo", lo), ("hi", hi)):
+            assert float(r[f"train_loss_diff_{key}"]) == pytest.approx(want, rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.slow
 def test_seeds_vary_init_and_jitter_but_not_the_data(seeds_dir: Path) -> None:
     configs = {}
     for v in VARIANTS:

@@ -92,7 +92,8 @@ def test_dry_run_one_part_and_merge(tmp_path):
 def test_dry_run_every_part(tmp_path):
     out = tmp_path / "out"
     parts = list(load_tool("gpu_suite").PARTS)  # a new part joins the dry run by itself
-    assert {"tests", "tiny", "gemm", "router", "permute", "layer", "attention", "e2e"} <= set(parts)
+    assert {"tests", "tiny", "gemm", "router", "permute", "layer", "attention", "e2e",
+            "fp8"} <= set(parts)  # fmt: skip
     proc = _dry_run(out, ",".join(parts))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = _check_outputs(out, parts)
@@ -100,9 +101,24 @@ def test_dry_run_every_part(tmp_path):
     assert passed and int(passed[0]["value"]) > 0
     benches = {r["benchmark"] for r in rows}
     assert {"correctness", "kernel_paths", "grouped_gemm", "router", "permute", "moe_layer",
-            "attention", "e2e", "suite"} <= benches  # fmt: skip
+            "attention", "e2e", "fp8_gemm", "fp8_e2e", "suite"} <= benches  # fmt: skip
     masked = [r for r in rows if r["benchmark"] == "attention" and r["impl"] != "causal_sdpa"]
     assert masked and all(r["peer"] == "causal_sdpa" and float(r["value"]) < 1e-5 for r in masked)
+    # FP8 against bf16 measured in the same run: a speed-up (and the forward's error) per
+    # recipe and op, and each FP8 training run's tokens/s over the bf16 run's.
+    fp8 = [r for r in rows if r["benchmark"] == "fp8_gemm" and r["impl"].startswith("fp8_")]
+    assert {r["impl"] for r in fp8} == {"fp8_tensorwise", "fp8_rowwise"}
+    # (A CPU dry run's ratios are no figures: a loaded machine rounds some to 0.000.)
+    no_ratio = [
+        (r["case"], r["op"], r["impl"])
+        for r in fp8
+        if not (r["peer"] == "bf16" and r["ratio_peer"] and float(r["ms"]) > 0)
+    ]
+    assert not no_ratio, no_ratio
+    errs = [float(r["value"]) for r in fp8 if r["op"] == "fwd"]
+    assert errs and all(0 < e < 0.1 for e in errs), errs
+    e2e = {r["impl"] for r in rows if r["benchmark"] == "fp8_e2e" and r["op"] == "speedup_vs_bf16"}
+    assert e2e == {"fp8_tensorwise", "fp8_rowwise"}
     paths = [r for r in rows if r["benchmark"] == "kernel_paths" and r["op"].endswith("diff")]
     assert paths and all(r["status"] == "pass" for r in paths)
     gemm = [r for r in rows if r["benchmark"] == "grouped_gemm" and r["impl"] == "triton"

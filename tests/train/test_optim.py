@@ -178,3 +178,77 @@ def test_clip_grad_norm_non_finite_left_alone(bad: float) -> None:
     norm = clip_grad_norm_(params, 1.0)
     assert not math.isfinite(norm)
     torch.testing.assert_close(params[1].grad, torch.tensor([2.0, 0.0]))
+
+
+# ----------------------------------------------------------------------------- bf16 moments
+
+
+def _adam_pair(moments: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = TinyMoE()
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1, beta2=0.95, moments_dtype=moments)
+    return model, build_optimizer(model, cfg)
+
+
+def _grads(model: nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(100 + step)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn(p.shape, generator=gen) * 10.0 ** (step % 3 - 1)
+
+
+def test_bf16_moments_are_torch_adamw_rounded_each_step() -> None:
+    """optim.moments_dtype=bf16 against torch.optim.AdamW whose moments are rounded to bf16
+    (nearest) after each of its steps: the same parameters and moments, step after step."""
+    ours_model, ours = _adam_pair("bf16")
+    ref_model, _ = _adam_pair("fp32")
+    ref = torch.optim.AdamW(
+        [{"params": [p for p in ref_model.parameters() if p.requires_grad and p.ndim >= 2],
+          "weight_decay": 0.1},
+         {"params": [p for p in ref_model.parameters() if p.requires_grad and p.ndim < 2],
+          "weight_decay": 0.0}],
+        lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip
+    for step in range(6):
+        _grads(ours_model, step)
+        _grads(ref_model, step)
+        ours.step()
+        ref.step()
+        with torch.no_grad():
+            for st in ref.state.values():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key].copy_(st[key].bfloat16().float())
+    for p, q in zip(ours_model.parameters(), ref_model.parameters(), strict=True):
+        if not p.requires_grad:
+            continue
+        st, rst = ours.state[p], ref.state[q]
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16
+        assert p.dtype == torch.float32  # the master weights stay fp32
+        torch.testing.assert_close(st["exp_avg"].float(), rst["exp_avg"], rtol=0, atol=0)
+        torch.testing.assert_close(st["exp_avg_sq"].float(), rst["exp_avg_sq"], rtol=0, atol=0)
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        assert float(st["step"]) == float(rst["step"]) == 6
+
+
+def test_bf16_moments_differ_from_fp32_moments() -> None:
+    """The reference above can fail: fp32 moments (no rounding) end elsewhere."""
+    bf16_model, bf16 = _adam_pair("bf16")
+    fp32_model, fp32 = _adam_pair("fp32")
+    for step in range(6):
+        for m, opt in ((bf16_model, bf16), (fp32_model, fp32)):
+            _grads(m, step)
+            opt.step()
+    p, q = bf16_model.experts_w, fp32_model.experts_w
+    assert not torch.equal(bf16.state[p]["exp_avg"].float(), fp32.state[q]["exp_avg"])
+
+
+def test_bf16_moments_refuse_betas_whose_decay_rounds_away() -> None:
+    from moetrain.config import ConfigError
+
+    OptimConfig(moments_dtype="bf16", beta2=0.99).validate()
+    with pytest.raises(ConfigError, match=r"^optim\.beta2: 0\.999 with optim\.moments_dtype=bf16"):
+        OptimConfig(moments_dtype="bf16", beta2=0.999).validate()
+    # The reason, shown: a moment decaying by 1 - 0.999 per step stays where it is in bf16.
+    v = torch.tensor([1.0, 1.5, 1.99], dtype=torch.bfloat16)
+    assert torch.equal((v.float() * 0.999).bfloat16(), v)
+    assert not torch.equal((v.float() * 0.99).bfloat16(), v)
