@@ -59,9 +59,10 @@ def _report(param: torch.Tensor, grads: list[torch.Tensor], lrs: list[float]) ->
 
 
 def test_parameter_slack_is_only_for_gradients_below_the_noise_floor() -> None:
-    """An element whose gradient stayed below the gradient check's floor may differ by up to
-    2 x the lrs' sum (Adam's normalised step of a gradient whose sign nothing pins); the same
-    difference on an element with a real gradient, or beyond the reach, still fails."""
+    """An element whose gradient was below the gradient check's floor may differ by up to
+    2 x the sum of the lrs from that step on (Adam's normalised steps of a gradient whose sign
+    nothing pins); the same difference on an element with a real gradient, or beyond the
+    reach, still fails."""
     from multirank import compare_runs
 
     grads = [torch.tensor([1.0, 1e-8]), torch.tensor([0.5, -1e-8])]
@@ -74,3 +75,11 @@ def test_parameter_slack_is_only_for_gradients_below_the_noise_floor() -> None:
     far = _report(torch.tensor([0.3, 0.3 + 7e-3]), grads, [1e-3, 2e-3])
     with pytest.raises(AssertionError, match=r"slack 0.006"):
         compare_runs(far, ref)
+    # Quiet at the first step only (a token first seen in the second batch): every update
+    # from the first on may differ (slack 2 x 3e-3); quiet from the second step on: only the
+    # second's (2 x 2e-3).
+    grads = [torch.tensor([1e-8, 1.0]), torch.tensor([0.5, -1e-8])]
+    ref = _report(torch.tensor([0.3, 0.3]), grads, [1e-3, 2e-3])
+    compare_runs(_report(torch.tensor([0.3 + 5e-3, 0.3 + 3e-3]), grads, [1e-3, 2e-3]), ref)
+    with pytest.raises(AssertionError, match=r"slack 0.004"):
+        compare_runs(_report(torch.tensor([0.3, 0.3 + 5e-3]), grads, [1e-3, 2e-3]), ref)
