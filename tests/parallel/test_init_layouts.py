@@ -11,7 +11,8 @@ the embedding), cp=2, and ep=2 x expert tp=2 + ZeRO-3 is compared with ``build_m
 compares gradients from step 1 on.
 
 The check can fail: a materialisation that draws every shard as if it began the tensor
-(offsets forgotten: each rank's rows are the first rows) is caught under ZeRO-3 and tp.
+(offsets forgotten: each rank's rows are the first rows; ``init_offsets_forgotten`` of
+tests/faults.py) is caught under ZeRO-3 and tp.
 
 Cost: one 2-rank job (five trainer starts) and one 4-rank job (one), ~30 s on 2 busy cores;
 no step is run.
@@ -41,24 +42,13 @@ INJECTED = ["ZeRO-3", "tp=2 + SP, tied embeddings"]
 """Layouts run again with the offsets forgotten: the oracle must see them differ."""
 
 
-def _forget_offsets() -> None:
-    """The classic bug of a sliced init: every rank draws its shard from the tensor's start."""
-    from moetrain.parallel import materialize
-
-    real = materialize.local_slice
-
-    def wrong(name, p, layouts=None):
-        local, shape, offsets = real(name, p, layouts)
-        return local, shape, (0,) * len(offsets)
-
-    materialize.local_slice = wrong
-
-
 def _initial_states(rank: int, world: int, layouts: list[list[str]], inject: bool):
     from moetrain.train.trainer import Trainer
 
     if inject:
-        _forget_offsets()
+        from faults import plant
+
+        plant("init_offsets_forgotten")
     out = []
     for overrides in layouts:
         with tempfile.TemporaryDirectory() as tmp:
