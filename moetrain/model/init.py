@@ -210,13 +210,17 @@ def init_parameters(
 ) -> int:
     """Initialise every parameter of ``model`` (a whole model, or this rank's chunk of one)
     from ``seed`` by its rule, each only in the region this rank holds (``where``).
-    ``skip``: full-model names left as they are (weights a start loads next). Returns the
-    elements of the largest block drawn."""
+    ``skip``: full-model names drawn from no generator (weights a start loads next): they
+    hold NaN until it does, so that an element the start misses shows in the first loss
+    rather than training on whatever the memory held. Returns the elements of the largest
+    block drawn."""
     largest = 0
     for name, p, rule in named_inits(model, cfg):
-        if name in skip:
-            continue
         local, shape, offsets = where(name, p)
+        if name in skip:
+            with torch.no_grad():
+                local.fill_(math.nan)
+            continue
         largest = max(largest, fill_slice(local, name, rule, shape, offsets, seed))
     return largest
 

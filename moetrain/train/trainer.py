@@ -302,8 +302,10 @@ class Trainer:
         self._dense_flops = model.dense_flops_per_token()
         self._attention_flops = model.attention_flops
         self._doc_lengths: list[np.ndarray] = []  # pieces trained on since the last histogram
-        # Weights a start loads next are not drawn first.
-        loaded = start.names() if start is not None else ()
+        # Weights a start loads next are not drawn first (a start from before ``names``
+        # existed has every weight drawn, then overwritten, as all starts once did).
+        names = getattr(start, "names", None)
+        loaded = names() if names is not None else ()
         self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype, loaded)
         del model
         if start is not None:  # every rank reads only the slices it holds

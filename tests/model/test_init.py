@@ -144,3 +144,18 @@ def test_build_model_is_a_meta_build_materialised() -> None:
     model.layers["0"].extra = nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match="no initialisation rule for parameter layers.0.extra"):
         model.init_weights(5)
+
+
+def test_what_a_start_loads_is_not_drawn_but_nan_until_loaded() -> None:
+    """``skip`` (the names a start fills next): no generator drawn for them, NaN until the
+    start writes them, so that an element it misses shows; the others as without skip."""
+    m, e = cfgs()
+    want = build_model(m, e, seed=5).state_dict()
+    skip = {"tok_embeddings.weight", "layers.1.ffn.experts.w1"}
+    model = I.to_empty(meta_model(m, e), "cpu")
+    I.init_parameters(model, m, 5, skip=skip)
+    for name, p in model.named_parameters():
+        if name in skip:
+            assert p.isnan().all(), name
+        else:
+            assert torch.equal(p, want[name]), name
