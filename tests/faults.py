@@ -25,6 +25,15 @@ tests/multirank.py).
   stage's embedding and the last stage's copy keep the gradients of their own uses (the
   engine never sums them): both copies step, apart. Caught by the embedding's gradient
   (tests/parallel/test_mtp_layouts.py).
+- ``init_offsets_forgotten``: the materialisation of a rank's shards draws each shard as if
+  it began the full tensor (every offset 0): each rank's rows and columns are the tensor's
+  first ones. Rank 0's shards are right; the model is not the single process's. Caught by
+  the first loss and gradients (tests/parallel/test_oracle.py) and by the initial state
+  compared bit for bit (tests/parallel/test_init_layouts.py).
+- ``expert_layouts_ignored``: the materialisation treats the expert slices of expert
+  parallelism as whole tensors (they are plain tensors, not DTensors: where they sit is on
+  the EP mesh, ``expert_layouts``): every EP rank draws the blocks of experts 0, 1, ...
+  instead of its own. Caught as the one above (tests/parallel/test_oracle.py).
 """
 
 from __future__ import annotations
@@ -99,12 +108,33 @@ def _fp8_local_amax(setattr_: Callable[..., None]) -> None:
     setattr_(fp8, "amax", local)
 
 
+def _init_offsets_forgotten(setattr_: Callable[..., None]) -> None:
+    from moetrain.parallel import materialize
+
+    real = materialize.local_slice
+
+    def from_the_start(name: str, p: Any, layouts: Any = None) -> Any:
+        local, shape, offsets = real(name, p, layouts)
+        return local, shape, (0,) * len(offsets)
+
+    setattr_(materialize, "local_slice", from_the_start)
+
+
+def _expert_layouts_ignored(setattr_: Callable[..., None]) -> None:
+    from moetrain.parallel import materialize
+
+    real = materialize.local_slice
+    setattr_(materialize, "local_slice", lambda name, p, layouts=None: real(name, p, None))
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "embedding_copies_unsynced": _embedding_copies_unsynced,
     "per_micro_batch_counts": _per_micro_batch_counts,
     "breadth_first_ignored": _breadth_first_ignored,
     "cp_forced_to_1": _cp_forced_to_1,
     "fp8_local_amax": _fp8_local_amax,
+    "init_offsets_forgotten": _init_offsets_forgotten,
+    "expert_layouts_ignored": _expert_layouts_ignored,
 }
 
 

@@ -688,6 +688,10 @@ QUOTES = [
     Quote("docs/gpu.md", "configs/gpu_1b.yaml and analytic_memory of tools/bench_e2e.py",
           r"(?s)per parameter \(fp32 weights.*?\*\*(\S+) GB\*\*.*?are \*\*(\S+) GB\*\*",
           lambda: [round(_gpu_1b()["state"], 1), round(_gpu_1b()["acts"], 1)]),
+    Quote("docs/plan.md", "docs/startup_memory.csv (written by tools/startup_memory.py)",
+          r"(?s)## Start-up, measured\n.*?\n\n(\| code \| layout .*?\n)\n",
+          lambda: _load_tool(REPO / "tools" / "startup_memory.py").render(
+              _load_tool(REPO / "tools" / "startup_memory.py").read_rows())),
     Quote("docs/gpu.md", "_PEAK_FLOPS of moetrain/train/metrics.py",
           r"datasheet bf16 peak, (\S+) TFLOP/s for an H100", lambda: [_gpu_1b()["peak"]]),
 ]  # fmt: skip

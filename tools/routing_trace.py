@@ -14,7 +14,7 @@ The trace is a ``torch.save`` file of plain tensors and containers (load it with
     ids         {layer: int16 (N, B*S, K)}   expert ids per token, by descending score
 
 It runs the run's own eval split (``train.eval_batches`` micro-batches unless --batches),
-in fp32, through the public API: the run's ``config.yaml``, ``build_model``,
+in fp32, through the public API: the run's ``config.yaml``, ``empty_model``,
 ``PackedBatches`` and ``CheckpointManager.load``. ``tools/offline_ablation.py`` replays it.
 """
 
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from moetrain.config import JobConfig, load_config
 from moetrain.data import PackedBatches, load_tokenizer
-from moetrain.model import Transformer, build_model
+from moetrain.model import Transformer, empty_model
 from moetrain.model.moe import RoutingOverride
 from moetrain.train.checkpoint import CheckpointManager
 
@@ -46,7 +46,7 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None,
     in eval mode; also the checkpoint path and its step."""
     run_dir = Path(run_dir)
     cfg = load_config(run_dir / "config.yaml")
-    model = build_model(cfg.model, cfg.moe, seed=cfg.train.seed, device=device)
+    model = empty_model(cfg.model, cfg.moe, device)  # the checkpoint fills every weight
     manager = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last)
     path = Path(checkpoint) if checkpoint is not None else manager.latest()
     if path is None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from moetrain.config import ConfigError, DataConfig, ModelConfig, MoEConfig
-from moetrain.model import Transformer
+from moetrain.model import Transformer, empty_model, meta_model
 from moetrain.train.checkpoint import CheckpointError, CheckpointManager, read_manifest
 
 
@@ -95,12 +95,6 @@ def checkpoint_info(path: str | Path) -> CheckpointInfo:
                           source if isinstance(source, str) else None, extra)  # fmt: skip
 
 
-def meta_model(model: ModelConfig, moe: MoEConfig) -> Transformer:
-    """The model's module tree on the meta device (names and shapes, no memory)."""
-    with torch.device("meta"):
-        return Transformer(model, moe)
-
-
 def tensor_groups(model: Transformer) -> list[list[str]]:
     """State-dict names grouped by layer (embeddings, final norm and output on their own)."""
     groups: dict[str, list[str]] = {}
@@ -143,10 +137,9 @@ def read_groups(info: CheckpointInfo) -> Iterator[dict[str, torch.Tensor]]:
 
 
 def load_model(info: CheckpointInfo) -> Transformer:
-    """The checkpoint's model on CPU in fp32."""
-    from moetrain.model import build_model
-
-    model = build_model(info.model, info.moe, seed=0)
+    """The checkpoint's model on CPU in fp32 (built empty: the checkpoint fills every
+    parameter)."""
+    model = empty_model(info.model, info.moe)
     sd = model.state_dict()
     CheckpointManager(info.path.parent, keep_last=1).load(info.path, {"model": sd})
     return model

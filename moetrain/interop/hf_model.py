@@ -9,7 +9,7 @@ from typing import Any
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.interop.hf_files import HFDirectory
 from moetrain.interop.load import checked_sources, load_model, sections
-from moetrain.model import Transformer, build_model
+from moetrain.model import Transformer, empty_model
 
 
 def from_hf(
@@ -29,7 +29,7 @@ def from_hf(
         base = dataclasses.replace(base, **moe_overrides)
     m, e, family = sections(hf, ModelConfig(), base)
     sources = checked_sources(hf, family, m, e)
-    model = build_model(m, e, seed=0)
+    model = empty_model(m, e)  # every parameter is loaded next: none is drawn first
     load_model(model, hf, sources)
     model.eval()
     return (model, m, e) if return_configs else model

@@ -35,6 +35,10 @@ class HFStart:
     hf: HFDirectory
     sources: dict[str, Source]
 
+    def names(self) -> set[str]:
+        """Every tensor the checkpoint fills (the rest keeps the seed's initial values)."""
+        return set(self.sources)
+
     def load(self, engine: Any) -> None:
         """Fill the engine's model from the checkpoint (collective under a process group)."""
         state = engine.model_state()

@@ -2,7 +2,13 @@
 
 from moetrain.model.dispatch import Dispatcher, DispatchPlan, LocalDispatcher, plan_dispatch
 from moetrain.model.moe import MoELayer, Router
-from moetrain.model.transformer import Transformer, build_model, is_moe_layer
+from moetrain.model.transformer import (
+    Transformer,
+    build_model,
+    empty_model,
+    is_moe_layer,
+    meta_model,
+)
 
 __all__ = [
     "DispatchPlan",
@@ -12,6 +18,8 @@ __all__ = [
     "Router",
     "Transformer",
     "build_model",
+    "empty_model",
     "is_moe_layer",
+    "meta_model",
     "plan_dispatch",
 ]

@@ -102,6 +102,10 @@ class Router(nn.Module):
         # Eval-only routing change for offline ablation; always None in training.
         self.routing_override: RoutingOverride | None = None
 
+    def init_buffers(self) -> None:
+        """The expert bias starts at zero (``moetrain.model.init.init_buffers``)."""
+        self.expert_bias.zero_()
+
     def forward(
         self,
         x_TD: torch.Tensor,
@@ -216,6 +220,14 @@ class MoELayer(nn.Module):
         self.record_BSK: torch.Tensor | None = None
         # Eval-time routing record: each eval forward appends its ids (T, K) on the CPU.
         self.eval_record: list[torch.Tensor] | None = None
+
+    def init_buffers(self) -> None:
+        """Every buffer of the layer is a counter or a statistic: all start at zero
+        (``moetrain.model.init.init_buffers``)."""
+        for b in self._buffers.values():
+            if b is not None:
+                b.zero_()
+        self.global_counts_ready = False
 
     def set_jitter_key(self, seed: int, step: int, seq_offset: int) -> None:
         """Before a step's forwards: the run's seed, the optimizer step, and the global index

@@ -73,14 +73,33 @@ def softmax_scale_factor(cfg: ModelConfig) -> float:
     return 1.0
 
 
+ROPE_ROWS = 256
+"""Positions computed at once by ``fill_rope_tables``: its float64 temporaries stay a few
+hundred KB whatever ``model.max_seq_len`` (a model materialised on a rank holds little more
+than its own shards)."""
+
+
 def rope_tables(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 cos/sin tables of shape (max_seq_len, R/2), scaled by the attention factor."""
+    shape = (cfg.max_seq_len, cfg.rope_dim // 2)
+    cos, sin = torch.empty(shape), torch.empty(shape)
+    fill_rope_tables(cfg, cos, sin)
+    return cos, sin
+
+
+@torch.no_grad()
+def fill_rope_tables(cfg: ModelConfig, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> None:
+    """Write ``rope_tables(cfg)`` into existing (max_seq_len, R/2) tensors, ``ROPE_ROWS``
+    positions at a time (the same values: each is cos/sin of position x frequency, computed
+    in float64). On the meta device nothing is computed."""
+    if cos_SR.is_meta:
+        return
     inv_R, attention_factor = rope_inv_freq(cfg)
-    angles_SR = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_R)
-    return (
-        (angles_SR.cos() * attention_factor).float(),
-        (angles_SR.sin() * attention_factor).float(),
-    )
+    for start in range(0, cfg.max_seq_len, ROPE_ROWS):
+        end = min(start + ROPE_ROWS, cfg.max_seq_len)
+        angles_sR = torch.outer(torch.arange(start, end, dtype=torch.float64), inv_R)
+        cos_SR[start:end].copy_(angles_sR.cos() * attention_factor)
+        sin_SR[start:end].copy_(angles_sR.sin() * attention_factor)
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, S: int) -> tuple[torch.Tensor, torch.Tensor]:

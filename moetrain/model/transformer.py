@@ -10,7 +10,7 @@ Shape legend: B batch, S sequence, D model dim, H heads, Hkv kv heads, Dh head d
 
 from __future__ import annotations
 
-import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -19,12 +19,20 @@ from torch import nn
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.model.attention import Attention, KVCache, LatentAttention, build_attention
 from moetrain.model.experts import FeedForward, GroupedExperts
+from moetrain.model.init import (
+    Where,
+    init_buffers,
+    init_parameters,
+    no_init,
+    to_empty,
+    whole,
+)
 from moetrain.model.losses import AuxLossInjector
 from moetrain.model.masks import AttentionMask, document_positions
 from moetrain.model.moe import MoELayer
 from moetrain.model.mtp import mtp_loss
 from moetrain.model.norm import RMSNorm
-from moetrain.model.rope import apply_rope, rope_tables
+from moetrain.model.rope import apply_rope, fill_rope_tables, rope_tables
 from moetrain.model.sequence_shard import SequenceShard
 
 __all__ = [
@@ -38,7 +46,9 @@ __all__ = [
     "TransformerBlock",
     "apply_rope",
     "build_model",
+    "empty_model",
     "is_moe_layer",
+    "meta_model",
     "rope_tables",
 ]
 
@@ -143,23 +153,22 @@ class Transformer(nn.Module):
         # Context parallelism (installed from outside): this process holds some positions of
         # every sequence, and RoPE rotates each token by its own position.
         self.seq_shard: SequenceShard | None = None
-        self.init_weights()
-
-    def init_weights(self) -> None:
-        """Normal(0, init_std) everywhere; residual output projections scaled by 1/sqrt(2L)."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue  # norm weights stay at one
-            residual_out = name.endswith(("attention.wo.weight", "w2.weight", "experts.w2"))
-            nn.init.normal_(p, mean=0.0, std=out_std if residual_out else std)
-        for name, p in self.named_parameters():
-            # Biases start at zero: attention (qkv_bias, out_bias), router, experts.
-            if name.endswith((".bias", "experts.b1", "experts.b3", "experts.b2")):
-                nn.init.zeros_(p)
-        if self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+        if cfg.tie_embeddings:  # one tensor, initialised (and trained) as the embedding
             self.output.weight = self.tok_embeddings.weight
+
+    def init_weights(self, seed: int, where: Where = whole, skip: Collection[str] = ()) -> int:
+        """Every parameter's initial value from ``seed`` (``moetrain.model.init``): normal(0,
+        init_std), residual output projections at init_std / sqrt(2L), norms at one, biases at
+        zero; the same values under every layout. ``where``: what this process holds of each
+        parameter (a slice under a parallel layout); ``skip``: names left alone. Returns the
+        elements of the largest generator block drawn."""
+        return init_parameters(self, self.cfg, seed, where, skip)
+
+    def init_buffers(self) -> None:
+        """This module's own buffers: the RoPE tables and the MTP loss counter (the layers'
+        buffers are theirs: ``moetrain.model.init.init_buffers`` covers the whole tree)."""
+        fill_rope_tables(self.cfg, self.rope_cos, self.rope_sin)
+        self.stat_mtp.zero_()
 
     def forward(
         self,
@@ -334,11 +343,30 @@ class Transformer(nn.Module):
         return total
 
 
+def meta_model(cfg: ModelConfig, moe_cfg: MoEConfig) -> Transformer:
+    """The model's module tree on the meta device: names, shapes and dtypes, no memory and no
+    values. The trainer parallelizes it, then materialises and initialises each rank's
+    shards; ``moetrain plan`` reads it."""
+    with torch.device("meta"), no_init():
+        return Transformer(cfg, moe_cfg)
+
+
+def empty_model(
+    cfg: ModelConfig, moe_cfg: MoEConfig, device: torch.device | str = "cpu"
+) -> Transformer:
+    """The model on ``device`` with its buffers computed and its parameters uninitialised:
+    for a caller that loads every parameter next (an import, an export, generation)."""
+    model = to_empty(meta_model(cfg, moe_cfg), device)
+    init_buffers(model)
+    return model
+
+
 def build_model(
     cfg: ModelConfig, moe_cfg: MoEConfig, *, seed: int, device: torch.device | str = "cpu"
 ) -> Transformer:
-    """Build and initialise the model deterministically from ``seed`` (on CPU, then moved)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Transformer(cfg, moe_cfg)
-    return model.to(device)
+    """The whole model on ``device``, initialised from ``seed`` (``moetrain.model.init``):
+    the same parameters as every layout of a training run with ``train.seed=seed`` starts
+    from."""
+    model = empty_model(cfg, moe_cfg, device)
+    model.init_weights(seed)
+    return model

@@ -24,10 +24,12 @@ its own tokens, before dispatch (see ``docs/expert_parallel.md``): EP changes no
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from moetrain.config import ConfigError
 from moetrain.model.ep_dispatch import (
@@ -37,6 +39,7 @@ from moetrain.model.ep_dispatch import (
     ExpertTPDispatcher,
 )
 from moetrain.model.experts import EXPERT_FFN_DIMS
+from moetrain.model.init import fqn
 from moetrain.model.moe import MoELayer
 
 DISPATCHERS = ("all_to_all", "all_gather")
@@ -196,6 +199,32 @@ def apply_ep(
 
 def is_expert_param(p: torch.Tensor) -> bool:
     return bool(getattr(p, "_moetrain_expert", False))
+
+
+def expert_layouts(
+    parts: Iterable[nn.Module], meshes: Any, cfg: Any
+) -> dict[str, tuple[Any, tuple[Any, ...]]]:
+    """Full-model name -> (mesh, placements) of each expert parameter this rank holds under
+    expert parallelism: where its slice sits in the full (E, ...) tensor, as a DTensor over
+    the EP mesh (and the FFN width over TP under expert TP, ``ep_root["ep", "tp"]``) would
+    place it. Checkpoints save the slices as such views; the initialisation draws exactly
+    those regions (``moetrain.parallel.materialize``). ``meshes``: the layout's
+    (``moetrain.parallel.dims.Meshes``), ``cfg``: its ``ParallelConfig``. Empty without
+    expert parallelism."""
+    out: dict[str, tuple[Any, tuple[Any, ...]]] = {}
+    if meshes is None or meshes.ep is None:
+        return out
+    expert_tp = cfg.expert_tp and meshes.tp.size() > 1
+    for part in parts:
+        for name, p in part.named_parameters():
+            if not is_expert_param(p):
+                continue
+            if expert_tp:
+                ffn_dim = EXPERT_FFN_DIMS[name.rsplit(".", 1)[-1]]
+                out[fqn(name)] = (meshes.ep_root["ep", "tp"], (Shard(0), Shard(ffn_dim)))
+            else:
+                out[fqn(name)] = (meshes.ep, (Shard(0),))
+    return out
 
 
 def expert_fsdp_divide_factor(dp: int) -> int:

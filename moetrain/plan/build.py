@@ -2,11 +2,11 @@
 
 ``build_rank`` runs, under a fake process group of the job's world size
 (``moetrain.plan.fake``), what the trainer runs on that rank before its first step: the whole
-model built (on the meta device: shapes and dtypes, no memory), ``moetrain.parallel.
-parallelize`` (pipeline split, TP/SP, CP, EP, activation checkpointing, FSDP2 / ZeRO, the
-pipeline schedule) and the optimizers the engine would build (handed in as
-``build_optimizers``: the training layer's own function). Then it reads the bytes off the
-tensors that produced:
+model built on the meta device (``meta_model``: shapes and dtypes, no memory, as the trainer
+builds it), ``moetrain.parallel.parallelize`` (pipeline split, TP/SP, CP, EP, activation
+checkpointing, FSDP2 / ZeRO, the pipeline schedule) and the optimizers the engine would build
+(handed in as ``build_optimizers``: the training layer's own function). Then it reads the
+bytes off the tensors that produced:
 
 - parameters: the distinct storages behind this rank's parameters (DTensor local shards,
   FSDP2's padded shards), and the optimizer's own parameters where they are not those
@@ -18,7 +18,11 @@ tensors that produced:
   created are read (their shapes and dtypes are the optimizer's choice, not a formula);
 - gathered parameters: what FSDP2 holds unsharded -- under ZeRO-2 every unit between
   forward and backward (exact), under ZeRO-3 the two largest units (one in use, one
-  prefetched: an estimate).
+  prefetched: an estimate);
+- the start-up's workspace: the largest generator block the initialisation of this rank's
+  shards draws (``moetrain.parallel.materialize.init_workspace``, the function the trainer's
+  initialisation uses to choose its blocks) and the largest shard FSDP2 re-pads when the
+  shards get their storage (an uneven shard is copied into its padded buffer).
 
 Every figure but the last is what ``moetrain.parallel.accounting.model_state_bytes`` reads
 from the real tensors of the same rank after a step (tests/plan/test_exact.py).
@@ -35,10 +39,13 @@ from torch import nn
 
 from moetrain.config import JobConfig
 from moetrain.model.moe import MoELayer
+from moetrain.model.transformer import meta_model
 from moetrain.parallel.dims import ParallelDims
+from moetrain.parallel.expert_parallel import expert_layouts
+from moetrain.parallel.materialize import init_workspace
 from moetrain.parallel.parallelize import parallelize
 from moetrain.plan.fake import fake_world
-from moetrain.plan.meta import SkipInPlace, fast_fsdp_chunks, no_init
+from moetrain.plan.meta import SkipInPlace, fast_fsdp_chunks
 
 BuildOptimizers = Callable[..., tuple[Any, list[torch.optim.Optimizer]]]
 """``(cfg, dims, meshes, parts, expert_params) -> (grad_sync, optimizers)``: the trainer's
@@ -90,9 +97,12 @@ class RankState:
     flops_per_token: float = 0.0
     """The whole model's training FLOPs per token (``Transformer.flops_per_token``: what the
     trainer's MFU counts)."""
-    whole_bytes: int = 0
-    """The whole model's parameters in fp32: what the trainer builds on every rank before
-    sharding it."""
+    init_block: int = 0
+    """Bytes of the largest generator block the initialisation of this rank's shards draws
+    (fp32, on the CPU whatever the device: ``moetrain.model.init``)."""
+    repad: int = 0
+    """Bytes of the largest FSDP2 shard copied into its padded buffer when the shards get
+    their storage (an uneven last shard; none on data-parallel rank 0)."""
 
     @property
     def model_state(self) -> int:
@@ -140,6 +150,18 @@ def _fsdp_params(parts: list[nn.Module]) -> dict[int, Any]:
     return out
 
 
+def _repad(parts: list[nn.Module]) -> int:
+    """Bytes of the largest shard FSDP2 copies into a padded buffer of its own when
+    ``to_empty`` gives the shards storage (``FSDPParam.reset_sharded_param``: a non-empty
+    local shard smaller than the padded one); the copy's source is freed right after."""
+    out = 0
+    for fp in _fsdp_params(parts).values():
+        local = fp.sharded_param._local_tensor
+        if local.numel() and tuple(local.shape) != tuple(fp.padded_sharded_param_size):
+            out = max(out, local.numel() * local.element_size())
+    return out
+
+
 def _fsdp_units(parts: list[nn.Module]) -> list[int]:
     """Unsharded elements of each FSDP2 unit (what one all-gather brings)."""
     from torch.distributed.fsdp import FSDPModule
@@ -182,20 +204,16 @@ def build_rank(
     device_type: str = "cuda",
 ) -> RankState:
     """Build ``rank`` of the job on the meta device and read its model state."""
-    from moetrain.model.transformer import Transformer
-
     coords = dims.coords(rank)
     dtype = compute_dtype(cfg, device_type)
     fsdp_dtype = dtype if dtype != torch.float32 else None
     with fake_world(dims.world_size, rank):
         meshes = dims.build_mesh("cpu", cache=False)
-        with torch.device("meta"), no_init():
-            model = Transformer(cfg.model, cfg.moe)
+        model = meta_model(cfg.model, cfg.moe)
         whole = {
             "n_params": model.num_params(),
             "n_active": model.num_params(active=True),
             "flops_per_token": model.flops_per_token(cfg.data.seq_len),
-            "whole_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         }
         with fast_fsdp_chunks():
             pm = parallelize(
@@ -211,6 +229,9 @@ def build_rank(
                 seq_len=cfg.data.seq_len,
             )
         parts = pm.parts
+        layouts = expert_layouts(parts, meshes, cfg.parallel)
+        whole["init_block"] = init_workspace(parts, cfg.model, layouts) * torch.float32.itemsize
+        whole["repad"] = _repad(parts)
         _, optimizers = build_optimizers(cfg, dims, meshes, parts, pm.expert_params)
         state = _read_state(parts, optimizers, cfg, fsdp_dtype)
         chunks = _chunks(parts, pm.stage_ids, dims.num_stages)

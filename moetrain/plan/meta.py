@@ -1,6 +1,7 @@
 """What makes a meta-device build of a 2,048-rank job take seconds, not minutes, with the
-same shapes and dtypes as a real one: no fills of tensors that hold no values, FSDP2's
-per-rank chunks made only when read, and an optimizer step without its arithmetic."""
+same shapes and dtypes as a real one: FSDP2's per-rank chunks made only when read, and an
+optimizer step without its arithmetic (the model itself is built without fills by
+``moetrain.model.meta_model``, as the trainer builds it)."""
 
 from __future__ import annotations
 
@@ -8,25 +9,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-
-_INITS = ("normal_", "uniform_", "zeros_", "ones_", "kaiming_uniform_", "trunc_normal_")
-
-
-@contextlib.contextmanager
-def no_init() -> Iterator[None]:
-    """``torch.nn.init``'s fills as no-ops while a model is built on the meta device: meta
-    tensors hold no values, and torch's meta ``normal_`` runs a Python decomposition (~1 ms a
-    tensor: seconds for DeepSeek-V3's thousand weights)."""
-    saved = {name: getattr(nn.init, name) for name in _INITS}
-    for name in _INITS:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
 
 
 class _Chunks:

@@ -63,25 +63,36 @@ class Plan:
     gpu: GPU | None = None
     gpus_per_node: int = 8
 
+    def start_up_of(self, rank: RankPlan) -> int:
+        """Bytes a rank holds at the peak of its start-up (``moetrain.parallel.materialize``):
+        its parameter shards and buffers, plus the larger of the largest generator block
+        its initialisation draws (in host memory on a GPU: counted on a CPU only) and the
+        largest shard FSDP2 re-pads while the shards get their storage."""
+        s = rank.state
+        block = s.init_block if self.device_type == "cpu" else 0
+        return s.params + s.buffers + max(block, s.repad)
+
     @property
     def start_up(self) -> int:
-        """Bytes the trainer holds on every rank before sharding: the whole model in fp32
-        (``build_model``), twice while the pipeline split copies it."""
-        whole = self.ranks[0].state.whole_bytes + self.ranks[0].state.buffers
-        return whole * (2 if self.dims.pp > 1 else 1)
+        """The largest start-up of the planned ranks."""
+        return max(self.start_up_of(r) for r in self.ranks)
 
     @property
     def worst(self) -> RankPlan:
         return max(self.ranks, key=lambda r: r.steady)
 
     def peak(self, rank: RankPlan | None = None) -> int:
-        """A rank's peak over the run: its start-up or its step, whichever is larger, plus
-        the runtime's reserve on a GPU."""
-        return max(self.start_up + self.reserve, self.step_peak(rank))
+        """A rank's peak over the run (the worst rank's by default): its start-up or its
+        step, whichever is larger, plus the runtime's reserve on a GPU."""
+        if rank is None:
+            return max(self.peak(r) for r in self.ranks)
+        return max(self.start_up_of(rank), rank.steady) + self.reserve
 
     def step_peak(self, rank: RankPlan | None = None) -> int:
-        """A rank's peak during training steps, plus the runtime's reserve on a GPU."""
-        return int((rank or self.worst).steady + self.reserve)
+        """A rank's peak during training steps (the worst rank's by default), plus the
+        runtime's reserve on a GPU."""
+        steady = rank.steady if rank is not None else max(r.steady for r in self.ranks)
+        return int(steady + self.reserve)
 
     @property
     def reserve(self) -> int:

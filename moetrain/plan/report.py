@@ -75,8 +75,9 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
         lines.append(f"  {what.ljust(label_w)}{kind:>6}{vals}")
     lines.append(f"  {'= at the step peak'.ljust(label_w)}{'':>6}"
                  + "".join(f"{r.steady / GB:.2f}".rjust(width) for r in plan.ranks))  # fmt: skip
-    lines.append(f"  {'start-up: the whole model on every rank, fp32'.ljust(label_w)}{'exact':>6}"
-                 + f"{plan.start_up / GB:.2f}".rjust(width))  # fmt: skip
+    lines.append(f"  {'start-up: local shards + one init block'.ljust(label_w)}{'exact':>6}"
+                 + "".join(f"{plan.start_up_of(r) / GB:.2f}".rjust(width)
+                           for r in plan.ranks))  # fmt: skip
     if plan.gpu is not None:
         lines.append(f"  {'runtime reserve (CUDA context, NCCL)'.ljust(label_w)}{'est.':>6}"
                      + f"{plan.gpu.runtime_reserve_gb:.2f}".rjust(width))  # fmt: skip
@@ -136,12 +137,6 @@ def advice(plan: Plan, memory_gb: float | None) -> list[str]:
     s = r.state
     cap = memory_gb * GB
     out = []
-    if plan.start_up > cap:
-        out.append(
-            f"the trainer builds the whole model ({plan.start_up / GB:.3g} GB in fp32) on every "
-            f"rank before sharding it: more than {memory_gb:.3g} GB whatever the layout (the "
-            f"step itself needs {r.steady / GB:.3g} GB on the worst rank)"
-        )
     state = s.params + s.grads + s.optim + s.masters + s.gathered
     if r.steady > cap:
         if s.expert_elements and d.ep < cfg.moe.num_experts and state > r.activations:
@@ -188,6 +183,7 @@ def as_dict(plan: Plan, memory_gb: float | None) -> dict[str, Any]:
                 "recompute": r.recompute,
                 "in_flight": r.in_flight,
                 "steady": r.steady,
+                "start_up": plan.start_up_of(r),
                 "traffic": {a.name: a.bytes for a in r.axes},
                 "step_s": r.estimate.step_s if r.estimate else None,
             }

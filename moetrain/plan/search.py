@@ -170,36 +170,27 @@ def search(
     def order(cand: Candidate) -> tuple:
         if cand.plan is None:
             return (2, 0.0)
-        fits = cand.plan.step_peak() <= cap
-        return (0 if fits else 1, cand.plan.step_s if fits else cand.plan.step_peak())
+        fits = cand.plan.peak() <= cap
+        return (0 if fits else 1, cand.plan.step_s if fits else cand.plan.peak())
 
     return sorted(out, key=order)
 
 
 def render(cands: list[Candidate], memory_gb: float, top: int = 10) -> str:
-    """Ranked by the step's peak (the start-up, the same for every layout, said once)."""
+    """Ranked by the peak of the worst rank (its step's, or its start-up's where larger)."""
     cap = memory_gb * GB
-    fit = [c for c in cands if c.plan is not None and c.plan.step_peak() <= cap]
-    over = [c for c in cands if c.plan is not None and c.plan.step_peak() > cap]
+    fit = [c for c in cands if c.plan is not None and c.plan.peak() <= cap]
+    over = [c for c in cands if c.plan is not None and c.plan.peak() > cap]
     refused = [c for c in cands if c.plan is None]
-    lines = [f"{len(cands)} layouts: {len(fit)} fit {memory_gb:g} GB during the step, "
-             f"{len(over)} do not, {len(refused)} refused by validation"]  # fmt: skip
-    planned = [c.plan for c in cands if c.plan is not None]
-    first = planned[0] if planned else None
-    if first and first.start_up + first.reserve > cap and first.start_up > first.worst.steady:
-        lines.append(
-            f"start-up: the trainer builds the whole model ({first.start_up / GB:.1f} GB "
-            f"in fp32) on every rank before sharding it, more than {memory_gb:g} GB: none of "
-            "these layouts starts on this cluster today (docs/plan.md, the start-up row)"
-        )
-    lines.append("")
+    lines = [f"{len(cands)} layouts: {len(fit)} fit {memory_gb:g} GB, "
+             f"{len(over)} do not, {len(refused)} refused by validation", ""]  # fmt: skip
     if fit:
         lines.append("fastest that fit (estimated):")
         lines.append(f"  {'step s':>8} {'TFLOP/s':>8} {'peak GB':>8}  layout")
         for c in fit[:top]:
             p = c.plan
             lines.append(
-                f"  {p.step_s:8.3f} {p.tflops_per_gpu:8.0f} {p.step_peak() / GB:8.1f}  {c.label}"
+                f"  {p.step_s:8.3f} {p.tflops_per_gpu:8.0f} {p.peak() / GB:8.1f}  {c.label}"
             )
     if over:
         lines += ["", "closest that do not fit (peak GB, and what fills it):"]
@@ -208,7 +199,7 @@ def render(cands: list[Candidate], memory_gb: float, top: int = 10) -> str:
             r = p.worst
             s = r.state
             state = s.params + s.grads + s.optim + s.masters + s.gathered
-            lines.append(f"  {p.step_peak() / GB:8.1f}  {c.label}: model state "
+            lines.append(f"  {p.peak() / GB:8.1f}  {c.label}: model state "
                          f"{state / GB:.1f} GB, activations "
                          f"{(r.activations + r.recompute) / GB:.1f} GB")  # fmt: skip
     if refused:

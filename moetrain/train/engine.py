@@ -25,7 +25,7 @@ The step is this file; what surrounds it lives beside it, mixed into ``Engine``:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import ExitStack
 from typing import Any
 
@@ -46,9 +46,11 @@ from moetrain.parallel.data_parallel import GradientSync, moe_layers
 from moetrain.parallel.dims import Meshes, ParallelDims
 from moetrain.parallel.expert_parallel import (
     expert_grad_sq_norm,
+    expert_layouts,
     is_expert_param,
     reduce_expert_grads,
 )
+from moetrain.parallel.materialize import materialize
 from moetrain.parallel.parallelize import parallelize
 from moetrain.parallel.pipeline import embedding_copy, embedding_group
 from moetrain.train.full_state import FullStateGather
@@ -107,7 +109,13 @@ def build_optimizers(
 
 class Engine(RoutingPasses, StateViews, FullStateGather):
     """Runs training steps of ``model`` under the layout ``dims`` (``meshes`` None: one
-    process, no collectives)."""
+    process, no collectives).
+
+    ``model`` is built on the meta device (``moetrain.model.meta_model``): the layout is
+    applied to it there, then this rank's shards alone get storage on ``device`` and their
+    initial values from ``train.seed``, the same under every layout
+    (``moetrain.parallel.materialize``). ``skip_init``: full-model names whose random
+    initialisation is left out, because a start (``model.init_from``) loads them next."""
 
     def __init__(
         self,
@@ -117,7 +125,10 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         meshes: Meshes | None,
         device: torch.device,
         dtype: torch.dtype,
+        skip_init: Collection[str] = (),
     ) -> None:
+        if not all(p.is_meta for p in model.parameters()):
+            raise ValueError("Engine: the model must be built on the meta device (meta_model)")
         self.cfg = cfg
         self.dims = dims
         self.meshes = meshes
@@ -161,7 +172,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             loss_fn=self._pipeline_loss,
             seq_len=cfg.data.seq_len,
         )
-        self.parts: list[nn.Module] = [p.to(device) for p in pm.parts]
+        self.parts: list[nn.Module] = pm.parts
         self.stage_ids = pm.stage_ids
         self.schedule = pm.schedule
         self.eval_schedule = pm.eval_schedule  # forward-only passes (see ParallelModel)
@@ -177,6 +188,12 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             meshes.tp
             if (meshes is not None and self.expert_params and pcfg.expert_tp and dims.tp > 1)
             else None
+        )
+        # This rank's shards made real and initialised (the largest generator block drawn is
+        # what the plan adds to them as the start-up's workspace).
+        layouts = expert_layouts(self.parts, meshes, pcfg)
+        self.init_block = materialize(
+            self.parts, device, cfg.model, cfg.train.seed, layouts, skip_init
         )
         self.params_at_rest = params_before_dp(self.parts)
         self._record_inputs: torch.Tensor | None = None  # forward_backward(record=True)

@@ -14,7 +14,7 @@ weights into the engine's model, each rank only the slices it holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from importlib.metadata import entry_points
 from typing import Any, Protocol
 
@@ -24,6 +24,10 @@ GROUP = "moetrain.starts"
 
 
 class Start(Protocol):
+    def names(self) -> Collection[str]:
+        """The full-model names ``load`` fills: the engine leaves their random
+        initialisation out."""
+
     def load(self, engine: Any) -> None:
         """Read the start's weights into ``engine``'s model (every rank its own slices)."""
 

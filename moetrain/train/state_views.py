@@ -19,11 +19,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from moetrain.model.experts import EXPERT_FFN_DIMS
-from moetrain.parallel.expert_parallel import is_expert_param
-from moetrain.train.tensors import MOMENTS, fqn
+from moetrain.parallel.expert_parallel import expert_layouts
+from moetrain.train.tensors import MOMENTS
 from moetrain.train.zero1_state import zero1_restore, zero1_shadow
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -68,18 +67,8 @@ class StateViews:
         """(full-model name, mesh, placements) of each expert parameter of this rank."""
         if not self.expert_params:
             return []
-        out = []
-        for part in self.parts:
-            for name, p in part.named_parameters():
-                if not is_expert_param(p):
-                    continue
-                if self.etp_mesh is not None:
-                    ffn_dim = EXPERT_FFN_DIMS[name.rsplit(".", 1)[-1]]
-                    mesh = self.meshes.ep_root["ep", "tp"]
-                    out.append((fqn(name), mesh, (Shard(0), Shard(ffn_dim))))
-                else:
-                    out.append((fqn(name), self.ep_mesh, (Shard(0),)))
-        return out
+        found = expert_layouts(self.parts, self.meshes, self.cfg.parallel)
+        return [(name, mesh, placements) for name, (mesh, placements) in found.items()]
 
     def load_app_state(self, state: dict[str, Any]) -> None:
         """Load what ``app_state()`` returned after DCP filled it."""

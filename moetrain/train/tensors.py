@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from moetrain.model.init import fqn  # noqa: F401 (re-exported: the engine and tests use it)
+
 # AdamW's two moments: the optimizer state every checkpoint and oracle reads.
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -28,13 +30,6 @@ def full_cpu(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
         t = t.full_tensor()
     return t.detach().float().cpu().clone()
-
-
-def fqn(name: str) -> str:
-    """A parameter's name as state dicts spell it (wrapper prefixes removed)."""
-    for wrapper in ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module."):
-        name = name.replace(wrapper, "")
-    return name
 
 
 def shard_dims(t: torch.Tensor) -> list[str]:

@@ -32,7 +32,7 @@ from moetrain.data import (
     unigram_entropy,
 )
 from moetrain.kernels.fp8 import resolve_backend as resolve_fp8_backend
-from moetrain.model import Transformer, build_model
+from moetrain.model import Transformer, meta_model
 from moetrain.model.fp8 import convert_to_fp8
 from moetrain.model.masks import document_lengths
 from moetrain.parallel.dims import ParallelDims
@@ -184,7 +184,7 @@ def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> No
     tips = "; ".join(t.rstrip(".") for t in advice(planned, have / 1e9)[:-1])
     raise ConfigError(
         f"train.memory_check: rank {rank} needs about {need / 1e9:.3g} GB (start-up "
-        f"{planned.start_up / 1e9:.3g} GB: the whole model before sharding; step peak "
+        f"{planned.start_up_of(r) / 1e9:.3g} GB: its shards and one init block; step peak "
         f"{r.steady / 1e9:.3g} GB: model state {r.state.model_state / 1e9:.3g}, activations "
         f"{(r.activations + r.recompute) / 1e9:.3g}) but has {have / 1e9:.3g} GB ({source}). "
         f"{tips + '. ' if tips else ''}`moetrain plan --config ... --world {dims.world_size}` "
@@ -292,9 +292,10 @@ class Trainer:
             cfg.data, self.tokenizer, "eval", eval_seqs, mbs, dp_rank, dims.dp
         )
 
-        # The full model is built from the seed on every rank before any sharding, so every
-        # layout starts from the same parameters.
-        model: Transformer = build_model(cfg.model, cfg.moe, seed=tcfg.seed, device=self.device)
+        # The model is built on the meta device (no memory): the engine applies the layout to
+        # it, then gives this rank's shards alone their storage and their initial values,
+        # which depend on the seed and never on the layout (``moetrain.model.init``).
+        model: Transformer = meta_model(cfg.model, cfg.moe)
         if tcfg.fp8 != "none":  # before any parallelism: the same modules under every layout
             backend = resolve_fp8_backend(tcfg.fp8_backend, self.device)
             conv = convert_to_fp8(model, tcfg.fp8, tcfg.fp8_experts, backend)
@@ -310,7 +311,11 @@ class Trainer:
         self._dense_flops = model.dense_flops_per_token()
         self._attention_flops = model.attention_flops
         self._doc_lengths: list[np.ndarray] = []  # pieces trained on since the last histogram
-        self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype)
+        # Weights a start loads next are not drawn first (a start from before ``names``
+        # existed has every weight drawn, then overwritten, as all starts once did).
+        names = getattr(start, "names", None)
+        loaded = names() if names is not None else ()
+        self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype, loaded)
         del model
         if start is not None:  # every rank reads only the slices it holds
             start.load(self.engine)

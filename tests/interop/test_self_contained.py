@@ -25,8 +25,12 @@ from moetrain.interop.checkpoints import checkpoint_info, load_model
 from moetrain.interop.convert import export_hf
 from moetrain.model.generate import generate
 
-LOGIT_ATOL = 1e-5
-"""fp32 max abs logit error (test_families.py states the same)."""
+LOGIT_ATOL = 2e-5
+"""fp32 max abs logit error. Twice test_families.py's: the option-heavy last case, at the wide
+init of 0.3 (its first, dense FFN's outputs reach 20, the residual stream 30 by the fourth
+layer), carries the transformers model's few ulps of rounding in that FFN to 1.5e-5 on the
+logits (9.4e-6 from the init before the layout-independent one: the same rounding, other
+weights)."""
 REPO = Path(__file__).resolve().parents[2]
 
 CASES: dict[str, tuple[list[str], str | None]] = {

@@ -12,7 +12,10 @@ tests/multirank.py fails and names the tensor (or the rank, or the layout fact):
 - a parallel key the code silently ignores (the layout facts must differ), and the two
   escapes of tests/faults.py whose numbers equal one process's (breadth-first passes the
   engine's loop ignores, ``parallel.cp`` forced to 1): the facts observed from the run
-  differ from the raw request.
+  differ from the raw request;
+- an initialisation that depends on the layout (tests/faults.py: a rank draws its shards as
+  if they began the tensor, or its experts as if they were the first ones): the first
+  step's loss and gradients already differ from one process's.
 """
 
 from __future__ import annotations
@@ -105,7 +108,7 @@ def test_a_dropped_optimizer_state_on_resume_is_caught_and_named() -> None:
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_an_error_on_one_rank_and_ignored_layouts_are_caught() -> None:
     """Errors only the layout facts can see: the numbers are those of one process either
     way. Two of them (tests/faults.py) once passed every cell, because the facts read the
@@ -137,9 +140,19 @@ def test_an_error_on_one_rank_and_ignored_layouts_are_caught() -> None:
             ("parallel.cp=2",),
             fault=("plant", None, "cp_forced_to_1"),
         ),
+        Case(
+            "dp=2 ZeRO-3, each rank initialises its shards from the tensor's start",
+            ("parallel.zero_stage=3",),
+            fault=("plant", None, "init_offsets_forgotten"),
+        ),
+        Case(
+            "ep=2, each rank initialises its experts as the first ones",
+            ("parallel.ep=2",),
+            fault=("plant", None, "expert_layouts_ignored"),
+        ),
     ]
     with pytest.raises(AssertionError) as info:
-        check_cases(2, cases, STEPS, timeout=280)
+        check_cases(2, cases, STEPS, timeout=450)
     message = str(info.value)
     assert "rank 1 halves its norm gradients after the reduction (rank 1)" in message
     assert "after the reduction (rank 0)" not in message, message
@@ -164,6 +177,12 @@ def test_an_error_on_one_rank_and_ignored_layouts_are_caught() -> None:
         ) in forced, forced
         assert "layout attention_shapes: the request asks for ((2, 16, 4, 16)" in forced, forced
         assert "layout attend: the request asks for 'ContextParallelAttention'" in forced
+        # A layout-dependent initialisation: another model, whose first gradients differ (the
+        # first loss of the micro model, near log(vocab) at any small init, may not).
+        for case in ("from the tensor's start", "experts as the first ones"):
+            init = _section(message, f"{case} (rank {rank})")
+            assert re.search(r"tensors diverge from step 0", init), init
+            assert "grad[step 0 " in init, init
 
 
 def _section(message: str, case: str) -> str:

@@ -1,10 +1,13 @@
 """``moetrain plan`` against real runs at small scale: for each layout the planned parameter,
 gradient and optimizer bytes of every rank EQUAL what ``model_state_bytes`` reads from the
 real tensors of that rank after a step (parameters and optimizer states after the step,
-gradients at their peak), and the planned activations are within the accounting's
-tolerance (``MEMORY_TOL`` of tests/parallel/test_accounting.py) of the tensors autograd kept
-(``SavedActivations``) -- with routing forced to balance (``moe.force_load_balancing``), the
-routing the plan prices, so that every rank's expert rows are known.
+gradients at their peak), the planned start-up EQUALS what the rank held when the trainer
+had started (its parameter and buffer storages, plus the largest generator block its
+initialisation drew: ``Engine.init_block``), and the planned activations are within the
+accounting's tolerance (``MEMORY_TOL`` of tests/parallel/test_accounting.py) of the tensors
+autograd kept (``SavedActivations``) -- with routing forced to balance
+(``moe.force_load_balancing``), the routing the plan prices, so that every rank's expert rows
+are known.
 
 One spawned job per world size runs all its layouts (2 ranks: ZeRO-1/2/3, tp + SP, pp
 interleaved, ZB-V, cp; 4 ranks: ep with expert tp and ZeRO-3; under ``-m exhaustive`` 8
@@ -50,13 +53,18 @@ much as the two above together on two cores)."""
 
 
 def _measure(rank: int, world: int, layouts: list[list[str]]) -> list[dict[str, int]]:
-    from moetrain.parallel.accounting import measure_step
+    from moetrain.parallel.accounting import measure_step, model_state_bytes
     from moetrain.train.trainer import Trainer
 
     out = []
     for overrides in layouts:
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(micro_config(tmp, *BALANCED, *overrides))
+            parts = trainer.engine.parts
+            storages = {b.untyped_storage()._cdata: b.untyped_storage().nbytes()
+                        for part in parts for b in part.buffers()}  # fmt: skip
+            start_up = (model_state_bytes(parts, []).params + sum(storages.values())
+                        + trainer.engine.init_block * 4)  # fp32 blocks  # fmt: skip
             trainer.train_step()  # Adam states exist
             report = measure_step(trainer)
             m = report.memory
@@ -66,6 +74,7 @@ def _measure(rank: int, world: int, layouts: list[list[str]]) -> list[dict[str, 
                     "grads": max(s.grads for s in m.values()),
                     "optim": m["step"].optim,
                     "activations": report.activations,
+                    "start_up": start_up,
                 }
             )
             trainer.close()
@@ -78,7 +87,7 @@ def planned(world: int, overrides: list[str]) -> list[dict[str, int]]:
 
     from moetrain.parallel.dims import ParallelDims
     from moetrain.plan.build import build_rank
-    from moetrain.plan.planner import plan_rank
+    from moetrain.plan.planner import Plan, plan_rank
     from moetrain.train.engine import build_optimizers
 
     cfg = micro_config(tempfile.mkdtemp(), *BALANCED, *overrides)
@@ -88,12 +97,14 @@ def planned(world: int, overrides: list[str]) -> list[dict[str, int]]:
     for rank in range(world):
         state = build_rank(cfg, dims, rank, build_optimizers, "cpu")
         rp = plan_rank(cfg, dims, state, torch.float32, "cpu")
+        start_up = Plan(cfg, dims, "cpu", torch.float32, [rp]).start_up_of(rp)
         out.append(
             {
                 "params": state.params,
                 "grads": state.grads,
                 "optim": state.optim,
                 "activations": rp.activations + rp.rope,
+                "start_up": start_up,
             }
         )
     return out
@@ -103,7 +114,7 @@ def problems(name: str, plan: list[dict], measured: list[dict]) -> list[str]:
     """Where the plan is not the run: model state not equal, activations beyond MEMORY_TOL."""
     out = []
     for rank, (p, m) in enumerate(zip(plan, measured, strict=True)):
-        for key in ("params", "grads", "optim"):
+        for key in ("params", "grads", "optim", "start_up"):
             if p[key] != m[key]:
                 out.append(f"{name}, rank {rank}: {key} planned {p[key]} != measured {m[key]}")
         ratio = p["activations"] / m["activations"]
@@ -142,8 +153,8 @@ def test_plan_equals_the_real_run(measured) -> None:
 @pytest.mark.timeout(900)
 def test_a_plan_that_forgets_a_shard_is_caught(measured, monkeypatch) -> None:
     """The oracle can fail: a plan that counts tensor-parallel and FSDP parameters whole (as
-    if the sharding had not happened) and one that forgets the pipeline's micro-batches in
-    flight are both reported."""
+    if the sharding had not happened: at the step and at start-up) and one that forgets the
+    pipeline's micro-batches in flight are both reported."""
     from moetrain.plan import activations, build
 
     world, name = 2, "tp=2 + SP"
@@ -151,6 +162,7 @@ def test_a_plan_that_forgets_a_shard_is_caught(measured, monkeypatch) -> None:
         m.setattr(build, "_local", _whole)
         found = problems(name, planned(world, LAYOUTS[world][name]), measured[(world, name)])
     assert any("params planned" in f for f in found), found
+    assert any("start_up planned" in f for f in found), found
     name = "pp=2 interleaved"
     with monkeypatch.context() as m:
         m.setattr(activations, "_flat", lambda actions: [])  # no schedule: nothing in flight

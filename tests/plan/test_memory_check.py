@@ -16,7 +16,7 @@ def test_a_start_that_cannot_fit_is_refused_before_it_allocates(tmp_path, monkey
     def no_build(*args, **kwargs):  # reaching the model build means the check came too late
         raise AssertionError("the model was built before the memory check refused the start")
 
-    monkeypatch.setattr(T, "build_model", no_build)
+    monkeypatch.setattr(T, "meta_model", no_build)
     cfg = micro_config(tmp_path / "run", "train.memory_per_rank_gb=0.001")
     with pytest.raises(ConfigError) as info:
         T.Trainer(cfg)

@@ -128,3 +128,31 @@ def test_deepseek_v3_at_2048_ranks_holds_its_experts_and_nothing_whole() -> None
         if ".experts." not in name
     )
     assert s.params == 4 * (s.expert_elements + padded)
+    # Start-up: the shards and buffers alone on a GPU (the init's blocks are drawn in host
+    # memory; the largest is one expert's D x F); rank 0 re-pads no FSDP shard.
+    assert s.init_block == 4 * 7168 * 2048 and s.repad == 0
+    assert plan.start_up == s.params + s.buffers
+
+
+def test_start_up_counts_fsdp_repadding_an_uneven_shard() -> None:
+    """An uneven first dim (a 4,097-token vocabulary over 2 ZeRO-3 ranks: 2,049 and 2,048
+    rows): the last rank's shard is copied into its padded buffer when it gets storage, so
+    its start-up holds that copy's source at once; rank 0's shard is the padded size."""
+    import tempfile
+
+    import torch
+    from multirank import micro_config
+
+    from moetrain.plan.build import build_rank
+    from moetrain.plan.planner import Plan, plan_rank
+    from moetrain.train.engine import build_optimizers
+
+    cfg = micro_config(tempfile.mkdtemp(), "model.vocab_size=4097", "parallel.zero_stage=3",
+                       "train.global_batch_size=4")  # fmt: skip
+    dims = ParallelDims.from_config(cfg.parallel, 2).validate(cfg)
+    states = [build_rank(cfg, dims, rank, build_optimizers, "cpu") for rank in (0, 1)]
+    assert [s.repad for s in states] == [0, 2048 * cfg.model.dim * 4]
+    for s in states:
+        rp = plan_rank(cfg, dims, s, torch.float32, "cpu")
+        plan = Plan(cfg, dims, "cpu", torch.float32, [rp])
+        assert plan.start_up_of(rp) == s.params + s.buffers + max(s.init_block, s.repad)

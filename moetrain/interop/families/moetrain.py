@@ -15,8 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.interop.errors import HFCheckpointError
 from moetrain.interop.families.base import ARCH_MODEL_KEYS, ARCH_MOE_KEYS, Family, _defaults
@@ -96,10 +94,9 @@ class Moetrain(Family):
         return []
 
     def sources(self, m: ModelConfig, e: MoEConfig) -> dict[str, Source]:
-        from moetrain.model import Transformer
+        from moetrain.model import meta_model
 
-        with torch.device("meta"):
-            model = Transformer(m, e)
+        model = meta_model(m, e)
         out: dict[str, Source] = {}
         for name, t in model.state_dict().items():
             key = "model.embed_tokens.weight" if name == "output.weight" and m.tie_embeddings \
