@@ -80,6 +80,14 @@ LAYOUTS: list[Layout] = [
     Layout("pp2 dualpipev, 4 micro-batches", 2,
            ("parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
             "parallel.pp_microbatches=4")),
+    # uneven stages (parallel.pp_stage_layers): a heavy first stage, and the V with a last
+    # stage of the output head alone (DeepSeek-V3's layout in small: rank 0 holds the first
+    # and the last stage, 1 layer and the head; rank 1 the 3 layers between)
+    Layout("pp2 1f1b, stages of 3 + 1 layers", 2,
+           ("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[3,1]")),
+    Layout("pp2 dualpipev, stages of 1, 2, 1, 0 layers (the head alone)", 2,
+           ("parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4", "parallel.pp_stage_layers=[1,2,1,0]")),
     # two axes, 4 ranks
     Layout("hsdp 2x2 zero3", 4, ("parallel.dp_replicate=2", "parallel.zero_stage=3")),
     Layout("hsdp 2x2 zero1", 4, ("parallel.dp_replicate=2", "parallel.zero_stage=1")),
