@@ -129,7 +129,8 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
             lines.append(f"  {a.name:4s} group of {a.group:<5d} {a.bytes / GB:10.2f} GB  "
                          f"{link:22s} {t:8.3f} s ({x:.3f} s exposed)")  # fmt: skip
     if plan.step_s is not None:
-        # The pace-setter: every rank's passes end together, the busiest idles least.
+        # The step's longest rank (every rank's pipeline passes end together; its data-
+        # parallel traffic and optimizer step come after them).
         worst = max((r for r in plan.ranks if r.estimate), key=lambda r: r.estimate.step_s)
         e = worst.estimate
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -145,6 +146,15 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
             f"{plan.tflops_per_gpu / plan.gpu.bf16_tflops:.1%} of {plan.gpu.bf16_tflops:g}), "
             f"{tokens / e.step_s / d.world_size:,.0f} tokens/s per GPU",
         ]
+        estimated = [r for r in plan.ranks if r.estimate]
+        if d.pp > 1 and len(estimated) > 1:  # unequal stages: the busiest sets the pace
+            pace = max(estimated, key=lambda r: r.estimate.busy_s)
+            b = pace.estimate
+            lines.append(
+                f"  pipeline passes {b.busy_s * (1 + b.bubble):.3f} s on every rank, paced by "
+                f"the busiest, rank {pace.state.rank} ({b.busy_s:.3f} s busy, bubble "
+                f"{b.bubble:.3f})"
+            )
     tips = advice(plan, memory_gb)
     if tips:
         lines += ["", "advice:"] + [f"  - {t}" for t in tips]

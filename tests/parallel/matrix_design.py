@@ -110,6 +110,12 @@ LAYOUTS: list[Layout] = [
            ("parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1")),
     Layout("cp2 x pp2 interleaved v2", 4,
            ("parallel.cp=2", "parallel.pp=2", "parallel.pp_virtual_stages=2")),
+    # uneven stages under tp: in ZB-V's V, rank 0 holds the first and the last stage, the
+    # embedding alone and the output head alone (no block at all), rank 1 the 4 layers
+    Layout("pp2 x tp2 SP zbv, stages of 0, 2, 2, 0 layers (rank 0: no block)", 4,
+           ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+            "parallel.pp_stage_layers=[0,2,2,0]")),
     # three axes, 8 ranks
     Layout("pp2 x dp2 x tp2 zero3 SP interleaved v2", 8,
            ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
