@@ -232,9 +232,11 @@ def estimate_ranks(
     out = [rank_times(cfg, dims, s, a, hw, overlap) for s, a in ranks]
     flops = stage_flops_per_token(cfg, dims)
     stage_s = [0.0] * dims.num_stages
+    seen: set[int] = set()
     for (state, _), e in zip(ranks, out, strict=True):
-        if state.coords != {**state.coords, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}:
-            continue  # the stage's first rank stands for its others
+        if state.coords["pp"] in seen:
+            continue  # the pipeline rank's first planned rank stands for its others
+        seen.add(state.coords["pp"])
         mine = [flops[c.stage] for c in state.chunks]
         for c, f in zip(state.chunks, mine, strict=True):
             share = f / sum(mine) if sum(mine) > 0 else 1 / len(mine)

@@ -81,6 +81,28 @@ def test_deepseek_v3_plans_in_its_published_pipeline_of_uneven_stages(capsys, mo
         assert ranks[p]["layers"] == [[first, first + 1], [last, last + 1]], p
 
 
+def test_uneven_stages_are_priced_stage_by_stage_and_the_busiest_sets_the_pace() -> None:
+    """Stages of 1 + 3 layers: each stage's FLOPs are its own layers' (the head's on the last
+    stage), and both ranks' pipeline passes take the same time, the busier (3 layers and the
+    head) idling less."""
+    from moetrain.plan import hardware, planner
+    from moetrain.plan.estimate import layer_flops_per_token, stage_flops_per_token
+    from moetrain.train.engine import build_optimizers
+
+    overrides = ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[1,3]",
+                 "model.tie_embeddings=false"]  # fmt: skip
+    cfg = load_config(REPO / "configs/tiny.yaml", overrides)
+    dims = ParallelDims.from_config(cfg.parallel, 2).validate(cfg)
+    layer = [layer_flops_per_token(cfg, i, 1) for i in range(4)]
+    head = 6 * cfg.model.dim * (cfg.model.vocab_size or 0)
+    assert stage_flops_per_token(cfg, dims) == pytest.approx([layer[0], sum(layer[1:]) + head])
+    plan = planner.plan(cfg, 2, build_optimizers, gpu=hardware.gpu("h100"))
+    first, last = (r.estimate for r in plan.ranks)
+    passes = [e.busy_s * (1 + e.bubble) for e in (first, last)]
+    assert passes[0] == pytest.approx(passes[1])
+    assert last.busy_s > first.busy_s and last.bubble < first.bubble
+
+
 def test_search_ranks_what_fits_and_says_why_the_rest_does_not(capsys, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     argv = ["plan", *TINY_EP, "--gpu", "h100", "--search", "--memory-gb", "3",
