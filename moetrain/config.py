@@ -821,9 +821,19 @@ class ParallelConfig:
     (dp * pp_microbatches). Needs pp > 1."""
     pp_virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved schedules); the model splits into
-    pp * pp_virtual_stages stages of equal layer counts. Looped placement (rank r holds
-    stages r, r + pp, ...) except zbv and dualpipev: V placement (rank r holds r and
-    2 pp - 1 - r)."""
+    pp * pp_virtual_stages stages, of equal layer counts unless pp_stage_layers says
+    otherwise. Looped placement (rank r holds stages r, r + pp, ...) except zbv and
+    dualpipev: V placement (rank r holds r and 2 pp - 1 - r)."""
+    pp_stage_layers: list[int] | None = None
+    """Transformer layers of each pipeline stage, in stage order (stage s on the rank the
+    schedule's placement gives it), one count per stage: pp * pp_virtual_stages of them,
+    summing to model.n_layers; each stage takes the next layers in order. The first stage
+    also holds the embedding and the last the final norm and output head (and the
+    multi-token-prediction modules), so published recipes give them fewer layers: DeepSeek-V3
+    on PP16 x 2 stages, [1, 2, ..., 2, 0] (Megatron-Core's layout "Et|(tt|)*30mL"). The first
+    and the last stage may hold 0 layers (the embedding alone, the head alone); a stage in
+    between may not (it would only pass its input on). null: equal stages
+    (model.n_layers / stages each, which must divide). Needs pp > 1."""
     breadth_first_micro_batches: int | None = None
     """Micro-batches that one pass holds in flight (Fast-LLM's key of that name): with pp > 1
     the micro-batches of one run of the pipeline schedule, without a pipeline micro-batches
@@ -884,11 +894,35 @@ class ParallelConfig:
             _fail("parallel.pp_virtual_stages", f"{self.pp_virtual_stages}, but parallel."
                   f"pp_schedule={self.pp_schedule!r} places exactly 2 stages on each rank in a V "
                   "(rank r holds stages r and 2 pp - 1 - r): set parallel.pp_virtual_stages=2")
+        if self.pp_stage_layers is not None:
+            self._validate_stage_layers(self.pp_stage_layers)
         if self.overlap_shared_experts and (self.ep == 1 or self.ep_dispatcher != "all_to_all"):
             _fail("parallel.overlap_shared_experts", "overlaps the shared experts with the "
                   "expert-parallel all-to-all: needs parallel.ep > 1 and parallel.ep_dispatcher="
                   f"all_to_all, got parallel.ep={self.ep}, parallel.ep_dispatcher="
                   f"{self.ep_dispatcher}")
+
+
+    def _validate_stage_layers(self, counts: list[int]) -> None:
+        """``pp_stage_layers`` on its own: one count per stage, none negative, 0 only at
+        either end (the layers' total is checked against model.n_layers in
+        ``ParallelDims.validate``)."""
+        key = "parallel.pp_stage_layers"
+        if self.pp == 1:
+            _fail(key, f"{counts} set but parallel.pp=1: without a pipeline every rank holds "
+                  "every layer; set parallel.pp_stage_layers=null")
+        stages = self.pp * self.pp_virtual_stages
+        if len(counts) != stages:
+            _fail(key, f"{len(counts)} counts {counts}, but parallel.pp * parallel."
+                  f"pp_virtual_stages = {self.pp} * {self.pp_virtual_stages} = {stages} "
+                  "stages: give one layer count per stage")
+        if any(c < 0 for c in counts):
+            _fail(key, f"layer counts must be >= 0, got {counts}")
+        empty = [s for s, c in enumerate(counts) if c == 0 and 0 < s < stages - 1]
+        if empty:
+            _fail(key, f"stages {empty} of {counts} hold no layer: only the first stage (the "
+                  "embedding) and the last (the output head) may be empty; a stage in between "
+                  "would only pass its input on")
 
 
 V_SCHEDULES = ("zbv", "dualpipev")

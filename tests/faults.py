@@ -21,6 +21,10 @@ tests/multirank.py).
 - ``cp_forced_to_1``: config validation sets ``parallel.cp`` to 1 (a cp2 job silently
   becomes dp2). Same numbers; caught by the positions and attention shapes each rank
   observed against the raw request.
+- ``stage_layers_misassigned``: the pipeline split reads ``parallel.pp_stage_layers`` in
+  reverse (the same layers in all, each stage the wrong count of them: 3 + 1 built as
+  1 + 3). The model computes the same function, so the numbers equal one process's; caught
+  by the layers each rank's chunks hold against the raw request.
 - ``embedding_copies_unsynced``: under a pipeline with multi-token prediction, the first
   stage's embedding and the last stage's copy keep the gradients of their own uses (the
   engine never sums them): both copies step, apart. Caught by the embedding's gradient
@@ -127,7 +131,19 @@ def _expert_layouts_ignored(setattr_: Callable[..., None]) -> None:
     setattr_(materialize, "local_slice", lambda name, p, layouts=None: real(name, p, None))
 
 
+def _stage_layers_misassigned(setattr_: Callable[..., None]) -> None:
+    from moetrain.parallel import pipeline
+
+    counts = pipeline.stage_layer_counts
+
+    def reversed_counts(n_layers: int, num_stages: int, explicit: Any = None) -> list[int]:
+        return counts(n_layers, num_stages, explicit)[::-1]
+
+    setattr_(pipeline, "stage_layer_counts", reversed_counts)
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
+    "stage_layers_misassigned": _stage_layers_misassigned,
     "embedding_copies_unsynced": _embedding_copies_unsynced,
     "per_micro_batch_counts": _per_micro_batch_counts,
     "breadth_first_ignored": _breadth_first_ignored,

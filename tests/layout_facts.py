@@ -42,7 +42,7 @@ class StepObserver:
         self.events: list[str] = []  # F: a training forward, B: its backward, C: counting
         self.shapes: tuple[tuple[int, ...], ...] | None = None
         self.cos: torch.Tensor | None = None
-        self.table: torch.Tensor | None = getattr(engine.parts[0], "rope_cos", None)
+        self.table: torch.Tensor | None = None
         self._undo: list[Any] = []
         part = engine.parts[0]
         self._undo.append(part.register_forward_hook(self._after_forward).remove)
@@ -55,7 +55,13 @@ class StepObserver:
 
             schedule.step = step
             self._undo.append(lambda: delattr(schedule, "step"))
-        block = part.layers[next(iter(part.layers))]
+        # The first attention this rank runs: its first chunk that holds a block (the first
+        # stage may hold the embedding alone).
+        with_blocks = [p for p in engine.parts if len(p.layers)]
+        self.table = getattr(with_blocks[0], "rope_cos", None) if with_blocks else None
+        if not with_blocks:
+            return
+        block = with_blocks[0].layers[next(iter(with_blocks[0].layers))]
         attention = getattr(block.attention, "_checkpoint_wrapped_module", block.attention)
         attend = attention.attend
 
@@ -160,12 +166,16 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
 
     eng = trainer.engine
     # The first column-parallel attention projection (GQA's wq, MLA's per-head up-projection;
-    # MLA's latent down-projections stay replicated), wrapper prefixes and all.
+    # MLA's latent down-projections stay replicated), wrapper prefixes and all; on a rank
+    # without a block (a pipeline stage of the embedding or the head alone) the embedding
+    # or the output, split over the vocabulary (dim 0) as wq over its heads.
+    named = [(_fqn(n), p) for part in eng.parts for n, p in part.named_parameters()]
     wq = next(
-        p
-        for n, p in eng.parts[0].named_parameters()
-        if _fqn(n).endswith(("attention.wq.weight", "attention.wkv_b.weight"))
+        (p for n, p in named if n.endswith(("attention.wq.weight", "attention.wkv_b.weight"))),
+        None,
     )
+    if wq is None:
+        wq = next(p for n, p in named if n in ("tok_embeddings.weight", "output.weight"))
     tp_placement = None
     zero_shards = 1  # into how many pieces the dp ranks cut the model state
     if isinstance(wq, DTensor):
@@ -183,12 +193,15 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
             if isinstance(module, CheckpointWrapper):
                 wrapped["attention" if name.endswith("attention") else "block"] += 1
     moe = [m for part in eng.parts for m in part.modules() if isinstance(m, MoELayer)]
-    attention = eng.parts[0].layers[next(iter(eng.parts[0].layers))].attention
+    blocks = [part.layers[name] for part in eng.parts for name in part.layers]
+    attention = blocks[0].attention if blocks else None
     attention = getattr(attention, "_checkpoint_wrapped_module", attention)
     facts: dict[str, Any] = {
         "stages": tuple(eng.stage_ids),
+        # The blocks each of this rank's chunks holds, by index, in chunk order.
+        "stage_layers": tuple(tuple(int(n) for n in part.layers) for part in eng.parts),
         "schedule": type(eng.schedule).__name__ if eng.schedule is not None else None,
-        "attend": type(attention.attend).__name__,
+        "attend": type(attention.attend).__name__ if attention is not None else None,
         "moe_whole_sequences": bool(moe) and all(m.seq_shard is not None for m in moe),
         "shared_overlap": bool(moe) and getattr(moe[0].dispatcher, "overlapped", 0) > 0,
         "tp_placement": tp_placement,
@@ -333,26 +346,35 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     if pp == 1:
         stages: tuple[int, ...] = (0,)
     elif p.pp_schedule in ("zbv", "dualpipev"):  # the V: rank r holds r and 2 pp - 1 - r
+        if v != 2:
+            raise ValueError(f"the V places 2 stages per rank, not {v}")
         stages = (c["pp"], 2 * pp - 1 - c["pp"])
     else:  # looped: r, r + pp, ...
         stages = tuple(c["pp"] + i * pp for i in range(v))
     n_stages = pp * v
-    if m.n_layers % n_stages:
+    if p.pp_stage_layers is not None and pp > 1:  # the counts as written, stage by stage
+        counts = list(p.pp_stage_layers)
+        if len(counts) != n_stages or sum(counts) != m.n_layers:
+            raise ValueError(f"{counts} layers for {n_stages} stages of {m.n_layers}")
+    elif m.n_layers % n_stages:
         raise ValueError(f"{m.n_layers} layers in {n_stages} stages")
-    per = m.n_layers // n_stages
-    layers = [i for s in stages for i in range(s * per, (s + 1) * per)]
+    else:
+        counts = [m.n_layers // n_stages] * n_stages
+    starts = list(itertools.accumulate([0, *counts]))
+    per_stage = [list(range(starts[s], starts[s + 1])) for s in stages]
+    # Multi-token-prediction modules: blocks n_layers.. of the last stage.
+    mtp = range(m.n_layers, m.n_layers + m.mtp_depth)
+    for s, blocks in zip(stages, per_stage, strict=True):
+        if s == n_stages - 1:
+            blocks += list(mtp)
+    layers = [i for blocks in per_stage for i in blocks]
     moe_layers = [
         i
         for i in layers
         if moe.num_experts
         and i % moe.every_n_layers == moe.every_n_layers - 1
-        and i not in moe.dense_layers
+        and (i not in moe.dense_layers or i >= m.n_layers)
     ]
-    # Multi-token-prediction modules: blocks n_layers.. of the last stage.
-    mtp = range(m.n_layers, m.n_layers + m.mtp_depth) if n_stages - 1 in stages else range(0)
-    layers += list(mtp)
-    moe_layers += [i for i in mtp if moe.num_experts
-                   and i % moe.every_n_layers == moe.every_n_layers - 1]  # fmt: skip
     gbs = t.global_batch_size
     if pp > 1 and p.pp_microbatches is not None:
         n_micro = p.pp_microbatches
@@ -400,13 +422,14 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
     ac = p.activation_checkpointing
     want: dict[str, Any] = {
         "stages": stages,
+        "stage_layers": tuple(tuple(blocks) for blocks in per_stage),
         "schedule": SCHEDULE_CLASSES[p.pp_schedule] if pp > 1 else None,
         "microbatches": n_micro,
         "backwards": n_micro,
         "breadth_first": (breadth,) * (n_micro // breadth),
-        "positions": positions,
-        "attention_shapes": shapes,
-        "attend": "ContextParallelAttention" if cp > 1 else "function",
+        "positions": positions if layers else None,
+        "attention_shapes": shapes if layers else None,
+        "attend": ("ContextParallelAttention" if cp > 1 else "function") if layers else None,
         "moe_whole_sequences": cp > 1 and bool(moe_layers),
         "shared_overlap": bool(p.overlap_shared_experts and moe_layers and moe.num_shared_experts),
         "tp_placement": "S(0)" if tp > 1 else None,

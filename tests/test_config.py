@@ -183,3 +183,19 @@ def test_a_key_the_checkpoint_lacks_counts_with_its_default() -> None:
     assert resume_changes(saved, JobConfig()) == []
     changed = resume_changes(saved, load_config(None, ["moe.group_score=max"]))
     assert [(c.key, c.saved, c.now) for c in changed] == [("moe.group_score", "top2", "max")]
+
+
+def test_uneven_pipeline_stages_resume_freely() -> None:
+    """``parallel.pp_stage_layers`` is layout (``parallel.*``): checkpoints hold the full
+    model's names whatever the split, so a resume may change it, or find it in a checkpoint
+    written before the key existed (tests/parallel/test_layouts.py resumes across splits)."""
+    from moetrain.config import resume_changes
+
+    pp2 = ["parallel.pp=2", "parallel.pp_schedule=1f1b"]
+    saved = load_config(None, pp2).to_dict()
+    del saved["parallel"]["pp_stage_layers"]
+    assert resume_changes(saved, load_config(None, pp2)) == []
+    changed = resume_changes(saved, load_config(None, [*pp2, "parallel.pp_stage_layers=[3,1]"]))
+    assert [(c.key, c.saved, c.now, c.kind) for c in changed] == [
+        ("parallel.pp_stage_layers", None, [3, 1], "free")
+    ]

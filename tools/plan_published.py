@@ -50,6 +50,14 @@ class Run:
     """If moetrain refuses the published layout: the keys to hold while searching."""
 
 
+DEEPSEEK_V3_STAGES = "[" + ",".join(["1"] + ["2"] * 30 + ["0"]) + "]"
+"""DeepSeek-V3's 61 layers in the 32 stages of PP16 x DualPipe-V's 2 per rank, as
+Megatron-Core's DeepSeek-V3 recipe splits them ("Et|(tt|)*30mL"): the embedding and 1
+layer, 30 stages of 2, and a last stage of the multi-token-prediction module and the output
+head alone -- each of those costs about a layer or more (the head: 6 D V FLOPs per token,
+1.4 times a layer's), so the V's rank 0, which holds the first and the last stage, carries
+about what the others' 4 layers do."""
+
 RUNS = [
     Run(
         "DeepSeek-V3 671B (published layout: PP16 DualPipe, EP64, ZeRO-1 DP, no TP)",
@@ -61,9 +69,10 @@ RUNS = [
         "DeepSeek-V3 technical report (arXiv:2412.19437): 2,048 H800, 180K GPU-hours per "
         "trillion tokens, fits 80 GB without TP",
         ["parallel.pp=16", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
-         "parallel.ep=64", "parallel.zero_stage=1", "parallel.tp=1",
+         f"parallel.pp_stage_layers={DEEPSEEK_V3_STAGES}", "parallel.ep=64",
+         "parallel.zero_stage=1", "parallel.tp=1", "model.mtp_depth=1",
          "train.global_batch_size=15360"],
-        ["parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
+        ["parallel.tp=1", "parallel.pp=1", "parallel.pp_stage_layers=null", "parallel.cp=1",
          "parallel.activation_checkpointing=full", "train.global_batch_size=16384"],
     ),
     Run(
@@ -151,6 +160,10 @@ def _layout_overrides(cfg) -> list[str]:
     keys = ("tp", "sequence_parallel", "cp", "pp", "pp_schedule", "pp_virtual_stages", "ep",
             "zero_stage", "activation_checkpointing")  # fmt: skip
     out = [f"parallel.{k}={str(getattr(p, k)).lower()}" for k in keys]
+    if p.pp_stage_layers is not None:
+        out.append(f"parallel.pp_stage_layers=[{','.join(map(str, p.pp_stage_layers))}]")
+    if cfg.model.mtp_depth:
+        out.append(f"model.mtp_depth={cfg.model.mtp_depth}")
     return out + [f"train.global_batch_size={cfg.train.global_batch_size}",
                   f"train.micro_batch_size={cfg.train.micro_batch_size}"]  # fmt: skip
 
@@ -198,10 +211,17 @@ def render(rows: list[dict[str, str]]) -> str:
         "",
         "```bash",
         f"moetrain plan --config configs/deepseek_v3.yaml --world {first['gpus']} --gpu "
-        f"{first['gpu'].lower()} {first['overrides']}",
+        f"{first['gpu'].lower()} {_quoted(first['overrides'])}",
         "```",
     ]
     return "\n".join(lines)
+
+
+def _quoted(overrides: str) -> str:
+    """The overrides for a shell: a list value quoted (brackets are glob characters)."""
+    import shlex
+
+    return " ".join(shlex.quote(o) for o in overrides.split())
 
 
 def read_rows(path: Path = CSV) -> list[dict[str, str]]:

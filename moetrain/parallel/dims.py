@@ -194,13 +194,7 @@ class ParallelDims:
                 f"model.dim: {m.dim} is not divisible by parallel.tp={tp} (the multi-token-"
                 "prediction projection eh_proj is split by output column)"
             )
-        stages = self.num_stages
-        if m.n_layers % stages:
-            raise ConfigError(
-                f"model.n_layers: {m.n_layers} layers do not split into parallel.pp * "
-                f"parallel.pp_virtual_stages = {self.pp} * {self.virtual_stages} = {stages} "
-                "equal stages"
-            )
+        self._validate_stages(cfg)
         if self.pp > 1 and m.tie_embeddings:
             raise ConfigError(
                 f"model.tie_embeddings: true cannot span pipeline stages (parallel.pp="
@@ -296,6 +290,35 @@ class ParallelDims:
                 "nothing to overlap"
             )
         return self
+
+    def _validate_stages(self, cfg: JobConfig) -> None:
+        """The layers split into ``pp * pp_virtual_stages`` stages: as ``parallel.
+        pp_stage_layers`` says (its counts summing to model.n_layers), or equally."""
+        n, stages, counts = cfg.model.n_layers, self.num_stages, cfg.parallel.pp_stage_layers
+        if counts is not None:
+            if sum(counts) != n:
+                raise ConfigError(
+                    f"parallel.pp_stage_layers: {counts} sum to {sum(counts)} layers, but "
+                    f"model.n_layers={n}"
+                )
+            return
+        if n % stages == 0:
+            return
+        from moetrain.parallel.pipeline import suggested_stage_layers
+
+        split = suggested_stage_layers(n, stages)
+        hint = (
+            f"; for uneven stages set parallel.pp_stage_layers to {stages} layer counts summing "
+            f"to {n}, e.g. {split}"
+            if split is not None
+            else f" (and {n} layers are too few for {stages} stages of at least one layer "
+            "between the first and the last)"
+        )
+        raise ConfigError(
+            f"model.n_layers: {n} layers do not split into parallel.pp * "
+            f"parallel.pp_virtual_stages = {self.pp} * {self.virtual_stages} = {stages} "
+            f"equal stages{hint}"
+        )
 
     def _validate_passes(self, cfg: JobConfig, n_mb: int) -> None:
         """``parallel.breadth_first_micro_batches`` x ``depth_first_micro_batches`` = the

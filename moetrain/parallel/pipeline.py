@@ -1,6 +1,7 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``.
 
-The model splits into ``pp * pp_virtual_stages`` stages of equal layer counts; stage s runs
+The model splits into ``pp * pp_virtual_stages`` stages of contiguous layers, equal unless
+``parallel.pp_stage_layers`` gives each stage its count (``stage_layer_counts``); stage s runs
 on pp rank ``s % pp`` (the looped placement the interleaved schedules expect), so a rank with
 v virtual stages holds chunks r, r + pp, r + 2 pp, ... The V-shaped schedules (``zbv``,
 ``dualpipev``) place two stages per rank in a V instead: rank r holds stages r and
@@ -9,7 +10,10 @@ the last rank without a hop (``stage_ids``). Each chunk is a deep copy of the fu
 model with the layers it does not own deleted (torchtitan-style): names stay as in the full
 model, so checkpoints do not depend on the layout. The first stage keeps the embedding, the
 last the final norm and output, and with multi-token prediction the modules (layers
-``n_layers``..) and a copy of the embedding for their inputs (``embedding_copy``).
+``n_layers``..) and a copy of the embedding for their inputs (``embedding_copy``;
+``stage_modules`` says what each stage holds). The first and the last stage may hold no
+transformer layer (the embedding alone, the head alone: Megatron-Core's DeepSeek-V3 layout
+gives its last stage the multi-token-prediction module and the loss only).
 
 The split happens before the other ``apply_*`` steps (a sharded module cannot be deep
 copied); the ``PipelineStage`` objects and the schedule are built last, around the final
@@ -46,10 +50,59 @@ SINGLE_STAGE = ("gpipe", "1f1b")
 """Schedules that take one stage per rank (torch's ``PipelineScheduleSingle``)."""
 
 
-def stage_layers(n_layers: int, num_stages: int, stage: int) -> list[int]:
-    """Layer indices of ``stage`` (equal, contiguous blocks)."""
-    per = n_layers // num_stages
-    return list(range(stage * per, (stage + 1) * per))
+def stage_layer_counts(
+    n_layers: int, num_stages: int, counts: list[int] | tuple[int, ...] | None = None
+) -> list[int]:
+    """Transformer layers per stage: ``counts`` (``parallel.pp_stage_layers``) when given,
+    else ``n_layers / num_stages`` each (validation has checked that either holds:
+    ``ParallelDims.validate``)."""
+    if counts is not None:
+        return list(counts)
+    return [n_layers // num_stages] * num_stages
+
+
+def stage_layers(
+    n_layers: int, num_stages: int, stage: int, counts: list[int] | tuple[int, ...] | None = None
+) -> list[int]:
+    """Layer indices of ``stage``: the next ``stage_layer_counts(...)[stage]`` layers after
+    the earlier stages' (contiguous blocks)."""
+    per = stage_layer_counts(n_layers, num_stages, counts)
+    start = sum(per[:stage])
+    return list(range(start, start + per[stage]))
+
+
+def stage_modules(
+    n_layers: int,
+    mtp_depth: int,
+    num_stages: int,
+    stage: int,
+    counts: list[int] | tuple[int, ...] | None = None,
+) -> tuple[list[int], bool, bool]:
+    """What ``stage`` holds: its block indices (its transformer layers, and on the last stage
+    the multi-token-prediction modules, blocks ``n_layers``.. : they run after the output
+    head), whether it embeds the input (the first stage) and whether it holds the final norm
+    and output head (the last)."""
+    blocks = stage_layers(n_layers, num_stages, stage, counts)
+    last = stage == num_stages - 1
+    if last:
+        blocks += list(range(n_layers, n_layers + mtp_depth))
+    return blocks, stage == 0, last
+
+
+def suggested_stage_layers(n_layers: int, num_stages: int) -> list[int] | None:
+    """A ``parallel.pp_stage_layers`` for layers that do not split equally: as even as the
+    counts allow, the layers left over one each on the stages in between first (the first
+    and the last stage also hold the embedding and the output head), then on the first
+    (the embedding costs memory, not compute). None when no valid split exists (fewer
+    layers than the stages in between)."""
+    per, extra = divmod(n_layers, num_stages)
+    counts = [per] * num_stages
+    order = [*range(1, num_stages - 1), 0, num_stages - 1]
+    for s in order[:extra]:
+        counts[s] += 1
+    if any(c == 0 for c in counts[1:-1]):
+        return None
+    return counts
 
 
 def stage_ids(
@@ -75,20 +128,20 @@ def pipeline_split(
         return [model], [0]
     num_stages = cfg.pp * cfg.pp_virtual_stages
     n_layers = model.cfg.n_layers
-    # Multi-token-prediction modules (layers n_layers..) run after the output head: they go
-    # to the last stage, which keeps a copy of the embedding for their inputs.
-    mtp = {name for name in model.layers if int(name) >= n_layers}
+    mtp_depth = model.cfg.mtp_depth
     parts, ids = [], stage_ids(pp_rank, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
     for s in ids:
         part = copy.deepcopy(model)
-        last = s == num_stages - 1
-        keep = {str(i) for i in stage_layers(n_layers, num_stages, s)} | (mtp if last else set())
+        blocks, first, last = stage_modules(n_layers, mtp_depth, num_stages, s, cfg.pp_stage_layers)
+        keep = {str(i) for i in blocks}
         for name in list(part.layers.keys()):
             if name not in keep:
                 del part.layers[name]
-        if s != 0:
+        if not first:
             part.embeds_input = False
-            if not (last and mtp):
+            # Multi-token-prediction modules (on the last stage) read the embedding of later
+            # tokens: that stage keeps a copy of it.
+            if not (last and mtp_depth):
                 part.tok_embeddings = None
         if not last:
             part.norm = None
@@ -213,20 +266,30 @@ UNIT_COST = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
 backward for weights, a full backward both (the zero-bubble papers' T_F = T_B = T_W)."""
 
 
-def simulate_schedule(order: dict[int, list[Any]], num_stages: int) -> dict[str, float]:
+def simulate_schedule(
+    order: dict[int, list[Any]], num_stages: int, stage_cost: list[float] | None = None
+) -> dict[str, Any]:
     """Run the action lists on an ideal machine: each rank executes its actions in order,
     an action starts when its rank is free and its inputs exist (the previous stage's
     forward of that micro-batch; the next stage's input gradient and its own forward for a
-    backward; its own input gradient for a weight gradient), costs ``UNIT_COST`` and
-    communication is free. An overlapped forward + backward (DualPipe-V) costs both.
+    backward; its own input gradient for a weight gradient), costs ``UNIT_COST`` times its
+    stage's ``stage_cost`` (1 each when not given: equal stages) and communication is free.
+    An overlapped forward + backward (DualPipe-V) costs both.
 
-    Returns ``makespan``, ``busy`` (the work of one rank) and ``bubble`` = (makespan -
-    busy) / busy: idle time over useful time, the unit of the analytic (p - 1)/m."""
+    Returns ``makespan``, ``busy`` (the work of the busiest rank), ``bubble`` = (makespan -
+    busy) / busy: idle time over useful time, the unit of the analytic (p - 1)/m, and
+    ``busy_by_rank``. With unequal stages the busiest rank sets the pace and the others
+    idle more: their own idle fraction is makespan / busy_by_rank[r] - 1."""
     compute = ("F", "I", "W", "B", "OVERLAP_F_B")  # REDUCE_GRAD and the like cost nothing
     pending = {
         r: [a for a in acts if a is not None and a.computation_type.value in compute]
         for r, acts in order.items()
     }
+    weight = list(stage_cost) if stage_cost is not None else [1.0] * num_stages
+
+    def cost(a: Any) -> float:
+        return UNIT_COST[a.computation_type.value] * weight[a.stage_index]
+
     done: dict[tuple[int, str, int], float] = {}
     clock = dict.fromkeys(pending, 0.0)
     busy = dict.fromkeys(pending, 0.0)
@@ -259,13 +322,13 @@ def simulate_schedule(order: dict[int, list[Any]], num_stages: int) -> dict[str,
                         break
                     t = max(t, r)
                     starts.append(t)
-                    t += UNIT_COST[sub.computation_type.value]
+                    t += cost(sub)
                     _finish(done, sub, t)
                 if len(starts) < len(subs):  # undo a partial pair: wait for its inputs
                     for sub in subs[: len(starts)]:
                         _unfinish(done, sub)
                     break
-                busy[rank] += sum(UNIT_COST[sub.computation_type.value] for sub in subs)
+                busy[rank] += sum(cost(sub) for sub in subs)
                 clock[rank] = t
                 acts.pop(0)
                 progressed = True
@@ -273,7 +336,12 @@ def simulate_schedule(order: dict[int, list[Any]], num_stages: int) -> dict[str,
             raise RuntimeError("the schedule's action lists deadlock")
     makespan = max(clock.values())
     work = max(busy.values())
-    return {"makespan": makespan, "busy": work, "bubble": (makespan - work) / work}
+    return {
+        "makespan": makespan,
+        "busy": work,
+        "bubble": (makespan - work) / work,
+        "busy_by_rank": busy,
+    }
 
 
 def _finish(done: dict, a: Any, t: float) -> None:

@@ -1,7 +1,7 @@
 """``moetrain plan``: what a layout costs at its world size, before anyone rents a GPU.
 
     moetrain plan --config configs/qwen3_30b_a3b.yaml --world 8 --gpu h100
-    moetrain plan --config configs/deepseek_v3.yaml --world 2048 --gpu h800 parallel.pp=1
+    moetrain plan --config configs/deepseek_v3.yaml --world 2048 --gpu h800
     moetrain plan --config configs/mixtral_8x7b.yaml --world 64 --gpu h100 --search
 
 Exit status: 0 when the plan fits (or no memory figure was given), 1 when it does not, 2 when

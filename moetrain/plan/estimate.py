@@ -7,18 +7,29 @@ stated, docs/plan.md).
               processes, + the recomputed forward under activation checkpointing
     comm      per axis, bytes / (link bandwidth x comm_efficiency), NVLink within a node, the
               network across; the part not hidden behind computation (``OVERLAP``)
-    bubble    the pipeline schedule's idle fraction from its action list
-              (``moetrain.parallel.pipeline.simulate_schedule``), over compute and the
-              per-micro-batch communication
+    pipeline  the schedule's action list (``moetrain.parallel.pipeline.simulate_schedule``)
+              run with every stage's own time: its rank's compute and exposed tp / cp / ep /
+              pp communication, shared among the rank's stages by their FLOPs
+              (``stage_flops_per_token``: the layers, and on the last stage the output head
+              and the multi-token-prediction modules). Every rank's passes end with the
+              schedule's makespan; bubble = makespan / this rank's busy time - 1. Planning
+              one rank alone (the others' communication unknown), every stage's time is its
+              FLOPs stretched by this rank's ratio of (compute + exposed) to compute.
     optimizer reading and writing the model state once in HBM
 
     step = (compute + exposed tp, cp, ep, pp) x (1 + bubble) + exposed dp + optimizer
     MFU  = model FLOPs (no recomputation) / (step x bf16 peak)
+
+Unequal stages (``parallel.pp_stage_layers``; the head's work on the last stage; experts'
+all-to-all on some stages only) set the pace by the slowest: it idles least, the others
+wait for it.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from moetrain.config import JobConfig
 from moetrain.model.transformer import is_moe_layer
@@ -42,6 +53,13 @@ class Estimate:
     """Seconds of each axis's communication, before overlap."""
     exposed_s: dict[str, float] = field(default_factory=dict)
     """Seconds of each axis's communication left after overlap."""
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds of the rank's pipelined work per step: compute and the exposed tp, cp,
+        ep and pp communication (dp's comes after the passes)."""
+        exposed = sum(v for k, v in self.exposed_s.items() if k not in ("dp", "edp"))
+        return self.compute_s + exposed
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -80,7 +98,29 @@ def layer_flops_per_token(cfg: JobConfig, layer: int, tp: int) -> float:
     return flops
 
 
-def estimate(
+def stage_flops_per_token(cfg: JobConfig, dims: ParallelDims) -> list[float]:
+    """Training FLOPs one token costs on each pipeline stage (on one tp rank): its layers
+    (``layer_flops_per_token``), and on the last stage the output head and the multi-token-
+    prediction modules (each a block, its input projection ``eh_proj`` and the head again).
+    The stages' contents are ``stage_modules``'s, the pipeline split's own."""
+    from moetrain.parallel.pipeline import stage_modules
+
+    m = cfg.model
+    head = 6 * m.dim * (m.vocab_size or 0) / dims.tp
+    eh_proj = 6 * 2 * m.dim * m.dim / dims.tp
+    out = []
+    for s in range(dims.num_stages):
+        blocks, _, last = stage_modules(
+            m.n_layers, m.mtp_depth, dims.num_stages, s, cfg.parallel.pp_stage_layers
+        )
+        flops = sum(layer_flops_per_token(cfg, i, dims.tp) for i in blocks)
+        if last:
+            flops += head + m.mtp_depth * (head + eh_proj)
+        out.append(flops)
+    return out
+
+
+def rank_times(
     cfg: JobConfig,
     dims: ParallelDims,
     state: RankState,
@@ -88,19 +128,14 @@ def estimate(
     hw: GPU,
     overlap: dict[str, float] | None = None,
 ) -> Estimate:
-    from moetrain.parallel.pipeline import schedule_actions, simulate_schedule
-
+    """A rank's compute and communication per step, without the pipeline's idle time
+    (``step_s`` and ``mfu`` as if the schedule had no bubble: ``with_pipeline`` adds it)."""
     ov = {**OVERLAP, **(overlap or {})}
     tokens = cfg.train.global_batch_size * cfg.data.seq_len / (dims.dp * dims.cp)
-    layers = [layer.index for c in state.chunks for layer in c.layers]
-    per_token = sum(layer_flops_per_token(cfg, i, dims.tp) for i in layers)
-    if any(c.output for c in state.chunks):
-        per_token += 6 * cfg.model.dim * (cfg.model.vocab_size or 0) / dims.tp
-    model_flops = per_token * tokens
-    ac = cfg.parallel.activation_checkpointing
-    recompute = {"none": 0.0, "selective": 1 / 12, "full": 1 / 3}[ac]
+    per_stage = stage_flops_per_token(cfg, dims)
+    model_flops = sum(per_stage[c.stage] for c in state.chunks) * tokens
     peak = hw.bf16_tflops * 1e12
-    compute_s = model_flops * (1 + recompute) / (peak * hw.matmul_efficiency)
+    compute_s = model_flops * (1 + _recompute(cfg)) / (peak * hw.matmul_efficiency)
     comm, exposed = {}, {}
     for a in axes:
         bw = hw.nvlink_gbs if a.nodes == 1 else hw.ib_gbs
@@ -115,24 +150,100 @@ def estimate(
         if a.name == "ep" and cfg.parallel.overlap_shared_experts:
             hidden = max(hidden, 0.5)
         exposed[a.name] = t * (1 - hidden)
-    bubble = 0.0
-    if dims.pp > 1:
-        p = cfg.parallel
-        order = schedule_actions(
-            p.pp_schedule, dims.pp, dims.virtual_stages, dims.breadth_first(cfg)
-        )
-        bubble = simulate_schedule(order, dims.num_stages)["bubble"]
-    per_mb = compute_s + sum(v for k, v in exposed.items() if k not in ("dp", "edp"))
     opt_s = 2 * state.model_state / (hw.hbm_tbs * 1e12)
-    step = per_mb * (1 + bubble) + exposed.get("dp", 0.0) + exposed.get("edp", 0.0) + opt_s
-    return Estimate(
+    e = Estimate(
         gpu=hw.name,
-        step_s=step,
+        step_s=0.0,
         compute_s=compute_s,
         model_flops=model_flops,
-        mfu=model_flops / (step * peak),
-        bubble=bubble,
+        mfu=0.0,
+        bubble=0.0,
         optimizer_s=opt_s,
         comm_s=comm,
         exposed_s=exposed,
     )
+    return with_pipeline(e, e.busy_s, hw)
+
+
+def with_pipeline(e: Estimate, pipeline_s: float, hw: GPU) -> Estimate:
+    """``e`` with its passes taking ``pipeline_s`` seconds (busy + idle): step, bubble, MFU."""
+    e.step_s = pipeline_s + e.exposed_s.get("dp", 0.0) + e.exposed_s.get("edp", 0.0)
+    e.step_s += e.optimizer_s
+    e.bubble = pipeline_s / e.busy_s - 1 if e.busy_s > 0 else math.inf
+    e.mfu = e.model_flops / (e.step_s * hw.bf16_tflops * 1e12)
+    return e
+
+
+def schedule_makespan(
+    cfg: JobConfig, dims: ParallelDims, stage_s: list[float]
+) -> tuple[float, dict[str, Any]]:
+    """Seconds of a step's passes of the pipeline schedule when stage s takes ``stage_s[s]``
+    seconds per step (forward and backward of all its micro-batches), and the simulation."""
+    from moetrain.parallel.pipeline import UNIT_COST, schedule_actions, simulate_schedule
+
+    p = cfg.parallel
+    m = dims.breadth_first(cfg)
+    order = schedule_actions(p.pp_schedule, dims.pp, dims.virtual_stages, m)
+    # A stage's forward + backward of one micro-batch costs (F + B) units of stage_cost.
+    unit = UNIT_COST["F"] + UNIT_COST["B"]
+    per_mb = [t / (dims.microbatches(cfg) * unit) for t in stage_s]
+    sim = simulate_schedule(order, dims.num_stages, per_mb)
+    return sim["makespan"] * dims.depth_first(cfg), sim
+
+
+def estimate(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    state: RankState,
+    axes: list[Axis],
+    hw: GPU,
+    overlap: dict[str, float] | None = None,
+) -> Estimate:
+    """One rank's estimate, planned alone: the other stages' times are their FLOPs at this
+    rank's pace (its compute and exposed communication per FLOP)."""
+    e = rank_times(cfg, dims, state, axes, hw, overlap)
+    if dims.pp == 1:
+        return e
+    flops = stage_flops_per_token(cfg, dims)
+    mine = sum(flops[c.stage] for c in state.chunks)
+    if mine == 0:  # no computing stage of its own: the others at compute speed alone
+        pace = (1 + _recompute(cfg)) / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
+        tokens = cfg.train.global_batch_size * cfg.data.seq_len / (dims.dp * dims.cp)
+        stage_s = [f * tokens * pace for f in flops]
+    else:
+        stage_s = [f / mine * e.busy_s for f in flops]
+    makespan, _ = schedule_makespan(cfg, dims, stage_s)
+    return with_pipeline(e, max(makespan, e.busy_s), hw)
+
+
+def estimate_ranks(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    ranks: list[tuple[RankState, list[Axis]]],
+    hw: GPU,
+    overlap: dict[str, float] | None = None,
+) -> list[Estimate]:
+    """The estimates of planned ranks. When they include every pipeline rank, each stage's
+    time is its own rank's (compute and exposed communication, shared among the rank's
+    stages by FLOPs) and one simulation of the schedule gives every rank the same makespan;
+    otherwise each rank is estimated alone (``estimate``)."""
+    if dims.pp == 1 or {s.coords["pp"] for s, _ in ranks} != set(range(dims.pp)):
+        return [estimate(cfg, dims, s, a, hw, overlap) for s, a in ranks]
+    out = [rank_times(cfg, dims, s, a, hw, overlap) for s, a in ranks]
+    flops = stage_flops_per_token(cfg, dims)
+    stage_s = [0.0] * dims.num_stages
+    seen: set[int] = set()
+    for (state, _), e in zip(ranks, out, strict=True):
+        if state.coords["pp"] in seen:
+            continue  # the pipeline rank's first planned rank stands for its others
+        seen.add(state.coords["pp"])
+        mine = [flops[c.stage] for c in state.chunks]
+        for c, f in zip(state.chunks, mine, strict=True):
+            share = f / sum(mine) if sum(mine) > 0 else 1 / len(mine)
+            stage_s[c.stage] = share * e.busy_s
+    makespan, _ = schedule_makespan(cfg, dims, stage_s)
+    return [with_pipeline(e, max(makespan, e.busy_s), hw) for e in out]
+
+
+def _recompute(cfg: JobConfig) -> float:
+    return {"none": 0.0, "selective": 1 / 12, "full": 1 / 3}[cfg.parallel.activation_checkpointing]

@@ -20,7 +20,7 @@ from moetrain.config import ConfigError, JobConfig
 from moetrain.parallel.dims import ParallelDims
 from moetrain.plan import activations as act
 from moetrain.plan.build import BuildOptimizers, RankState, build_rank, compute_dtype
-from moetrain.plan.estimate import Estimate, estimate
+from moetrain.plan.estimate import Estimate, estimate_ranks
 from moetrain.plan.hardware import GPU
 from moetrain.plan.traffic import Axis, traffic
 
@@ -177,8 +177,11 @@ def plan(
         rp = plan_rank(cfg, dims, state, dtype, device_type)
         if gpu is not None:
             rp.axes = traffic(cfg, dims, state, sh, dtype, gpus_per_node)
-            rp.estimate = estimate(cfg, dims, state, rp.axes, gpu, overlap)
         out.append(rp)
+    if gpu is not None:  # together: the pipeline's pace is its slowest stage's
+        estimates = estimate_ranks(cfg, dims, [(r.state, r.axes) for r in out], gpu, overlap)
+        for rp, e in zip(out, estimates, strict=True):
+            rp.estimate = e
     return Plan(cfg, dims, device_type, dtype, out, gpu, gpus_per_node)
 
 

@@ -22,9 +22,37 @@ def layout_line(plan: Plan) -> str:
     parts.append(f"ZeRO-{p.zero_stage if d.dp_cp > 1 else 0}")
     if d.pp > 1:
         parts.append(f"{p.pp_schedule} x {d.virtual_stages} chunks per rank")
+        if p.pp_stage_layers is not None:
+            parts.append(f"stages of {stage_counts(p.pp_stage_layers)} layers")
     parts.append(f"activation checkpointing {p.activation_checkpointing}")
     parts.append(f"{d.microbatches(plan.cfg)} micro-batches of {d.micro_batch_size(plan.cfg)}")
     return ", ".join(parts)
+
+
+def stage_counts(counts: list[int]) -> str:
+    """Layer counts per stage with repeats folded: [1, 2, 2, 2, 0] -> "1, 2 x 3, 0"."""
+    out: list[str] = []
+    i = 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        out.append(f"{counts[i]}" if j - i == 1 else f"{counts[i]} x {j - i}")
+        i = j
+    return "[" + ", ".join(out) + "]"
+
+
+def _rank_head(plan: Plan, r: RankPlan) -> str:
+    """A rank's column: its stages and, under a pipeline, their transformer layers."""
+    chunks = r.state.chunks
+    head = f"rank {r.state.rank} (stages {','.join(str(c.stage) for c in chunks)}"
+    if plan.dims.pp > 1:
+        n = plan.cfg.model.n_layers
+        layers = "+".join(str(sum(1 for x in c.layers if x.index < n)) for c in chunks)
+        head += f": {layers} layers"
+        if any(x.index >= n for c in chunks for x in c.layers):
+            head += " + MTP"
+    return head + ")"
 
 
 def memory_rows(plan: Plan, r: RankPlan) -> list[tuple[str, str, float]]:
@@ -63,8 +91,7 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
         "",
         "memory per rank (GB = 1e9 bytes)",
     ]
-    heads = [f"rank {r.state.rank} (stages {','.join(str(c.stage) for c in r.state.chunks)})"
-             for r in plan.ranks]  # fmt: skip
+    heads = [_rank_head(plan, r) for r in plan.ranks]
     width = max(len(h) for h in heads) + 2
     label_w = max(len(w) for w, _, _ in memory_rows(plan, plan.ranks[0])) + 2
     label_w = max(label_w, 48)
@@ -89,17 +116,22 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
                    else f": DOES NOT FIT {memory_gb:g} GB")  # fmt: skip
     lines.append(f"  {'peak of the worst rank'.ljust(label_w)}{'':>6}"
                  + f"{peak / GB:.2f}".rjust(width) + verdict)  # fmt: skip
-    for r in plan.ranks:
-        if r.axes:
-            lines += ["", f"traffic per step, rank {r.state.rank}: bytes sent, link, seconds"]
-            for a in r.axes:
-                link = "NVLink" if a.nodes == 1 else f"network ({a.nodes} nodes)"
-                t = r.estimate.comm_s.get(a.name, 0.0) if r.estimate else 0.0
-                x = r.estimate.exposed_s.get(a.name, 0.0) if r.estimate else 0.0
-                lines.append(f"  {a.name:4s} group of {a.group:<5d} {a.bytes / GB:10.2f} GB  "
-                             f"{link:22s} {t:8.3f} s ({x:.3f} s exposed)")  # fmt: skip
-            break  # the first rank stands for the others' traffic
+    # One rank's traffic stands for the others': the busiest (the estimate's pace-setter),
+    # else the first.
+    shown = [r for r in plan.ranks if r.axes]
+    if shown and any(r.estimate for r in shown):
+        shown = [max((r for r in shown if r.estimate), key=lambda r: r.estimate.busy_s)]
+    for r in shown[:1]:
+        lines += ["", f"traffic per step, rank {r.state.rank}: bytes sent, link, seconds"]
+        for a in r.axes:
+            link = "NVLink" if a.nodes == 1 else f"network ({a.nodes} nodes)"
+            t = r.estimate.comm_s.get(a.name, 0.0) if r.estimate else 0.0
+            x = r.estimate.exposed_s.get(a.name, 0.0) if r.estimate else 0.0
+            lines.append(f"  {a.name:4s} group of {a.group:<5d} {a.bytes / GB:10.2f} GB  "
+                         f"{link:22s} {t:8.3f} s ({x:.3f} s exposed)")  # fmt: skip
     if plan.step_s is not None:
+        # The step's longest rank (every rank's pipeline passes end together; its data-
+        # parallel traffic and optimizer step come after them).
         worst = max((r for r in plan.ranks if r.estimate), key=lambda r: r.estimate.step_s)
         e = worst.estimate
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
@@ -115,6 +147,15 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
             f"{plan.tflops_per_gpu / plan.gpu.bf16_tflops:.1%} of {plan.gpu.bf16_tflops:g}), "
             f"{tokens / e.step_s / d.world_size:,.0f} tokens/s per GPU",
         ]
+        estimated = [r for r in plan.ranks if r.estimate]
+        if d.pp > 1 and len(estimated) > 1:  # unequal stages: the busiest sets the pace
+            pace = max(estimated, key=lambda r: r.estimate.busy_s)
+            b = pace.estimate
+            lines.append(
+                f"  pipeline passes {b.busy_s * (1 + b.bubble):.3f} s on every rank, paced by "
+                f"the busiest, rank {pace.state.rank} ({b.busy_s:.3f} s busy, bubble "
+                f"{b.bubble:.3f})"
+            )
     tips = advice(plan, memory_gb)
     if tips:
         lines += ["", "advice:"] + [f"  - {t}" for t in tips]
@@ -173,6 +214,7 @@ def as_dict(plan: Plan, memory_gb: float | None) -> dict[str, Any]:
                 "rank": s.rank,
                 "coords": s.coords,
                 "stages": [c.stage for c in s.chunks],
+                "layers": [[x.index for x in c.layers] for c in s.chunks],
                 "params": s.params,
                 "grads": s.grads,
                 "optim": s.optim,

@@ -2,11 +2,12 @@
 the others do not fit.
 
 Candidates: tp within a node (a divisor of gpus_per_node), cp for sequences of 8K tokens and
-more, pp dividing the layers, ep dividing the experts, ZeRO 1-3, activation checkpointing
-none / selective / full; the config's micro-batch size and pipeline schedule (1F1B where its
-own does not apply). Each is validated with the trainer's own checks (a refusal keeps its
-message) and planned like ``moetrain plan``; builds are shared between candidates that
-differ only in activation checkpointing.
+more, pp dividing the layers (equal stages; uneven ones, ``parallel.pp_stage_layers``, when
+the command line fixes pp and the split), ep dividing the experts, ZeRO 1-3, activation
+checkpointing none / selective / full; the config's micro-batch size and pipeline schedule
+(1F1B where its own does not apply). Each is validated with the trainer's own checks (a
+refusal keeps its message) and planned like ``moetrain plan``; builds are shared between
+candidates that differ only in activation checkpointing.
 """
 
 from __future__ import annotations
@@ -47,12 +48,14 @@ def candidates(
     tps = [t for t in _divisors(gpus_per_node) if world % t == 0]
     cps = [c for c in (1, 2, 4, 8) if c == 1 or cfg.data.seq_len >= 8192]
     eps = _divisors(mo.num_experts) if mo.num_experts else [1]
+    uneven = "parallel.pp_stage_layers" in fixed  # the split is the command line's
     out = []
     for tp, cp in itertools.product(tps, cps):
         if world % (tp * cp):
             continue
-        for pp in _divisors(world // (tp * cp)):
-            if m.n_layers % pp or pp > m.n_layers:
+        pps = [cfg.parallel.pp] if "parallel.pp" in fixed else _divisors(world // (tp * cp))
+        for pp in pps:
+            if world % (tp * cp * pp) or not uneven and (m.n_layers % pp or pp > m.n_layers):
                 continue
             dp = world // (tp * cp * pp)
             for ep in eps:
@@ -105,6 +108,8 @@ def _apply(cfg: JobConfig, overrides: dict[str, object], fixed: frozenset[str]) 
         p.pp_virtual_stages, p.pp_microbatches = 1, None
     elif p.pp_schedule in ("gpipe", "1f1b"):
         p.pp_virtual_stages = 1
+    if "parallel.pp_stage_layers" not in fixed:
+        p.pp_stage_layers = None  # equal stages: the candidates' pp divide the layers
     out.parallel.validate()
     return out
 
@@ -115,8 +120,9 @@ def _checked(c: JobConfig, world: int, device_type: str):
     try:
         return planner.check_layout(c, world, device_type)
     except ConfigError:
-        if c.parallel.pp == 1 or c.parallel.pp_schedule in ("gpipe", "1f1b"):
-            raise
+        p = c.parallel
+        if p.pp == 1 or p.pp_schedule in ("gpipe", "1f1b") or p.pp_stage_layers is not None:
+            raise  # (a fixed split has its stage count: 1F1B's would not match it)
     c.parallel.pp_schedule, c.parallel.pp_virtual_stages = "1f1b", 1
     return planner.check_layout(c, world, device_type)
 
@@ -134,7 +140,7 @@ def search(
     """Every candidate, planned or refused; those that fit first, fastest first. ``fixed``:
     the ``parallel.*`` keys not to vary (those the command line sets)."""
     from moetrain.plan.activations import shapes
-    from moetrain.plan.estimate import estimate
+    from moetrain.plan.estimate import estimate_ranks
     from moetrain.plan.traffic import traffic
 
     built: dict[tuple, list] = {}
@@ -162,8 +168,10 @@ def search(
             rp = planner.plan_rank(c, dims, state, dtype, device_type)
             sh = shapes(c, dims, dtype, device_type)
             rp.axes = traffic(c, dims, state, sh, dtype, gpus_per_node)
-            rp.estimate = estimate(c, dims, state, rp.axes, gpu)
             ranks.append(rp)
+        for rp, e in zip(ranks, estimate_ranks(c, dims, [(r.state, r.axes) for r in ranks], gpu),
+                         strict=True):  # fmt: skip
+            rp.estimate = e
         cand.plan = planner.Plan(c, dims, device_type, dtype, ranks, gpu, gpus_per_node)
     cap = memory_gb * GB
 

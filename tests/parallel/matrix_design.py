@@ -80,6 +80,14 @@ LAYOUTS: list[Layout] = [
     Layout("pp2 dualpipev, 4 micro-batches", 2,
            ("parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
             "parallel.pp_microbatches=4")),
+    # uneven stages (parallel.pp_stage_layers): a heavy first stage, and the V with a last
+    # stage of the output head alone (DeepSeek-V3's layout in small: rank 0 holds the first
+    # and the last stage, 1 layer and the head; rank 1 the 3 layers between)
+    Layout("pp2 1f1b, stages of 3 + 1 layers", 2,
+           ("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[3,1]")),
+    Layout("pp2 dualpipev, stages of 1, 2, 1, 0 layers (the head alone)", 2,
+           ("parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+            "parallel.pp_microbatches=4", "parallel.pp_stage_layers=[1,2,1,0]")),
     # two axes, 4 ranks
     Layout("hsdp 2x2 zero3", 4, ("parallel.dp_replicate=2", "parallel.zero_stage=3")),
     Layout("hsdp 2x2 zero1", 4, ("parallel.dp_replicate=2", "parallel.zero_stage=1")),
@@ -102,6 +110,12 @@ LAYOUTS: list[Layout] = [
            ("parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1")),
     Layout("cp2 x pp2 interleaved v2", 4,
            ("parallel.cp=2", "parallel.pp=2", "parallel.pp_virtual_stages=2")),
+    # uneven stages under tp: in ZB-V's V, rank 0 holds the first and the last stage, the
+    # embedding alone and the output head alone (no block at all), rank 1 the 4 layers
+    Layout("pp2 x tp2 SP zbv, stages of 0, 2, 2, 0 layers (rank 0: no block)", 4,
+           ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2",
+            "parallel.pp_stage_layers=[0,2,2,0]")),
     # three axes, 8 ranks
     Layout("pp2 x dp2 x tp2 zero3 SP interleaved v2", 8,
            ("parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",

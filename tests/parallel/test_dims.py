@@ -66,7 +66,54 @@ INVALID = [
         4,
         ["parallel.pp=4", "parallel.pp_virtual_stages=2"],
         "model.n_layers: 4 layers do not split into parallel.pp * parallel.pp_virtual_stages = "
-        "4 * 2 = 8 equal stages",
+        "4 * 2 = 8 equal stages (and 4 layers are too few for 8 stages of at least one layer "
+        "between the first and the last)",
+    ),
+    # uneven pipeline stages (parallel.pp_stage_layers)
+    (
+        2,
+        ["parallel.pp=2", "model.n_layers=5"],
+        "model.n_layers: 5 layers do not split into parallel.pp * parallel.pp_virtual_stages = "
+        "2 * 1 = 2 equal stages; for uneven stages set parallel.pp_stage_layers to 2 layer "
+        "counts summing to 5, e.g. [3, 2]",
+    ),
+    (
+        4,
+        ["parallel.pp=4", "parallel.pp_schedule=1f1b", "model.n_layers=6"],
+        "e.g. [1, 2, 2, 1]",  # the extra layers between the first and the last stage first
+    ),
+    (
+        4,
+        ["parallel.pp=4", "parallel.pp_schedule=1f1b", "model.n_layers=7"],
+        "e.g. [2, 2, 2, 1]",  # then on the first (the embedding costs no compute), not the last
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_stage_layers=[3,2]"],
+        "parallel.pp_stage_layers: [3, 2] sum to 5 layers, but model.n_layers=4",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_stage_layers=[1,1,2]"],
+        "parallel.pp_stage_layers: 3 counts [1, 1, 2], but parallel.pp * parallel."
+        "pp_virtual_stages = 2 * 1 = 2 stages: give one layer count per stage",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_virtual_stages=2", "parallel.pp_stage_layers=[2,0,1,1]"],
+        "parallel.pp_stage_layers: stages [1] of [2, 0, 1, 1] hold no layer: only the first "
+        "stage (the embedding) and the last (the output head) may be empty",
+    ),
+    (
+        2,
+        ["parallel.pp=2", "parallel.pp_stage_layers=[5,-1]"],
+        "parallel.pp_stage_layers: layer counts must be >= 0, got [5, -1]",
+    ),
+    (
+        1,
+        ["parallel.pp_stage_layers=[4]"],
+        "parallel.pp_stage_layers: [4] set but parallel.pp=1: without a pipeline every rank "
+        "holds every layer; set parallel.pp_stage_layers=null",
     ),
     (
         2,
@@ -232,6 +279,35 @@ def test_invalid_layout_names_keys_and_numbers(
     with pytest.raises(ConfigError) as exc:
         dims_for(world, *overrides)
     assert message in str(exc.value)
+
+
+def test_uneven_stages_take_their_layers_in_order_under_every_placement() -> None:
+    """Stage s holds the next pp_stage_layers[s] layers; the looped and the V placements put
+    the stages on ranks as for equal stages; the first and the last stage may be empty, and
+    multi-token-prediction modules join the last stage however many layers it has."""
+    from moetrain.parallel.pipeline import (
+        stage_ids,
+        stage_layers,
+        stage_modules,
+        suggested_stage_layers,
+    )
+
+    counts = [1, 2, 1, 0]
+    assert [stage_layers(4, 4, s, counts) for s in range(4)] == [[0], [1, 2], [3], []]
+    assert [stage_layers(4, 4, s) for s in range(4)] == [[0], [1], [2], [3]]  # equal
+    assert stage_ids(0, 2, 2, "dualpipev") == [0, 3]  # rank 0: layer 0 and the head
+    assert stage_modules(4, 1, 4, 3, counts) == ([4], False, True)  # the MTP module, the head
+    assert stage_modules(4, 1, 4, 0, counts) == ([0], True, False)
+    for s, want in enumerate([[0, 1, 2], [3]]):  # 3 + 1 under 1F1B, checked by validation
+        assert stage_layers(4, 2, s, [3, 1]) == want
+        dims_for(2, "parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[3,1]")
+    dims_for(2, "parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual_stages=2",
+             "parallel.pp_stage_layers=[1,2,1,0]")  # fmt: skip
+    # DeepSeek-V3's 61 layers in 32 stages: the suggestion validation prints when no list is
+    # given; the published recipe (Megatron-Core's "Et|(tt|)*30mL") is [1, 2 x 30, 0].
+    assert suggested_stage_layers(61, 32) == [1] + [2] * 29 + [1, 1]
+    assert suggested_stage_layers(2, 4) == [0, 1, 1, 0]
+    assert suggested_stage_layers(1, 4) is None
 
 
 def test_dp_is_derived_from_the_world_size() -> None:

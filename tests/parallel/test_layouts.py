@@ -29,11 +29,37 @@ STEPS = 3
 
 @pytest.mark.multirank
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(600)
 def test_checkpoint_saved_under_one_layout_loads_under_another() -> None:
     """dp=4 with ZeRO-1 saves after 2 steps; pp=2 x tp=2 (+SP) loads it and takes the third
     step: the same loss, gradients, optimizer moments and parameters as three uninterrupted
-    single-process steps."""
+    single-process steps. And across pipeline splits on 2 ranks: uneven stages (3 + 1
+    layers) resumed as equal ones, and equal interleaved stages resumed in DualPipe-V's V
+    with stages of 1, 2, 1 and 0 layers (each layer's parameters and moments move to
+    another rank or chunk)."""
+    check_reshards(
+        2,
+        [
+            (
+                "pp=2 1f1b stages of 3 + 1 layers -> pp=2 1f1b equal stages",
+                ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[3,1]"],
+                ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+            ),
+            (
+                "pp=2 interleaved equal stages -> pp=2 dualpipev stages of 1, 2, 1, 0 layers",
+                ["parallel.pp=2", "parallel.pp_virtual_stages=2"],
+                [
+                    "parallel.pp=2",
+                    "parallel.pp_schedule=dualpipev",
+                    "parallel.pp_virtual_stages=2",
+                    "parallel.pp_microbatches=4",
+                    "parallel.pp_stage_layers=[1,2,1,0]",
+                ],
+            ),
+        ],
+        STEPS,
+        timeout=280,
+    )
     check_reshards(
         4,
         [
@@ -44,7 +70,7 @@ def test_checkpoint_saved_under_one_layout_loads_under_another() -> None:
             )
         ],
         STEPS,
-        timeout=380,
+        timeout=300,
     )
 
 

@@ -158,13 +158,15 @@ VALUE_ROWS_IN_CI = frozenset({
     "pp2 looped_bfs v2, 2 depth-first passes",
     "pp2 zbv, 2 pipeline micro-batches of 4",
     "pp2 dualpipev, 4 micro-batches",
+    "pp2 1f1b, stages of 3 + 1 layers",
+    "pp2 dualpipev, stages of 1, 2, 1, 0 layers (the head alone)",
 })  # fmt: skip
 """Two-rank layouts that vary an axis the CI part already crosses pairwise with every option
 (ZeRO-1/2 between ZeRO-0 and ZeRO-3, replicated experts beside expert TP, a schedule beside
-1F1B / interleaved / zero-bubble, an overlap beside the plain all-to-all, ZeRO-3 and
-breadth-first beside cp2): in CI they run the rows holding every option value, the rest of
-their pairwise rows under ``-m exhaustive`` -- the suite's budget (342 two-rank cells took
-7 min on two cores, the whole suite 24 min)."""
+1F1B / interleaved / zero-bubble, uneven stages beside equal ones, an overlap beside the plain
+all-to-all, ZeRO-3 and breadth-first beside cp2): in CI they run the rows holding every
+option value, the rest of their pairwise rows under ``-m exhaustive`` -- the suite's budget
+(342 two-rank cells took 7 min on two cores, the whole suite 24 min)."""
 
 
 @functools.cache
@@ -560,23 +562,24 @@ def render_page() -> str:
         "each rank used, the groups of ranks every collective of the first step went over",
         "(each named by the axes of the requested mesh it spans; a group that is no",
         "combination of them fails), besides the built model's placements, FSDP units and",
-        "resharding, ZeRO-1 shards, stages and schedule, checkpoint wrappers, experts per",
-        "rank and dispatcher. What they must be is computed from the raw request (the",
-        "`parallel.*` overrides as written) by the test's own arithmetic, never through the",
-        "config validation or `ParallelDims` the run uses: a breadth-first setting the engine",
-        "ignores, or `parallel.cp` forced to 1, changes the numbers of no cell but fails the",
-        "facts (`tests/parallel/test_oracle.py` plants both, `tests/faults.py`).",
+        "resharding, ZeRO-1 shards, stages, the layers of each stage and the schedule,",
+        "checkpoint wrappers, experts per rank and dispatcher. What they must be is computed",
+        "from the raw request (the `parallel.*` overrides as written) by the test's own",
+        "arithmetic, never through the config validation or `ParallelDims` the run uses: a",
+        "breadth-first setting the engine ignores, `parallel.cp` forced to 1, or a stage given",
+        "the wrong layers with the same total, changes the numbers of no cell but fails the",
+        "facts (`tests/parallel/test_oracle.py` plants all three, `tests/faults.py`).",
         "",
         f"{len(md.NAMES)} option factors, {len(md.LAYOUTS)} layouts, "
         f"{len(md.all_rows())} distinct option rows. CI runs, for every layout of one axis,",
         "a pairwise covering design (every pair of option values that validation accepts",
         "together meets the layout at least once) -- for the variants of an axis that CI",
         "already crosses pairwise (`VALUE_ROWS_IN_CI`: ZeRO-1/2, replicated experts, the",
-        "later schedules, the overlapped all-to-all, cp with ZeRO-3 and breadth-first",
-        "passes), the fewest of its pairwise rows that hold every option value; the",
-        "compositions of axes share such rows (`shared_value_rows`: every option value meets",
-        "some composition on 4 and on 8 ranks, every composition runs). The rest of the",
-        "pairwise designs and every row under every layout where it is valid (the exhaustive",
+        "later schedules, uneven pipeline stages, the overlapped all-to-all, cp with ZeRO-3",
+        "and breadth-first passes), the fewest of its pairwise rows that hold every option",
+        "value; the compositions of axes share such rows (`shared_value_rows`: every option",
+        "value meets some composition on 4 and on 8 ranks, every composition runs). The rest of",
+        "the pairwise designs and every row under every layout where it is valid (the exhaustive",
         f"cells, {len(exhaustive_cells())} of them) run under `-m exhaustive`, and in CI as a",
         f"rotating slice: cut into {len(slices())} slices of about {SLICE_BUDGET_S} s",
         f"(estimated), a commit runs slice `git rev-list --count HEAD` modulo {len(slices())}, so",

@@ -9,10 +9,10 @@ tests/multirank.py fails and names the tensor (or the rank, or the layout fact):
   so losses and parameters barely move: the gradients must be compared;
 - an optimizer state dropped on resume (what a checkpoint that lost a moment would do);
 - an error on one rank only (the other rank's report alone would pass);
-- a parallel key the code silently ignores (the layout facts must differ), and the two
+- a parallel key the code silently ignores (the layout facts must differ), and the
   escapes of tests/faults.py whose numbers equal one process's (breadth-first passes the
-  engine's loop ignores, ``parallel.cp`` forced to 1): the facts observed from the run
-  differ from the raw request;
+  engine's loop ignores, ``parallel.cp`` forced to 1, a pipeline stage given the wrong
+  layers with the same total): the facts observed from the run differ from the raw request;
 - an initialisation that depends on the layout (tests/faults.py: a rank draws its shards as
   if they began the tensor, or its experts as if they were the first ones): the first
   step's loss and gradients already differ from one process's.
@@ -150,6 +150,11 @@ def test_an_error_on_one_rank_and_ignored_layouts_are_caught() -> None:
             ("parallel.ep=2",),
             fault=("plant", None, "expert_layouts_ignored"),
         ),
+        Case(
+            "pp=2 stages of 3 + 1 layers, built as 1 + 3",
+            ("parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[3,1]"),
+            fault=("plant", None, "stage_layers_misassigned"),
+        ),
     ]
     with pytest.raises(AssertionError) as info:
         check_cases(2, cases, STEPS, timeout=450)
@@ -183,6 +188,13 @@ def test_an_error_on_one_rank_and_ignored_layouts_are_caught() -> None:
             init = _section(message, f"{case} (rank {rank})")
             assert re.search(r"tensors diverge from step 0", init), init
             assert "grad[step 0 " in init, init
+        # The layers each rank's stage held: the same four in all, on the wrong stages.
+        split = _section(message, f"built as 1 + 3 (rank {rank})")
+        want, got = ((0, 1, 2), (0,)) if rank == 0 else ((3,), (1, 2, 3))
+        assert (
+            f"layout stage_layers: the request asks for ({want},), the run has ({got},)"
+        ) in split, split
+        assert "grad[" not in split and "loss" not in split, split  # the same numbers
 
 
 def _section(message: str, case: str) -> str:

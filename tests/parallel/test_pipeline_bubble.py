@@ -127,3 +127,21 @@ def test_bubble_page_is_current(rows) -> None:
         f"{PAGE} does not hold the figures computed now; rewrite it with "
         "MOETRAIN_UPDATE_DOCS=1 python -m pytest tests/parallel/test_pipeline_bubble.py"
     )
+
+
+def test_unequal_stages_cost_their_own_time_and_the_busiest_sets_the_pace() -> None:
+    """``stage_cost`` (uneven stages, ``parallel.pp_stage_layers``): every action costs its
+    unit times its stage's cost; equal costs scale the makespan, a heavy stage's rank is the
+    busiest and the others wait for it."""
+
+    def run(cost=None):
+        return simulate_schedule(schedule_actions("1f1b", 2, 1, 4), 2, cost)
+
+    equal = run()
+    assert run([1.0, 1.0]) == equal
+    assert run([3.0, 3.0])["makespan"] == 3 * equal["makespan"]
+    heavy = run([3.0, 1.0])  # 3 + 1 layers
+    # F + B = 3 units a micro-batch, 4 micro-batches, times the stage's cost
+    assert heavy["busy_by_rank"] == {0: 36.0, 1: 12.0} and heavy["busy"] == 36.0
+    assert heavy["makespan"] >= 36.0
+    assert run([2.0, 2.0])["makespan"] < heavy["makespan"]  # 2 + 2 layers: shorter

@@ -17,6 +17,8 @@ from moetrain.parallel.dims import ParallelDims
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_EP = ["--config", "configs/tiny_ep.yaml", "--world", "8"]
+PP1 = ["parallel.pp=1", "parallel.pp_virtual_stages=1", "parallel.pp_stage_layers=null"]
+"""DeepSeek-V3 without its config's pipeline (2 stages a rank, uneven: both need one)."""
 
 
 def test_plan_prints_every_figure_and_says_whether_it_fits(capsys, monkeypatch) -> None:
@@ -41,10 +43,11 @@ def test_plan_prints_every_figure_and_says_whether_it_fits(capsys, monkeypatch) 
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["parallel.pp=16"],  # 61 layers do not split into 16 stages
-        ["parallel.pp=1", "parallel.ep=3"],  # ep does not divide 256 experts
-        ["parallel.pp=1", "parallel.tp=3"],  # nor tp the world
-        ["parallel.pp=1", "train.global_batch_size=1920"],  # 1920 / dp 2048
+        # 61 layers do not split into 16 x 2 equal stages (the config's uneven ones do)
+        ["parallel.pp_stage_layers=null"],
+        [*PP1, "parallel.ep=3"],  # ep does not divide 256 experts
+        [*PP1, "parallel.tp=3"],  # nor tp the world
+        [*PP1, "train.global_batch_size=1920"],  # 1920 / dp 2048
     ],
 )
 def test_a_layout_refused_at_2048_ranks_is_refused_with_the_trainers_message(
@@ -57,6 +60,47 @@ def test_a_layout_refused_at_2048_ranks_is_refused_with_the_trainers_message(
     argv = ["plan", "--config", "configs/deepseek_v3.yaml", "--world", "2048", *overrides]
     assert moetrain(argv) == 2
     assert capsys.readouterr().err.strip() == f"moetrain: config error: {trainer.value}"
+
+
+@pytest.mark.slow
+def test_deepseek_v3_plans_in_its_published_pipeline_of_uneven_stages(capsys, monkeypatch) -> None:
+    """The config as shipped: PP16 in DualPipe-V's V, 61 layers in 32 stages of [1, 2 x 30,
+    0]. Every pipeline rank is planned; rank 0 holds the first stage (the embedding and
+    layer 0) and the last (the output head alone), the others 2 + 2 layers."""
+    monkeypatch.chdir(REPO)
+    argv = ["plan", "--config", "configs/deepseek_v3.yaml", "--world", "2048", "--gpu", "h800"]
+    assert moetrain([*argv, "--json"]) in (0, 1)  # planned (the start-up does not fit 80 GB)
+    data = json.loads(capsys.readouterr().out)
+    ranks = {r["coords"]["pp"]: r for r in data["ranks"]}
+    assert sorted(ranks) == list(range(16))
+    assert ranks[0]["stages"] == [0, 31] and ranks[0]["layers"] == [[0], []]
+    for p in range(1, 16):
+        first = 1 + 2 * (p - 1)
+        last = 61 - 2 * p  # stage 31 - p: after 1 + 2 (30 - p) layers
+        assert ranks[p]["stages"] == [p, 31 - p]
+        assert ranks[p]["layers"] == [[first, first + 1], [last, last + 1]], p
+
+
+def test_uneven_stages_are_priced_stage_by_stage_and_the_busiest_sets_the_pace() -> None:
+    """Stages of 1 + 3 layers: each stage's FLOPs are its own layers' (the head's on the last
+    stage), and both ranks' pipeline passes take the same time, the busier (3 layers and the
+    head) idling less."""
+    from moetrain.plan import hardware, planner
+    from moetrain.plan.estimate import layer_flops_per_token, stage_flops_per_token
+    from moetrain.train.engine import build_optimizers
+
+    overrides = ["parallel.pp=2", "parallel.pp_schedule=1f1b", "parallel.pp_stage_layers=[1,3]",
+                 "model.tie_embeddings=false"]  # fmt: skip
+    cfg = load_config(REPO / "configs/tiny.yaml", overrides)
+    dims = ParallelDims.from_config(cfg.parallel, 2).validate(cfg)
+    layer = [layer_flops_per_token(cfg, i, 1) for i in range(4)]
+    head = 6 * cfg.model.dim * (cfg.model.vocab_size or 0)
+    assert stage_flops_per_token(cfg, dims) == pytest.approx([layer[0], sum(layer[1:]) + head])
+    plan = planner.plan(cfg, 2, build_optimizers, gpu=hardware.gpu("h100"))
+    first, last = (r.estimate for r in plan.ranks)
+    passes = [e.busy_s * (1 + e.bubble) for e in (first, last)]
+    assert passes[0] == pytest.approx(passes[1])
+    assert last.busy_s > first.busy_s and last.bubble < first.bubble
 
 
 def test_search_ranks_what_fits_and_says_why_the_rest_does_not(capsys, monkeypatch) -> None:
@@ -112,7 +156,7 @@ def test_deepseek_v3_at_2048_ranks_holds_its_experts_and_nothing_whole() -> None
     from moetrain.plan import planner
     from moetrain.train.engine import build_optimizers
 
-    overrides = ["parallel.pp=1", "parallel.ep=64", "parallel.zero_stage=3",
+    overrides = [*PP1, "parallel.ep=64", "parallel.zero_stage=3",
                  "train.global_batch_size=16384"]  # fmt: skip
     cfg = load_config(REPO / "configs/deepseek_v3.yaml", overrides)
     plan = planner.plan(cfg, 2048, build_optimizers)
