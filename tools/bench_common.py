@@ -179,17 +179,24 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores)"
 
 
+def git_head(cwd: str | os.PathLike[str], length: int | None = None) -> str | None:
+    """The short HEAD of the git checkout at ``cwd`` (``length`` digits, git's default
+    when None), or None where there is no git or no checkout."""
+    short = "--short" if length is None else f"--short={length}"
+    try:
+        out = subprocess.run(["git", "rev-parse", short, "HEAD"], cwd=cwd,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def git_commit() -> str:
     """MOETRAIN_COMMIT if set (a copy of the tree without .git, as on the GPU machine),
     else the checkout's short HEAD, else "unknown"."""
     if os.environ.get("MOETRAIN_COMMIT"):
         return os.environ["MOETRAIN_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return git_head(REPO) or "unknown"
 
 
 def triton_version() -> str:

@@ -361,13 +361,17 @@ def run_peer(name: str, body: str, values: dict[str, object], work: Path) -> dic
     return out
 
 
+def _bench_common():
+    """tools/bench_common.py, imported when called: it imports torch, which the measured
+    children (they import this module for ``read_megatron``) must not load."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_common
+
+    return bench_common
+
+
 def megatron_commit(path: Path) -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short=8", "HEAD"], cwd=path,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "a checkout without git"
+    return _bench_common().git_head(path, 8) or "a checkout without git"
 
 
 def cpu_model() -> str:
@@ -380,12 +384,7 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
-                             capture_output=True, text=True, check=True)  # fmt: skip
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return _bench_common().git_commit()
 
 
 def append_rows(path: Path, rows: list[dict[str, object]]) -> None:

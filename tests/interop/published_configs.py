@@ -76,21 +76,12 @@ PUBLISHED: dict[str, dict] = {
         "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
         "vocab_size": 201088,
     },
-    "gpt_oss_120b.yaml": {  # openai/gpt-oss-120b
-        "architectures": ["GptOssForCausalLM"], "attention_bias": True,
-        "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4,
-        "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
-        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
-        "layer_types": ["sliding_attention", "full_attention"] * 18,
-        "max_position_embeddings": 131072, "model_type": "gpt_oss",
-        "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
-        "num_key_value_heads": 8, "num_local_experts": 128, "output_router_logits": False,
-        "pad_token_id": 199999, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                         "original_max_position_embeddings": 4096, "rope_type": "yarn",
-                         "truncate": False},
-        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
-        "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True,
-        "vocab_size": 201088,
-    },
 }  # fmt: skip
+
+# openai/gpt-oss-120b: gpt-oss-20b's config.json but for its depth and expert count.
+PUBLISHED["gpt_oss_120b.yaml"] = {
+    **PUBLISHED["gpt_oss_20b.yaml"],
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
+}
