@@ -1,0 +1,271 @@
+"""What a step computes, counted at torch's dispatcher: matmul FLOPs by dtype, host syncs,
+dtype casts, and the bytes norms read.
+
+A layout oracle compares layouts with one process; it cannot see a bug the one process
+shares (the routed experts ran in fp32 under bf16 autocast everywhere, and only a GPU showed
+it). ``StepCensus`` looks at the step itself: it is a ``TorchDispatchMode`` that sits below
+autocast and autograd, so it sees the operands each matmul really receives, forward and
+backward, the casts autocast and the model make, and every op that needs the host to read a
+device value. It runs on real tensors (CPU tests) and on meta tensors (the planner).
+
+    with StepCensus() as census:
+        loss = model(x).sum()
+        loss.backward()
+    census.matmul_flops        # {("mm", torch.bfloat16): 1.2e9, ("_grouped_mm", ...): ...}
+    census.flops_by_dtype()    # {torch.bfloat16: ..., torch.float32: ...}
+    census.syncs               # {"_local_scalar_dense": 3, "nonzero": 1}
+    census.cast_elements       # {(torch.float32, torch.bfloat16): 4.1e6, ...}
+
+What counts:
+
+- **matmuls**: ``mm``, ``addmm``, ``bmm``, ``baddbmm``, ``mv``, ``dot``, ``_grouped_mm`` (both
+  its 2-D x 3-D and 2-D x 2-D forms), ``_scaled_mm`` / ``_scaled_grouped_mm`` (FP8) and the
+  fused attention kernels (SDPA's CPU flash kernel, flash, efficient, cuDNN; forward 2
+  matmuls, backward 4 (flash) of ``2 B H s L D`` each). The key is (op, the dtype of the
+  first matrix operand); ``mismatched`` lists ops whose two matrix operands differ in dtype.
+  Composite ops (``linear``, ``matmul``, ``einsum``, SDPA's math path) are counted as the mm /
+  bmm they decompose into.
+- **host syncs**: ops whose result the host must read before it can go on: ``.item()`` /
+  ``bool(t)`` (``_local_scalar_dense``, ``is_nonzero``), ``.tolist()`` / ``.numpy()`` (seen
+  at the Python level: on a CPU tensor they run no aten op), and ops whose output
+  shape depends on tensor values (``nonzero``, ``masked_select``, ``unique``,
+  ``repeat_interleave`` without ``output_size``, ``bincount``, boolean-mask indexing). On
+  CPU they cost nothing; on a GPU each one stalls the launch queue.
+- **casts**: ``_to_copy`` and ``copy_`` between floating dtypes, in elements per (from, to).
+- **norm reads**: bytes read by ``linalg_vector_norm``, ``norm`` and ``_foreach_norm``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+
+# Ops whose output size depends on values, so that the host must wait for the device.
+_SYNC_OPS = {
+    "_local_scalar_dense",
+    "is_nonzero",
+    "nonzero",
+    "nonzero_static",  # listed for completeness: it does NOT sync; filtered below
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_consecutive",
+    "unique_dim",
+    "bincount",
+    "equal",
+}
+_SYNC_OPS.discard("nonzero_static")
+
+_NORM_OPS = {"linalg_vector_norm", "norm", "_foreach_norm", "frobenius_norm"}
+
+
+def _numel(shape: Any) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> int:
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor) -> int:
+    return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+
+
+def _grouped(a: torch.Tensor, b: torch.Tensor) -> int:
+    """``_grouped_mm`` / ``_scaled_grouped_mm``: (N, K) x (E, K, M) -> every row through one
+    expert's weight; (K, N) x (N, M) -> E (K, M) blocks, each over its own rows (the weight
+    gradient form: the rows partition N, so the total is K N M); 3-D x 3-D -> batched."""
+    if a.dim() == 2 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[-1]
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    if a.dim() == 3 and b.dim() == 2:  # (E, N, K) x (K, M) is not a form torch has; be safe
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[1]
+    return _bmm(a, b)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, matmuls: int) -> int:
+    """Fused attention over (B, H, s, D) queries and (B, H, L, D) keys: ``matmuls`` products
+    of 2 B H s L D each (forward: QK^T and PV; backward: 4 with flash's recompute folded)."""
+    B, H, s, D = q.shape
+    L, Dv = k.shape[-2], v.shape[-1]
+    return matmuls * B * H * s * L * (D + Dv)
+
+
+# op name -> (FLOPs from the args, index of the two matrix operands whose dtypes are compared)
+_MATMULS: dict[str, tuple[Callable[..., int], tuple[int, int]]] = {
+    "mm": (lambda a: _mm(a[0], a[1]), (0, 1)),
+    "addmm": (lambda a: _mm(a[1], a[2]), (1, 2)),
+    "bmm": (lambda a: _bmm(a[0], a[1]), (0, 1)),
+    "baddbmm": (lambda a: _bmm(a[1], a[2]), (1, 2)),
+    "mv": (lambda a: 2 * a[0].shape[0] * a[0].shape[1], (0, 1)),
+    "dot": (lambda a: 2 * a[0].shape[0], (0, 1)),
+    "_grouped_mm": (lambda a: _grouped(a[0], a[1]), (0, 1)),
+    "_scaled_mm": (lambda a: _mm(a[0], a[1]), (0, 1)),
+    "_scaled_grouped_mm": (lambda a: _grouped(a[0], a[1]), (0, 1)),
+    "_scaled_dot_product_flash_attention_for_cpu": (lambda a: _attention(*a[:3], 1), (0, 1)),
+    "_scaled_dot_product_flash_attention": (lambda a: _attention(*a[:3], 1), (0, 1)),
+    "_scaled_dot_product_efficient_attention": (lambda a: _attention(*a[:3], 1), (0, 1)),
+    "_scaled_dot_product_cudnn_attention": (lambda a: _attention(*a[:3], 1), (0, 1)),
+    # backward: (grad_out, q, k, v, ...): dQ, dK, dV and the recomputed scores -> 2x forward
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (
+        lambda a: _attention(*a[1:4], 2), (1, 2)),
+    "_scaled_dot_product_flash_attention_backward": (lambda a: _attention(*a[1:4], 2), (1, 2)),
+    "_scaled_dot_product_efficient_attention_backward": (
+        lambda a: _attention(*a[1:4], 2), (1, 2)),
+    "_scaled_dot_product_cudnn_attention_backward": (lambda a: _attention(*a[1:4], 2), (1, 2)),
+}  # fmt: skip
+
+
+def _name(func: Any) -> str:
+    return func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+
+
+# Tensor methods that read a tensor's values on the host without an aten op on a CPU tensor
+# (on a GPU tensor they copy it to the host first, and wait for it).
+_HOST_READS = {"tolist", "numpy", "__array__"}
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts ``Tensor.tolist()`` and ``.numpy()``: on a CPU tensor they read memory directly,
+    so the dispatcher never sees them; on a GPU tensor each is a device-to-host copy and a
+    wait."""
+
+    def __init__(self, syncs: Counter[str]) -> None:
+        super().__init__()
+        self.syncs = syncs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        name = getattr(func, "__name__", "")
+        if name in _HOST_READS and args and isinstance(args[0], torch.Tensor):
+            self.syncs[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class StepCensus(TorchDispatchMode):
+    """Counts matmul FLOPs by (op, dtype), host syncs, casts and norm reads of whatever runs
+    inside it (see the module docstring). Re-entrant counts add up: enter it around one step
+    (forward, backward and optimizer) to census that step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmul_flops: Counter[tuple[str, torch.dtype]] = Counter()
+        self.matmul_calls: Counter[tuple[str, torch.dtype]] = Counter()
+        self.mismatched: Counter[tuple[str, torch.dtype, torch.dtype]] = Counter()
+        self.syncs: Counter[str] = Counter()
+        self.cast_elements: Counter[tuple[torch.dtype, torch.dtype]] = Counter()
+        self.norm_bytes: Counter[torch.dtype] = Counter()
+        self.operands: list[tuple[str, tuple[torch.dtype, ...], tuple[tuple[int, ...], ...]]] = []
+        """(op, operand dtypes, operand shapes) of every matmul, in call order."""
+        self._host_reads = _HostReads(self.syncs)
+
+    def __enter__(self) -> StepCensus:
+        self._host_reads.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._host_reads.__exit__(*exc)
+
+    # ------------------------------------------------------------------ the dispatcher hook
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name in _MATMULS:
+            self._matmul(name, args)
+        elif name in _SYNC_OPS or self._value_shaped(name, args, kwargs):
+            self.syncs[name] += 1
+        elif name in ("_to_copy", "to", "_to_copy_"):
+            self._cast(args[0], kwargs.get("dtype"))
+        elif name == "copy_":
+            self._cast(args[1], args[0].dtype)
+        elif name in _NORM_OPS:
+            for t in tree_flatten(args[0])[0]:
+                if isinstance(t, torch.Tensor):
+                    self.norm_bytes[t.dtype] += t.numel() * t.element_size()
+        elif name == "_foreach_copy_":
+            for dst, src in zip(args[0], args[1], strict=True):
+                self._cast(src, dst.dtype)
+        return func(*args, **kwargs)
+
+    def _matmul(self, name: str, args: tuple) -> None:
+        flops, (i, j) = _MATMULS[name]
+        a, b = args[i], args[j]
+        self.matmul_flops[(name, a.dtype)] += flops(args)
+        self.matmul_calls[(name, a.dtype)] += 1
+        if a.dtype != b.dtype and not name.startswith("_scaled"):
+            self.mismatched[(name, a.dtype, b.dtype)] += 1
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        self.operands.append(
+            (name, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors))
+        )
+
+    @staticmethod
+    def _value_shaped(name: str, args: tuple, kwargs: dict) -> bool:
+        """Ops that sync only in some forms: ``repeat_interleave`` with tensor repeats and no
+        ``output_size``; indexing with a boolean mask (its output size is the mask's count)."""
+        if name == "repeat_interleave":
+            return (
+                bool(args)
+                and isinstance(args[0], torch.Tensor)
+                and (len(args) < 2 or isinstance(args[1], torch.Tensor))
+                and kwargs.get("output_size") is None
+            )
+        if name == "index":
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices or ())
+        return False
+
+    def _cast(self, src: Any, dtype: torch.dtype | None) -> None:
+        if not isinstance(src, torch.Tensor) or dtype is None or dtype == src.dtype:
+            return
+        if src.is_floating_point() and dtype.is_floating_point:
+            self.cast_elements[(src.dtype, dtype)] += src.numel()
+
+    # ---------------------------------------------------------------------------- summaries
+
+    def flops_by_dtype(self) -> dict[torch.dtype, int]:
+        out: Counter[torch.dtype] = Counter()
+        for (_, dtype), f in self.matmul_flops.items():
+            out[dtype] += f
+        return dict(out)
+
+    def total_flops(self) -> int:
+        return sum(self.matmul_flops.values())
+
+    def sync_count(self) -> int:
+        return sum(self.syncs.values())
+
+    def cast_bytes(self) -> int:
+        """Bytes a cast moves: read at the source dtype plus written at the target's."""
+        size = lambda d: torch.empty((), dtype=d).element_size()  # noqa: E731
+        return sum(n * (size(a) + size(b)) for (a, b), n in self.cast_elements.items())
+
+    def report(self) -> str:
+        """A few lines for a failing test or a log."""
+        total = self.total_flops() or 1
+        lines = ["matmul FLOPs by (op, dtype):"]
+        for (op, dt), f in sorted(self.matmul_flops.items(), key=lambda kv: -kv[1]):
+            calls = self.matmul_calls[(op, dt)]
+            lines.append(f"  {op:<50} {str(dt):<15} {f:>14,} ({f / total:6.1%}, {calls} calls)")
+        if self.mismatched:
+            lines.append(f"operands of two dtypes: {dict(self.mismatched)}")
+        lines.append(f"host syncs: {self.sync_count()} {dict(self.syncs)}")
+        casts = {f"{a} -> {b}": n for (a, b), n in self.cast_elements.items()}
+        lines.append(f"cast elements: {casts}")
+        if self.norm_bytes:
+            lines.append(f"norm reads (bytes): { {str(k): v for k, v in self.norm_bytes.items()} }")
+        return "\n".join(lines)
