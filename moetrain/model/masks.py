@@ -23,7 +23,9 @@ joins every query's softmax denominator, run as one more key that every query se
 Two ways to run it (``model.attention_backend``): "sdpa", ``scaled_dot_product_attention``
 with ``is_causal=True`` when the mask is plain causal and an explicit boolean mask otherwise,
 or "flex", FlexAttention with a block mask (compiled: blocks that the mask empties are
-skipped). ``docs/attention.md`` holds the measurement behind the default.
+skipped; on a CPU whose inductor kernels are not AVX-512 the compiled kernel gives wrong
+numbers, so the same mask runs through SDPA there, with a warning: ``flex_untrusted_reason``).
+``docs/attention.md`` holds the measurement behind the default.
 
 Shape legend: B batch, s query positions, L key positions, S whole sequence, H heads,
 Dh head dim, Dv value head dim.
@@ -32,6 +34,7 @@ Dh head dim, Dv value head dim.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -202,6 +205,48 @@ def _compiled_flex() -> Any:
     return torch.compile(flex_attention, dynamic=False)
 
 
+FLEX_CPU_MIN_VECTOR_BITS = 512
+"""Compiled FlexAttention on a CPU is trusted only where inductor vectorises its C++ kernel
+with at least this many bits (AVX-512). With AVX2 (256 bits), torch 2.13's C++ FlexAttention
+template returned NaN or wrong rows that change from run to run: measured on an AMD EPYC with
+AVX-512 forced to AVX2 (``ATEN_CPU_CAPABILITY=avx2``, fresh inductor cache), at head dims 8
+and 16 with 40 positions (max abs error 1.2 to 2.8 against SDPA, or NaN; different shapes fail
+in different runs: the signature of memory read before it is written), while the same shapes
+and 15 others (head dims 4 to 48, 16 to 257 positions) agree within 1e-6 under AVX-512
+(tests/model/test_masks.py). Without a vectorising ISA inductor refuses to compile it at
+all."""
+
+
+@functools.cache
+def flex_untrusted_reason(device_type: str) -> str | None:
+    """Why compiled FlexAttention cannot be trusted on ``device_type`` (None: it can). Only
+    CPUs are checked: FlexAttention's GPU kernels are Triton's, not this C++ template."""
+    if device_type != "cpu":
+        return None
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    bits = isa.bit_width() if isa else 0
+    if bits >= FLEX_CPU_MIN_VECTOR_BITS:
+        return None
+    name = str(isa) if isa else "none"
+    return (
+        f"compiled FlexAttention gives wrong numbers on this CPU (inductor's vector ISA: "
+        f"{name}, {bits} bits; trusted from {FLEX_CPU_MIN_VECTOR_BITS}, AVX-512): the same "
+        "mask runs through SDPA, which gives FlexAttention's numbers (docs/attention.md)"
+    )
+
+
+def _flex_or_fallback(device: torch.device) -> bool:
+    """Whether the flex backend may run compiled FlexAttention on ``device``; warns when it
+    may not (``attend`` then runs the same mask through SDPA; Python's default warning filter
+    shows it once)."""
+    reason = flex_untrusted_reason(device.type)
+    if reason is not None:
+        warnings.warn(f"model.attention_backend=flex: {reason}", RuntimeWarning, stacklevel=3)
+    return reason is None
+
+
 def attend(
     q_BsHD: torch.Tensor,
     k_BLHD: torch.Tensor,
@@ -221,7 +266,7 @@ def attend(
         out = _attend_with_sinks(q, k, v, scale, mask.dense(s, L, device), sinks_H)
     elif mask.plain_causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    elif mask.backend == "flex":
+    elif mask.backend == "flex" and _flex_or_fallback(q.device):
         block = mask.block_mask(B, s, L, device)
         out = _compiled_flex()(q, k, v, block_mask=block, scale=scale)
     else:

@@ -5,6 +5,12 @@ generation over a KV cache)."""
 
 from __future__ import annotations
 
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,6 +21,7 @@ from moetrain.model.masks import (
     document_ids,
     document_lengths,
     document_positions,
+    flex_untrusted_reason,
 )
 from moetrain.model.transformer import KVCache, build_model
 
@@ -120,20 +127,68 @@ def test_attend_is_a_softmax_over_the_allowed_keys(rules, sinks, assert_close) -
         assert_close(grad, ref.float(), what=f"sink gradient, {rules}")
 
 
+FLEX_SHAPES = [(8, 40), (16, 40), (4, 17), (12, 33), (48, 257)]
+"""(head dim, positions): the shapes where compiled FlexAttention went wrong under AVX2 (8
+and 16 at 40 positions), and others around them (masks.FLEX_CPU_MIN_VECTOR_BITS)."""
+
+
+def _flex_vs_sdpa(assert_close) -> None:
+    g = torch.Generator().manual_seed(1)
+    for Dh, S in FLEX_SHAPES:
+        B, H = 2, 2
+        q, k, v = (torch.randn(B, S, H, Dh, generator=g) for _ in range(3))
+        docs = torch.zeros(B, S, dtype=torch.long)
+        docs[0, S // 3 :] = 1
+        docs[0, S - S // 5 :] = 2
+        for window in (None, 5):
+            sdpa = AttentionMask.causal().with_documents(docs).with_window(window)
+            flex = AttentionMask.causal(backend="flex").with_documents(docs).with_window(window)
+            assert_close(
+                attend(q, k, v, None, flex),
+                attend(q, k, v, None, sdpa),
+                what=f"flex vs sdpa, head dim {Dh}, {S} positions, window {window}",
+            )
+
+
 @pytest.mark.slow  # FlexAttention compiles (about a minute on two cores)
 def test_flex_backend_gives_the_sdpa_numbers(assert_close) -> None:
-    g = torch.Generator().manual_seed(1)
-    B, S, H, Dh = 2, 40, 2, 8
-    q, k, v = (torch.randn(B, S, H, Dh, generator=g) for _ in range(3))
-    docs = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 40])
-    for window in (None, 5):
-        sdpa = AttentionMask.causal().with_documents(docs).with_window(window)
-        flex = AttentionMask.causal(backend="flex").with_documents(docs).with_window(window)
-        assert_close(
-            attend(q, k, v, None, flex),
-            attend(q, k, v, None, sdpa),
-            what=f"flex vs sdpa, window {window}",
-        )
+    """On this machine's own vector ISA: compiled FlexAttention where it is trusted, the
+    SDPA fallback (with its warning) where it is not."""
+    if flex_untrusted_reason("cpu") is None:
+        _flex_vs_sdpa(assert_close)
+    else:
+        with pytest.warns(RuntimeWarning, match="gives wrong numbers on this CPU"):
+            _flex_vs_sdpa(assert_close)
+
+
+_AVX2_CHILD = """
+import warnings, torch
+from moetrain.model.masks import flex_untrusted_reason
+import conftest, test_masks
+reason = flex_untrusted_reason("cpu")
+assert reason is not None and "avx2" in reason, reason
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    test_masks._flex_vs_sdpa(conftest._assert_close)
+assert any("gives wrong numbers on this CPU" in str(w.message) for w in seen), seen
+print("ok")
+"""
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 vector ISAs")
+def test_flex_under_avx2_gives_the_sdpa_numbers(tmp_path) -> None:
+    """A CPU whose inductor kernels are AVX2 (forced here with ATEN_CPU_CAPABILITY, which
+    inductor's ISA choice follows, and a fresh inductor cache): compiled FlexAttention gave
+    NaN or wrong rows there, so the flex backend must give SDPA's numbers and say why."""
+    here = Path(__file__)
+    path = os.pathsep.join(
+        [str(here.parent), str(here.parents[1]), os.environ.get("PYTHONPATH", "")]
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "PYTHONPATH": path,
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _AVX2_CHILD], env=env, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
 def test_a_document_index_of_another_length_is_refused() -> None:
