@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import re
 import tempfile
+from typing import Any
 
 import pytest
 from multirank import (
     PARAM_TOL,
     Case,
+    anchored_compare,
     check_cases,
     compare_resumed,
     compare_runs,
@@ -79,6 +81,54 @@ def test_a_scaled_gradient_is_caught_and_named(suffix: str, factor: float, patte
         )
         assert excess < 10, excess
     assert "ratio of norms" in message
+
+
+def _at_step(step: int, inject: Any) -> Any:
+    """A ``micro_run`` injection that runs at ``step`` only."""
+    return lambda engine, t: inject(engine, t) if t == step else None
+
+
+def _nudge(suffix: str, by: float) -> Any:
+    """Moves the parameters whose name ends with ``suffix`` by ``by`` before the optimizer
+    step: the update the step makes is then not one process's update of its inputs."""
+
+    def inject(engine: Any, step: int) -> None:
+        from moetrain.train.tensors import fqn as _fqn
+
+        for name, p in engine.parts[0].named_parameters():
+            if _fqn(name).endswith(suffix):
+                p.data.add_(by)
+
+    return inject
+
+
+@pytest.mark.slow  # three 3-step runs and their replays (about 25 s on two idle cores)
+def test_the_step_by_step_check_is_exact_and_forgives_no_later_error() -> None:
+    """``anchored_compare`` (what decides a cell past the whole-run tolerances, where Adam has
+    amplified last-bit differences) replays the run step by step from the run's own states:
+    a correct run passes it with nothing to spare; a gradient error at a later step only, or
+    an update that is not the optimizer's, fails it and is named at its step."""
+    with tempfile.TemporaryDirectory() as out:
+        clean = micro_run(out, STEPS)
+    errs = anchored_compare((), clean, STEPS)
+    assert errs["param"] == 0.0 and errs["grad first step"] == 0.0, errs
+    with tempfile.TemporaryDirectory() as out:
+        late = micro_run(
+            out, STEPS, inject=_at_step(1, scale_grads("layers.1.ffn.experts.w2", 1.01))
+        )
+    _fails_naming(late, r"grad\[step 1 layers\.1\.ffn\.experts\.w2\]")
+    with pytest.raises(
+        AssertionError, match=r"anchored at step 1[\s\S]*layers\.1\.ffn\.experts\.w2"
+    ):
+        anchored_compare((), late, STEPS)
+    with tempfile.TemporaryDirectory() as out:
+        moved = micro_run(
+            out, STEPS, inject=_at_step(2, _nudge("layers.0.attention.wq.weight", 1e-4))
+        )
+    with pytest.raises(
+        AssertionError, match=r"anchored at step 2[\s\S]*param\[layers\.0\.attention\.wq"
+    ):
+        anchored_compare((), moved, STEPS)
 
 
 def test_a_dropped_optimizer_state_on_resume_is_caught_and_named() -> None:
