@@ -1,14 +1,15 @@
 """The interop commands of ``moetrain``:
 
-    moetrain import-hf HF_DIR OUT_DIR [--force]
+    moetrain import-hf HF_DIR OUT_DIR [--force] [--allow-unused]
     moetrain export-hf CHECKPOINT_DIR OUT_DIR [--family F] [--dtype bf16] [--max-shard-gb N]
                        [--force]
     moetrain generate CHECKPOINT_OR_HF_DIR --prompt TEXT [--max-new-tokens N]
-                      [--temperature T] [--top-p P] [--seed S] [--device D]
+                      [--temperature T] [--top-p P] [--seed S] [--device D] [--allow-unused]
 
 Bad input (a directory that is not what it should be, an architecture no family
-expresses, an output directory that is not empty or is one of the sources) is one line on
-stderr and exit status 2. Output is written beside OUT_DIR and renamed into place.
+expresses, an output directory that is not empty or is one of the sources, a tensor of
+HF_DIR that the model would not use) is one line on stderr and exit status 2. Output is
+written beside OUT_DIR and renamed into place.
 """
 
 from __future__ import annotations
@@ -50,15 +51,27 @@ def import_hf_main(argv: list[str] | None = None) -> int:
                         "empty directory")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR "
                         "whole (never a training run or HF_DIR)")  # fmt: skip
+    _allow_unused_flag(parser)
     args = parser.parse_args(argv)
     from moetrain.interop.convert import import_hf
 
     try:
-        path = import_hf(args.hf_dir, args.out_dir, force=args.force)
+        done = import_hf(args.hf_dir, args.out_dir, force=args.force,
+                         allow_unused=args.allow_unused)  # fmt: skip
     except _user_errors() as exc:
         return _fail(exc)
-    print(f"moetrain: imported {args.hf_dir} -> {path} (+ {Path(args.out_dir) / 'config.yaml'})")
+    print(f"moetrain: imported {args.hf_dir} -> {done.checkpoint} "
+          f"(+ {Path(args.out_dir) / 'config.yaml'})")  # fmt: skip
+    print(f"moetrain: import-hf: {done.tensors.summary()}")
     return 0
+
+
+def _allow_unused_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--allow-unused", action="store_true", help="read the transformers "
+                        "directory even when some of its tensors would not be used (a layer "
+                        "beyond config.json's, a module the family does not have, a shared "
+                        "copy that differs from the tensor it duplicates); the summary names "
+                        "them")  # fmt: skip
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -98,19 +111,20 @@ def export_hf_main(argv: list[str] | None = None) -> int:
     except _user_errors() as exc:
         return _fail(exc)
     print(f"moetrain: exported {args.checkpoint} -> {exported.path} {exported.describe()}")
+    print(f"moetrain: export-hf: {exported.summary()}")
     return 0
 
 
-def load_for_generation(path: str | Path, device: str = "cpu"):
+def load_for_generation(path: str | Path, device: str = "cpu", allow_unused: bool = False):
     """(model, tokenizer or None) of a transformers directory or a moetrain checkpoint, on
-    ``device`` in eval mode with dropless routing."""
+    ``device`` in eval mode with dropless routing (``allow_unused``: see ``from_hf``)."""
     from moetrain.data import load_tokenizer
 
     path = Path(path).expanduser()
     if (path / "config.json").is_file():
         from moetrain.interop.hf_model import from_hf
 
-        model = from_hf(path)
+        model = from_hf(path, allow_unused=allow_unused)
         tokenizer = load_tokenizer(str(path)) if (path / "tokenizer.json").is_file() else None
     else:
         from moetrain.interop.checkpoints import checkpoint_info, load_model
@@ -149,11 +163,12 @@ def generate_main(argv: list[str] | None = None) -> int:
         help="where to run: cpu, cuda, cuda:1 ... (default: %(default)s)",
     )
     parser.add_argument("--show-ids", action="store_true", help="also print the token ids")
+    _allow_unused_flag(parser)
     args = parser.parse_args(argv)
     from moetrain.model.generate import generate
 
     try:
-        model, tok = load_for_generation(args.path, args.device)
+        model, tok = load_for_generation(args.path, args.device, args.allow_unused)
         if tok is None:
             raise ConfigError(f"{args.path} has no tokenizer.json to encode the prompt with")
         prompt = tok.encode(args.prompt)
