@@ -134,7 +134,7 @@ def _why_unused(name: str, family: Family, m: ModelConfig, tensors: set[str]) ->
     layers = m.n_layers + m.mtp_depth
     if found and int(found.group(1)) >= layers:
         i = int(found.group(1))
-        why = f"layer {i}, beyond the {m.n_layers} of config.json's num_hidden_layers"
+        why = f"layer {i}, beyond config.json's num_hidden_layers={m.n_layers}"
         if m.mtp_depth:
             why += f" and its {m.mtp_depth} multi-token-prediction layer(s)"
         if family.mtp and f"{family.prefix}.{i}.eh_proj.weight" in tensors:

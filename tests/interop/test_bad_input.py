@@ -131,7 +131,7 @@ def test_init_from_refuses_unused_tensors(
     hf = _copy(sharded, tmp_path / "hf")
     _add_shard(hf, {"model.layers.0.mlp.extra_adapter.weight": torch.ones(8, 64),
                     "model.layers.5.self_attn.q_proj.weight": torch.ones(128, 64)})  # fmt: skip
-    why = r".*layer 5, beyond the 3 of config.json's num_hidden_layers.*"
+    why = r".*layer 5, beyond config.json's num_hidden_layers=3.*"
     _refused(hf, tmp_path / "run", UNUSED + why + "model.allow_unused_tensors=true")
     with caplog.at_level("INFO", logger="moetrain"):
         trainer = Trainer(micro_config(tmp_path / "run", f"model.init_from={hf}",
