@@ -4,7 +4,7 @@
     moetrain export-hf CHECKPOINT_DIR OUT_DIR [--family F] [--dtype bf16] [--max-shard-gb N]
                        [--force]
     moetrain generate CHECKPOINT_OR_HF_DIR --prompt TEXT [--max-new-tokens N]
-                      [--temperature T] [--top-p P] [--seed S] [--device D] [--allow-unused]
+                      [--temperature T] [--top-p P] [--seed S] [--device D]
 
 Bad input (a directory that is not what it should be, an architecture no family
 expresses, an output directory that is not empty or is one of the sources, a tensor of
@@ -51,7 +51,10 @@ def import_hf_main(argv: list[str] | None = None) -> int:
                         "empty directory")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR "
                         "whole (never a training run or HF_DIR)")  # fmt: skip
-    _allow_unused_flag(parser)
+    parser.add_argument("--allow-unused", action="store_true", help="import even when some "
+                        "tensors of HF_DIR would not be used (a layer beyond config.json's, a "
+                        "module the family does not have, a shared copy that differs from the "
+                        "tensor it duplicates); the summary names them")  # fmt: skip
     args = parser.parse_args(argv)
     from moetrain.interop.convert import import_hf
 
@@ -64,14 +67,6 @@ def import_hf_main(argv: list[str] | None = None) -> int:
           f"(+ {Path(args.out_dir) / 'config.yaml'})")  # fmt: skip
     print(f"moetrain: import-hf: {done.tensors.summary()}")
     return 0
-
-
-def _allow_unused_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--allow-unused", action="store_true", help="read the transformers "
-                        "directory even when some of its tensors would not be used (a layer "
-                        "beyond config.json's, a module the family does not have, a shared "
-                        "copy that differs from the tensor it duplicates); the summary names "
-                        "them")  # fmt: skip
 
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -115,16 +110,16 @@ def export_hf_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def load_for_generation(path: str | Path, device: str = "cpu", allow_unused: bool = False):
+def load_for_generation(path: str | Path, device: str = "cpu"):
     """(model, tokenizer or None) of a transformers directory or a moetrain checkpoint, on
-    ``device`` in eval mode with dropless routing (``allow_unused``: see ``from_hf``)."""
+    ``device`` in eval mode with dropless routing."""
     from moetrain.data import load_tokenizer
 
     path = Path(path).expanduser()
     if (path / "config.json").is_file():
         from moetrain.interop.hf_model import from_hf
 
-        model = from_hf(path, allow_unused=allow_unused)
+        model = from_hf(path)
         tokenizer = load_tokenizer(str(path)) if (path / "tokenizer.json").is_file() else None
     else:
         from moetrain.interop.checkpoints import checkpoint_info, load_model
@@ -163,12 +158,11 @@ def generate_main(argv: list[str] | None = None) -> int:
         help="where to run: cpu, cuda, cuda:1 ... (default: %(default)s)",
     )
     parser.add_argument("--show-ids", action="store_true", help="also print the token ids")
-    _allow_unused_flag(parser)
     args = parser.parse_args(argv)
     from moetrain.model.generate import generate
 
     try:
-        model, tok = load_for_generation(args.path, args.device, args.allow_unused)
+        model, tok = load_for_generation(args.path, args.device)
         if tok is None:
             raise ConfigError(f"{args.path} has no tokenizer.json to encode the prompt with")
         prompt = tok.encode(args.prompt)

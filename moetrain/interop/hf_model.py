@@ -34,7 +34,9 @@ def from_hf(
     if moe_overrides:
         base = dataclasses.replace(base, **moe_overrides)
     m, e, family = sections(hf, ModelConfig(), base)
-    sources, account = checked_sources(hf, family, m, e, allow_unused=allow_unused)
+    sources, account = checked_sources(hf, family, m, e, allow_unused=allow_unused,
+                                       accept="from_hf(..., allow_unused=True), or generate "
+                                       "from moetrain import-hf --allow-unused")  # fmt: skip
     log.info("%s: %s", hf.path, account.summary())
     model = empty_model(m, e)  # every parameter is loaded next: none is drawn first
     load_model(model, hf, sources)
