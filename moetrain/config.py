@@ -183,6 +183,13 @@ class ModelConfig:
     upcycle_noise: float = 0.0
     """Sparse upcycling: multiply every copied expert weight by (1 + N(0, noise^2)) so that
     the copies can diverge (0: exact copies)."""
+    allow_unused_tensors: bool = False
+    """``init_from`` / ``upcycle_from``: start even when some tensors of the checkpoint would
+    not be used (a layer beyond its config.json's count, a module its family does not have,
+    a copy of a shared embedding or head that differs from it); the log names each. false:
+    such a start is refused before anything is written, naming the tensors and why
+    (docs/interop.md). It decides whether a start may drop tensors, not what the model
+    computes from those it reads, so it has no cell in the equivalence matrix."""
 
     def validate(self) -> None:
         _positive("model", self, "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads",
@@ -257,6 +264,9 @@ class ModelConfig:
                       f"model.n_layers={self.n_layers} model")
         if self.init_from is not None and self.upcycle_from is not None:
             _fail("model.upcycle_from", "model.init_from is set too; start from one of them")
+        if self.allow_unused_tensors and self.init_from is None and self.upcycle_from is None:
+            _fail("model.allow_unused_tensors", "applies to model.init_from and "
+                  "model.upcycle_from, and neither is set")
         for name in ("init_from", "upcycle_from"):
             path = getattr(self, name)
             if path is not None and not Path(path).expanduser().is_dir():
@@ -1014,6 +1024,8 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
     "model.upcycle_granularity": ("free", "how a run's first weights are made"),
     "model.upcycle_router_std": ("free", "how a run's first weights are made"),
     "model.upcycle_noise": ("free", "how a run's first weights are made"),
+    "model.allow_unused_tensors": ("free", "whether a run's first weights may leave tensors of "
+                                   "their checkpoint unused"),
     "model.mtp_loss_weight": ("free", "a loss weight: the objective of the next steps"),
     "moe.*": ("function", "routing, scores, capacity and experts"),
     "moe.kernels": ("free", "compute path: Triton and torch give the same numbers"),

@@ -217,5 +217,7 @@ NO_NUMBERS: dict[str, str] = {
     "train.memory_per_rank_gb": "the memory figure that check compares the plan with",
     "train.resume_allow_changes": "which config changes a resume accepts "
     "(tests/train/test_resume_honesty.py)",
+    "model.allow_unused_tensors": "whether a start from a checkpoint may leave some of its tensors "
+    "unused (tests/interop/test_accounting.py)",
 }
 """Keys of ``SECTIONS`` that change no trained number, with why."""

@@ -1,14 +1,15 @@
 """The interop commands of ``moetrain``:
 
-    moetrain import-hf HF_DIR OUT_DIR [--force]
+    moetrain import-hf HF_DIR OUT_DIR [--force] [--allow-unused]
     moetrain export-hf CHECKPOINT_DIR OUT_DIR [--family F] [--dtype bf16] [--max-shard-gb N]
                        [--force]
     moetrain generate CHECKPOINT_OR_HF_DIR --prompt TEXT [--max-new-tokens N]
                       [--temperature T] [--top-p P] [--seed S] [--device D]
 
 Bad input (a directory that is not what it should be, an architecture no family
-expresses, an output directory that is not empty or is one of the sources) is one line on
-stderr and exit status 2. Output is written beside OUT_DIR and renamed into place.
+expresses, an output directory that is not empty or is one of the sources, a tensor of
+HF_DIR that the model would not use) is one line on stderr and exit status 2. Output is
+written beside OUT_DIR and renamed into place.
 """
 
 from __future__ import annotations
@@ -50,14 +51,21 @@ def import_hf_main(argv: list[str] | None = None) -> int:
                         "empty directory")  # fmt: skip
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR "
                         "whole (never a training run or HF_DIR)")  # fmt: skip
+    parser.add_argument("--allow-unused", action="store_true", help="import even when some "
+                        "tensors of HF_DIR would not be used (a layer beyond config.json's, a "
+                        "module the family does not have, a shared copy that differs from the "
+                        "tensor it duplicates); the summary names them")  # fmt: skip
     args = parser.parse_args(argv)
     from moetrain.interop.convert import import_hf
 
     try:
-        path = import_hf(args.hf_dir, args.out_dir, force=args.force)
+        done = import_hf(args.hf_dir, args.out_dir, force=args.force,
+                         allow_unused=args.allow_unused)  # fmt: skip
     except _user_errors() as exc:
         return _fail(exc)
-    print(f"moetrain: imported {args.hf_dir} -> {path} (+ {Path(args.out_dir) / 'config.yaml'})")
+    print(f"moetrain: imported {args.hf_dir} -> {done.checkpoint} "
+          f"(+ {Path(args.out_dir) / 'config.yaml'})")  # fmt: skip
+    print(f"moetrain: import-hf: {done.tensors.summary()}")
     return 0
 
 
@@ -98,6 +106,7 @@ def export_hf_main(argv: list[str] | None = None) -> int:
     except _user_errors() as exc:
         return _fail(exc)
     print(f"moetrain: exported {args.checkpoint} -> {exported.path} {exported.describe()}")
+    print(f"moetrain: export-hf: {exported.summary()}")
     return 0
 
 

@@ -26,6 +26,7 @@ import torch
 import yaml
 
 from moetrain.config import ModelConfig, MoEConfig
+from moetrain.interop.accounting import TensorAccount, shared_copies
 from moetrain.interop.checkpoints import (
     CheckpointInfo,
     checkpoint_info,
@@ -55,12 +56,18 @@ HF_KEPT_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_ran
 records them in the checkpoint, export-hf writes them back."""
 
 
-def architecture_yaml(m: ModelConfig, e: MoEConfig, source: Path, out: Path) -> str:
+def architecture_yaml(
+    m: ModelConfig, e: MoEConfig, source: Path, out: Path, allow_unused: bool = False
+) -> str:
     """The config.yaml of an import: how to train from it (``model.init_from`` the source
-    directory, a run directory of its own), then the architecture keys of both sections."""
+    directory, a run directory of its own, ``model.allow_unused_tensors`` when the import
+    accepted unused tensors), then the architecture keys of both sections."""
     train_dir = out.parent / f"{out.name}-train"
+    start: dict[str, Any] = {"init_from": str(source)}
+    if allow_unused:
+        start["allow_unused_tensors"] = True
     tree = {
-        "model": {"init_from": str(source), **{k: getattr(m, k) for k in ARCH_MODEL_KEYS}},
+        "model": {**start, **{k: getattr(m, k) for k in ARCH_MODEL_KEYS}},
         "moe": {k: getattr(e, k) for k in ARCH_MOE_KEYS},
         "train": {"output_dir": str(train_dir)},
     }
@@ -78,11 +85,23 @@ def architecture_yaml(m: ModelConfig, e: MoEConfig, source: Path, out: Path) -> 
     return head + yaml.safe_dump(tree, sort_keys=False)
 
 
-def import_hf(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) -> Path:
+@dataclasses.dataclass(frozen=True)
+class Imported:
+    """What ``import_hf`` wrote: the checkpoint, and where each tensor of HF_DIR went."""
+
+    checkpoint: Path
+    tensors: TensorAccount
+
+
+def import_hf(
+    hf_dir: str | Path, out_dir: str | Path, *, force: bool = False, allow_unused: bool = False
+) -> Imported:
     """Convert a transformers directory into OUT_DIR/config.yaml and a moetrain checkpoint
     at step 0 (model weights only; resume needs a training checkpoint, so train from it with
-    ``model.init_from: HF_DIR`` or generate / export from it). Returns the checkpoint.
+    ``model.init_from: HF_DIR`` or generate / export from it).
 
+    Every tensor of HF_DIR is accounted for (``moetrain.interop.accounting``): one the model
+    would not use refuses the import before anything is written, unless ``allow_unused``.
     OUT_DIR must be new or empty (``force``: a directory replaced whole, never a training
     run nor HF_DIR); it is written beside and renamed into place (``staged_output``)."""
     from moetrain.train.checkpoint import CheckpointManager
@@ -90,12 +109,14 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) -
 
     hf = HFDirectory(hf_dir, key="import-hf HF_DIR")
     m, e, family = sections(hf)
-    sources = checked_sources(hf, family, m, e)
+    sources, account = checked_sources(hf, family, m, e, allow_unused=allow_unused,
+                                       accept="--allow-unused")  # fmt: skip
     staged = staged_output(out_dir, force=force, sources=[("HF_DIR", hf.path)],
                            key="import-hf OUT_DIR", replaceable_run=True)  # fmt: skip
     with staged as tmp:
         out = Path(out_dir).expanduser().resolve()
-        (tmp / "config.yaml").write_text(architecture_yaml(m, e, hf.path.resolve(), out))
+        yaml_text = architecture_yaml(m, e, hf.path.resolve(), out, bool(account.unused))
+        (tmp / "config.yaml").write_text(yaml_text)
         from moetrain.config import JobConfig
 
         job = JobConfig(model=m, moe=e)
@@ -120,7 +141,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, force: bool = False) -
                  "model_type": family.model_type, "hf_config": kept}  # fmt: skip
         fingerprint = model_fingerprint(job, m.vocab_size or 0)
         saved = manager.save(0, {"model": state}, extra, fingerprint=fingerprint)
-    return out / "checkpoints" / saved.name
+    return Imported(out / "checkpoints" / saved.name, account)
 
 
 # ----------------------------------------------------------------------------- export
@@ -158,7 +179,10 @@ def hf_tensors(
     info: CheckpointInfo, family: Family, dtype: torch.dtype | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) of every tensor of the exported checkpoint, layer by layer, in
-    ``dtype`` or the dtype each was saved in."""
+    ``dtype`` or the dtype each was saved in. Every tensor of the checkpoint goes out, or is
+    one the family documents as not written: the head of tied embeddings (the embedding,
+    written once) and a selection bias that is zero in a family without one; anything else
+    without a source is refused (an adapter that forgot a tensor)."""
     m, e = info.model, info.moe
     sources = family.sources(m, e)
     if m.tie_embeddings:
@@ -168,10 +192,7 @@ def hf_tensors(
         pieces: dict[str, list[tuple[Any, torch.Tensor]]] = {}
         for name, t in group.items():
             if name not in sources:
-                if name.endswith("router.expert_bias") and not torch.all(t == 0):
-                    raise HFCheckpointError(
-                        f"{name} is not zero but {family.model_type} has no selection bias"
-                    )
+                _not_written(name, t, family, m)
                 continue
             if not family.keeps_rope_style:
                 t = _rope_rows_to_half(name, t, m)
@@ -180,6 +201,22 @@ def hf_tensors(
         for key, parts in pieces.items():
             full = _assemble(parts, hf_shapes.get(key))
             yield key, full.to(dtype) if dtype is not None else full.contiguous()
+
+
+def _not_written(name: str, t: torch.Tensor, family: Family, m: ModelConfig) -> None:
+    """Refuse to leave out a checkpoint tensor unless the family documents why it may."""
+    if name == "output.weight" and m.tie_embeddings:
+        return
+    if name.endswith("router.expert_bias"):
+        if not torch.all(t == 0):
+            raise HFCheckpointError(
+                f"{name} is not zero but {family.model_type} has no selection bias"
+            )
+        return
+    raise HFCheckpointError(
+        f"export-hf: {family.model_type} writes no tensor for the checkpoint's {name} "
+        "(adapter bug): nothing was written"
+    )
 
 
 def _assemble(parts: list[tuple[Any, torch.Tensor]], shape: Any) -> torch.Tensor:
@@ -245,6 +282,23 @@ class Exported:
     path: Path
     family: Family
     passed_over: list[str]
+    tensors: int = 0
+    """Tensors written."""
+    copies: int = 0
+    """Of those, copies of a tensor written under another name too (the embedding and the
+    head of DeepSeek-V3's / GLM-4.5's multi-token-prediction layers)."""
+
+    tied: bool = False
+    """Whether the head is the embedding (written once, as transformers does)."""
+
+    def summary(self) -> str:
+        """One line: how many tensors the export wrote."""
+        notes = ["every tensor of the checkpoint"]
+        if self.tied:
+            notes.append("the tied head as the embedding")
+        if self.copies:
+            notes.append(f"{self.copies} copies of the shared embedding and head")
+        return f"{self.tensors} tensors written ({'; '.join(notes)})"
 
     def describe(self) -> str:
         fam = self.family
@@ -286,13 +340,28 @@ def export_hf(
         config["dtype"] = str(dtype or saved_dtype(info)).removeprefix("torch.")
         if tokenizer:
             _write_tokenizer(info, tmp, config)
-        write_safetensors(hf_tensors(info, fam, dtype), tmp, max_shard_bytes)
+        written: set[str] = set()
+        write_safetensors(_once(hf_tensors(info, fam, dtype), written), tmp, max_shard_bytes)
+        copies = shared_copies(info.model, fam.sources(info.model, info.moe))
         for name in fam.remote_files:
             shutil.copy2(REMOTE_DIR / name, tmp / name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     out = Path(out_dir).expanduser().resolve()
     log.info("export-hf: %s (step %d) -> %s as %s", info.path, info.step, out, fam.model_type)
-    return Exported(out, fam, passed_over)
+    return Exported(out, fam, passed_over, len(written), len(written & set(copies)),
+                    info.model.tie_embeddings)  # fmt: skip
+
+
+def _once(
+    tensors: Iterator[tuple[str, torch.Tensor]], seen: set[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors``, each name recorded in ``seen``; a name twice is an adapter bug (one
+    tensor would overwrite the other in the shard)."""
+    for key, t in tensors:
+        if key in seen:
+            raise HFCheckpointError(f"export-hf: {key} exported twice (adapter bug)")
+        seen.add(key)
+        yield key, t
 
 
 def _family(info: CheckpointInfo, name: str | None) -> tuple[Family, list[str]]:

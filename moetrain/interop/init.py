@@ -6,7 +6,10 @@ those keys is set:
                                        config.json's architecture replaces the YAML's (each
                                        replaced value logged), the tokenizer is chosen and
                                        checked against the vocabulary, every tensor's shape
-                                       is checked against config.json
+                                       is checked against config.json and every tensor of
+                                       the checkpoint is accounted for (one the model would
+                                       not use is refused unless
+                                       model.allow_unused_tensors)
     hf_start.load(engine)              after the layout is applied: DCP reads, on every rank,
                                        only the slices of the tensors that rank holds
 """
@@ -23,7 +26,7 @@ from moetrain.config import ConfigError, JobConfig
 from moetrain.interop.errors import HFCheckpointError
 from moetrain.interop.families import Family, family_of
 from moetrain.interop.hf_files import HFDirectory
-from moetrain.interop.load import check_sources, load_sharded
+from moetrain.interop.load import checked_sources, load_sharded
 from moetrain.interop.sources import Source
 from moetrain.interop.upcycle import check_upcycle, upcycle_sources, warn_upcycle_routing
 
@@ -95,12 +98,15 @@ def prepare_hf_start(cfg: JobConfig) -> HFStart:
     upcycle = cfg.model.upcycle_from is not None
     key = "model.upcycle_from" if upcycle else "model.init_from"
     _check_vocabulary(cfg, key)
+    sources = None
     if upcycle:
         warn_upcycle_routing(cfg.moe)
         sources = upcycle_sources(family, cfg.model, cfg.moe, cfg.train.seed)
-    else:
-        sources = family.read_sources(cfg.model, cfg.moe, set(hf.tensors))
-    check_sources(hf, sources)
+    sources, account = checked_sources(
+        hf, family, cfg.model, cfg.moe, sources=sources,
+        allow_unused=cfg.model.allow_unused_tensors, accept="model.allow_unused_tensors=true",
+    )  # fmt: skip
+    log.info("%s %s: %s", key, hf.path, account.summary())
     return HFStart(hf, sources)
 
 

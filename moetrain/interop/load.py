@@ -2,7 +2,8 @@
 tensor against config.json, and the weights (whole, or the slices a rank holds via DCP).
 
     sections(hf)            -> ModelConfig, MoEConfig, the family adapter
-    checked_sources(...)    -> moetrain name -> Source, every tensor checked up front
+    checked_sources(...)    -> moetrain name -> Source, every tensor checked up front and
+                               accounted for (read, a verified copy, ignored or refused)
     load_model(model, ...)  one process: fill a Transformer
     load_sharded(state, .)  any layout: dcp.load through HFStorageReader (collective)
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from moetrain.config import ModelConfig, MoEConfig
+from moetrain.interop.accounting import TensorAccount, account_tensors
 from moetrain.interop.errors import HFCheckpointError
 from moetrain.interop.families import ARCH_MODEL_KEYS, ARCH_MOE_KEYS, Family, family_of
 from moetrain.interop.hf_files import HFDirectory
@@ -73,11 +75,28 @@ def check_sources(hf: HFDirectory, sources: dict[str, Source]) -> None:
 
 
 def checked_sources(
-    hf: HFDirectory, family: Family, m: ModelConfig, e: MoEConfig
-) -> dict[str, Source]:
-    sources = family.read_sources(m, e, set(hf.tensors))
+    hf: HFDirectory,
+    family: Family,
+    m: ModelConfig,
+    e: MoEConfig,
+    *,
+    allow_unused: bool = False,
+    accept: str = "allow_unused=True",
+    sources: dict[str, Source] | None = None,
+) -> tuple[dict[str, Source], TensorAccount]:
+    """The sources to fill a model of ``m`` / ``e`` from ``hf`` (the family's, unless
+    ``sources`` are given: upcycling's), after the two checks every import makes before it
+    reads or writes anything: each tensor they read exists with its shape
+    (``check_sources``), and each tensor of the directory is accounted for
+    (``accounting.account_tensors``): a tensor that would be lost refuses the import unless
+    ``allow_unused`` (``accept`` names how the caller's user says so). Returns the sources
+    and the account, whose ``summary()`` the caller prints or logs."""
+    if sources is None:
+        sources = family.read_sources(m, e, set(hf.tensors))
     check_sources(hf, sources)
-    return sources
+    account = account_tensors(hf, family, m, sources)
+    account.refuse_unless(allow_unused, hf.key, hf.path, accept)
+    return sources, account
 
 
 def _missing(model: nn.Module, sources: dict[str, Source]) -> list[str]:

@@ -54,7 +54,8 @@ class Rows:
     hf_rows: int | None = None
     copies: tuple[str, ...] = ()
     """More HF names that export writes the same tensor under (DeepSeek-V3's
-    multi-token-prediction layer keeps its own copy of the embedding and the head)."""
+    multi-token-prediction layer keeps its own copy of the embedding and the head); an
+    import checks each one it finds equal to ``key`` (``accounting.shared_copies``)."""
 
     def hf_shapes(self) -> dict[str, tuple[int, ...] | None]:
         return {self.key: (self.hf_rows or self.shape[0], *self.shape[1:])}

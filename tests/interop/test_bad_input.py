@@ -1,7 +1,7 @@
 """Bad Hugging Face input is one clear error, raised before any process group starts and
 before anything is written: a directory without config.json, an unsupported model_type, a
 missing or truncated safetensors shard, a tensor whose shape disagrees with config.json, a
-tokenizer whose ids do not fit the vocabulary."""
+tokenizer whose ids do not fit the vocabulary, a tensor the model would not use."""
 
 from __future__ import annotations
 
@@ -103,3 +103,86 @@ def test_command_line_reports_one_line(tmp_path: Path, capsys: pytest.CaptureFix
                  f"train.output_dir={tmp_path / 'run'}"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and "config error: model.init_from:" in err and "no config.json" in err
+
+
+def _add_shard(hf: Path, tensors: dict) -> None:
+    """One more shard holding ``tensors``, listed in the index (as a fine-tuning tool that
+    saves an adapter beside the weights could leave it)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(hf / "model-extra.safetensors"), metadata={"format": "pt"})
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(tensors, "model-extra.safetensors"))
+    (hf / "model.safetensors.index.json").unlink()  # a copy: the fixture's stays as it was
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+UNUSED = r"model.init_from: 2 tensor\(s\) of .* would not be used: model.layers.0.mlp.extra_"
+
+
+def test_init_from_refuses_unused_tensors(
+    tmp_path: Path, sharded: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A tensor of the checkpoint that the model would not use refuses ``model.init_from``
+    before any process group, naming it; ``model.allow_unused_tensors`` accepts the loss and
+    the log names what was dropped."""
+    import torch
+
+    hf = _copy(sharded, tmp_path / "hf")
+    _add_shard(hf, {"model.layers.0.mlp.extra_adapter.weight": torch.ones(8, 64),
+                    "model.layers.5.self_attn.q_proj.weight": torch.ones(128, 64)})  # fmt: skip
+    why = r".*layer 5, beyond config.json's num_hidden_layers=3.*"
+    _refused(hf, tmp_path / "run", UNUSED + why + "model.allow_unused_tensors=true")
+    with caplog.at_level("INFO", logger="moetrain"):
+        trainer = Trainer(micro_config(tmp_path / "run", f"model.init_from={hf}",
+                                       "model.allow_unused_tensors=true"))  # fmt: skip
+    trainer.close()
+    assert "82 tensors: 80 read" in caplog.text and "2 unused (model.layers.0.mlp" in caplog.text
+
+
+def test_upcycle_from_refuses_unused_tensors(tmp_path: Path) -> None:
+    from hf_zoo import save_hf
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_hf("llama", tmp_path / "hf")
+    save_tokenizer(tmp_path / "hf")
+    path = tmp_path / "hf" / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["lm_head.lora_B.weight"] = tensors["lm_head.weight"][:, :4].clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    upcycle = ["moe.num_experts=4", "moe.top_k=2", "moe.num_shared_experts=0"]
+    with pytest.raises(ConfigError, match=r"model.upcycle_from: 1 tensor\(s\) .* "
+                       r"lm_head.lora_B.weight \(not a tensor of the llama model"):  # fmt: skip
+        Trainer(micro_config(tmp_path / "run", f"model.upcycle_from={tmp_path / 'hf'}", *upcycle))
+    assert not (tmp_path / "run").exists() and not dist.is_initialized()
+    Trainer(micro_config(tmp_path / "run", f"model.upcycle_from={tmp_path / 'hf'}", *upcycle,
+                         "model.allow_unused_tensors=true")).close()  # fmt: skip
+
+
+def test_allow_unused_tensors_needs_a_start(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.allow_unused_tensors: applies to "
+                       "model.init_from and model.upcycle_from, and neither is set"):  # fmt: skip
+        Trainer(micro_config(tmp_path / "run", "model.allow_unused_tensors=true"))
+
+
+def test_command_line_refuses_unused_tensors(
+    tmp_path: Path, sharded: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Through the command line: exit status 2, one line, the run directory untouched."""
+    import torch
+
+    hf = _copy(sharded, tmp_path / "hf")
+    _add_shard(hf, {"model.layers.9.mlp.gate.weight": torch.ones(8, 64)})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    (tmp_path / "run.yaml").write_text("train:\n  steps: 1\ndata:\n  seq_len: 32\n")
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    code = main(["--config", str(tmp_path / "run.yaml"), f"model.init_from={hf}",
+                 f"train.output_dir={run}"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "config error: model.init_from: 1 tensor(s)" in err and "layer 9, beyond" in err
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before

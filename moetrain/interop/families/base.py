@@ -9,6 +9,7 @@ The llama-style names (``self_attn.q_proj``, ``mlp.gate_proj``, per-expert
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 from moetrain.config import ModelConfig, MoEConfig
@@ -153,6 +154,14 @@ class Family:
     """False: transformers' rotate-half pairing (export permutes interleaved q/k rows)."""
     remote_files: tuple[str, ...] = ()
     """Modeling files written beside the weights (loaded with trust_remote_code=True)."""
+    ignored: tuple[tuple[str, str], ...] = (
+        (r"(^|\.)rotary_emb\.inv_freq$", "RoPE's inverse frequencies, computed from config.json"),
+        (r"(^|\.)rotary_emb\.(cos|sin)_cached$", "a RoPE cache, computed from config.json"),
+    )
+    """Checkpoint tensors that hold no weight of the model, as (regular expression, why):
+    an import lists them as ignored instead of refusing them as unused
+    (``moetrain.interop.accounting``). Older transformers versions saved the RoPE buffers;
+    a family adds the leftovers its published checkpoints are known to carry."""
 
     # -- config -------------------------------------------------------------------------
 
@@ -276,6 +285,13 @@ class Family:
         return out
 
     # -- tensors --------------------------------------------------------------------------
+
+    def ignored_reason(self, name: str) -> str | None:
+        """Why checkpoint tensor ``name`` holds no weight of the model (None: it may)."""
+        for pattern, why in self.ignored:
+            if re.search(pattern, name):
+                return why
+        return None
 
     def attention_sources(self, i: int, m: ModelConfig) -> dict[str, Source]:
         p, q = f"{self.prefix}.{i}.self_attn", f"layers.{i}.attention"
