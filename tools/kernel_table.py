@@ -120,7 +120,11 @@ def _newest(rows: list[dict]) -> list[dict]:
 
 
 def _ok(r: dict) -> bool:
-    return r["status"] == "ok" and r["ms"] not in ("", "nan")
+    return r["status"] == "ok"
+
+
+def _timed(r: dict) -> bool:
+    return r["ms"] not in ("", "nan")
 
 
 def build(rows: list[dict]) -> dict:
@@ -161,7 +165,7 @@ def _choices(arch: str, op: str, rows: list[dict], bench: str, row_op: str, torc
             continue
         mine = [r for r in rows if r["benchmark"] == bench and r["op"] == row_op
                 and _class_of(bench, r["case"]) == cls
-                and r["impl"] in ("triton", torch_impl)]  # fmt: skip
+                and r["impl"] in ("triton", torch_impl) and _timed(r)]  # fmt: skip
         if not {r["impl"] for r in mine} >= {"triton", torch_impl}:
             continue
         mine = _newest(mine)
@@ -183,7 +187,7 @@ def _choices(arch: str, op: str, rows: list[dict], bench: str, row_op: str, torc
 def _rates(arch: str, rows: list[dict]) -> list[dict]:
     """TFLOP/s per (class, op, GEMM implementation), dense matmuls, copy GB/s."""
     out = []
-    gemm = [r for r in rows if r["benchmark"] == "grouped_gemm" and r["tflops"]]
+    gemm = [r for r in rows if r["benchmark"] == "grouped_gemm" and r["tflops"] and _timed(r)]
     for name in sorted({r["case"].split("/")[0] for r in gemm}):
         for impl, key in (("triton", "triton"), ("torch_gmm", "torch"), ("dense", "dense")):
             for op in ("fwd", "dgrad", "wgrad"):
@@ -196,18 +200,19 @@ def _rates(arch: str, rows: list[dict]) -> list[dict]:
                 flops = sum(float(r["ms"]) * float(r["tflops"]) for r in mine)
                 kind = "dense" if key == "dense" else "grouped_mm"  # dense: timed once (fwd)
                 out.append({"arch": arch, "kind": kind, "impl": key, "case": name, "op": op,
+                            "features": features("grouped_gemm", mine[0]["case"]),
                             "tflops": round(flops / ms, 1), "rows": _fmt_rows(mine)})  # fmt: skip
     ceiling = [r for r in rows if r["op"] == "dense_ceiling" and r["tflops"]]
     if ceiling:
         mine = _newest(ceiling)
         out.append({"arch": arch, "kind": "dense", "impl": "dense", "case": "8192^3", "op": "fwd",
-                    "tflops": round(max(float(r["tflops"]) for r in mine), 1),
+                    "features": None, "tflops": round(max(float(r["tflops"]) for r in mine), 1),
                     "rows": _fmt_rows(mine)})  # fmt: skip
     copy = [r for r in rows if r["impl"] == "memcpy" and r["gbs"]]
     if copy:
         mine = _newest(copy)
         out.append({"arch": arch, "kind": "copy", "impl": "memcpy", "case": "copy", "op": "copy",
-                    "gbs": round(max(float(r["gbs"]) for r in mine), 1),
+                    "features": None, "gbs": round(max(float(r["gbs"]) for r in mine), 1),
                     "rows": _fmt_rows(mine)})  # fmt: skip
     return out
 
