@@ -2,6 +2,7 @@
 
     python tools/kernel_table.py            # regenerate kernels/measured.py
     python tools/kernel_table.py --check    # exit 1 when the committed file is not this
+    python tools/kernel_table.py --print    # the choices as docs/kernels.md shows them
 
 ``moe.kernels: auto`` picks each MoE op's implementation from the table's ``CHOICES``
 (``moetrain.kernels.selection``), and ``moetrain plan`` prices GEMMs and copies from its
@@ -255,13 +256,35 @@ def render(tables: dict) -> str:
     return "\n".join(body) + "\n"
 
 
+OP_NAMES = {"grouped_mm_fwd": "grouped GEMM forward", "grouped_mm_dgrad": "grouped GEMM dgrad",
+            "grouped_mm_wgrad": "grouped GEMM wgrad", "route": "router (fwd+bwd)",
+            "permute": "permute (fwd+bwd)", "unpermute": "unpermute (fwd+bwd)"}  # fmt: skip
+
+
+def render_choices(choices: list[dict]) -> str:
+    """The measured choices as docs/kernels.md shows them (tests hold the page to it)."""
+    lines = ["| arch | op | shape class | dtype | Triton ms | torch ms | Triton speed-up | auto "
+             "takes |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for c in choices:
+        lines.append(f"| {c['arch']} | {OP_NAMES[c['op']]} | {c['case']}"
+                     f"{' ' + c['score_func'] if c['score_func'] else ''} | {c['dtype']} | "
+                     f"{c['triton_ms']:g} | {c['torch_ms']:g} | {c['speedup']:.2f}x | "
+                     f"{c['pick']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", default=bc.DEFAULT_CSV, help="the results file")
     parser.add_argument("--out", default=OUT, help="the table to write")
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    parser.add_argument("--print", action="store_true", help="print the docs table instead")
     args = parser.parse_args(argv)
-    text = render(build(bc.read_rows(args.csv)))
+    tables = build(bc.read_rows(args.csv))
+    if args.print:
+        print(render_choices(tables["CHOICES"]), end="")
+        return 0
+    text = render(tables)
     if args.check:
         with open(args.out) as f:
             if f.read() != text:

@@ -2,7 +2,7 @@
 
     python tools/plan_check.py              # docs/plan_check.csv from the kept censuses
     python tools/plan_check.py --check      # exit 1 when docs/plan_check.csv is not this
-    python tools/plan_check.py --print      # the table docs/plan.md shows
+    python tools/plan_check.py --print      # the tables docs/plan.md shows
     python tools/plan_check.py --census     # census this tree's step again first
 
 The censuses (``moetrain.plan.stepmix.census_step`` of configs/gpu_1b.yaml's proxy, bf16)
@@ -160,6 +160,25 @@ def read_rows(path: str = OUT) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def render_rates() -> str:
+    """The rates configs/gpu_1b.yaml is priced at on an H100, with their sources."""
+    from moetrain.config import load_config
+    from moetrain.parallel.dims import ParallelDims
+    from moetrain.plan import hardware
+    from moetrain.plan.estimate import moe_shape
+
+    cfg = load_config(CONFIG, ["model.vocab_size=4096"])
+    dims = ParallelDims.from_config(cfg.parallel, 1).validate(cfg)
+    table = hardware.rates(hardware.gpu("h100"), moe_shape(cfg, dims), cfg.moe.kernels)
+    lines = ["| work | rate on an H100 | source |", "|---|---|---|"]
+    for key in ("experts/bfloat16", "experts/float32", "matmul/bfloat16", "attention/bfloat16",
+                "copy"):  # fmt: skip
+        r = table[key]
+        unit = "GB/s" if key == "copy" else "TFLOP/s"
+        lines.append(f"| {key} | {r.value:.1f} {unit} | {r.source} |")
+    return "\n".join(lines) + "\n"
+
+
 def render(table: list[dict]) -> str:
     """The table docs/plan.md shows (tests/plan/test_plan_check.py holds it to the file)."""
     head = ["step of configs/gpu_1b.yaml on one H100 (ms)", *PARTS, "step", "measured step"]
@@ -196,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(text)
         print(f"wrote {OUT}")
     if args.print:
-        print(render(table), end="")
+        print(render(table) + "\n" + render_rates(), end="")
     return 0
 
 
