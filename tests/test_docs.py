@@ -634,29 +634,51 @@ def _plan_check_quotes() -> list[Quote]:
     def prose() -> list[float]:
         r = rows()
         m, f, p = r["measured code"], r["bf16 experts"], r["measured profile"]
-        return [float(m["planned_ms"]), float(m["planned_over_measured"]),
-                float(m["measured_ms"]), float(m["expert_GEMMs_ms"]),
-                float(p["expert_GEMMs_ms"]), float(p["measured_ms"]), float(f["planned_ms"])]
+        return [
+            float(m["planned_ms"]),
+            float(m["planned_over_measured"]),
+            float(m["measured_ms"]),
+            float(m["expert_GEMMs_ms"]),
+            float(p["expert_GEMMs_ms"]),
+            float(p["measured_ms"]),
+            float(f["planned_ms"]),
+        ]
 
     def choices() -> str:
         kt = tool("kernel_table")
-        return kt.render_choices(kt.build(kt.bc.read_rows(str(REPO / "docs" / "benchmarks.csv"
-                                                              )))["CHOICES"])
+        return kt.render_choices(
+            kt.build(kt.bc.read_rows(str(REPO / "docs" / "benchmarks.csv")))["CHOICES"]
+        )
 
     return [
-        Quote("docs/plan.md", "docs/plan_check.csv (written by tools/plan_check.py)",
-              r"(?s)## Checked against the GPU run\n.*?\n\n(\| step of .*?\n)\n",
-              lambda: tool("plan_check").render(tool("plan_check").read_rows(
-                  str(REPO / "docs" / "plan_check.csv")))),
-        Quote("docs/plan.md", "kernels/measured.py (tools/plan_check.py render_rates)",
-              r"(?s)\(`python tools/plan_check.py --print`\):\n\n(\| work .*?\n)\n",
-              lambda: tool("plan_check").render_rates()),
-        Quote("docs/plan.md", "docs/plan_check.csv (written by tools/plan_check.py)",
-              r"(?s)says \*\*(\S+) ms\*\*, (\S+) of the \*\*(\S+) ms\*\* measured.*?rates, "
-              r"(\S+) ms against the (\S+) ms the profile's.*?device time is (\S+) ms of.*?"
-              r"checks: (\S+) ms\*\*", prose),
-        Quote("docs/kernels.md", "docs/benchmarks.csv (tools/kernel_table.py --print)",
-              r"(?s)sigmoid router over 256 experts.*?:\n\n(\| arch \| op .*?\n)\n", choices),
+        Quote(
+            "docs/plan.md",
+            "docs/plan_check.csv (written by tools/plan_check.py)",
+            r"(?s)## Checked against the GPU run\n.*?\n\n(\| step of .*?\n)\n",
+            lambda: tool("plan_check").render(
+                tool("plan_check").read_rows(str(REPO / "docs" / "plan_check.csv"))
+            ),
+        ),
+        Quote(
+            "docs/plan.md",
+            "kernels/measured.py (tools/plan_check.py render_rates)",
+            r"(?s)\(`python tools/plan_check.py --print`\):\n\n(\| work .*?\n)\n",
+            lambda: tool("plan_check").render_rates(),
+        ),
+        Quote(
+            "docs/plan.md",
+            "docs/plan_check.csv (written by tools/plan_check.py)",
+            r"(?s)says \*\*(\S+) ms\*\*, (\S+) of the \*\*(\S+) ms\*\* measured.*?rates, "
+            r"(\S+) ms against the (\S+) ms the profile's.*?device time is (\S+) ms of.*?"
+            r"checks: (\S+) ms\*\*",
+            prose,
+        ),
+        Quote(
+            "docs/kernels.md",
+            "docs/benchmarks.csv (tools/kernel_table.py --print)",
+            r"(?s)sigmoid router over 256 experts.*?:\n\n(\| arch \| op .*?\n)\n",
+            choices,
+        ),
     ]
 
 

@@ -17,13 +17,16 @@ planned model on the CPU inside ``moetrain.plan.census.StepCensus`` and reads of
 - the host syncs.
 
 The proxy is the planned model with every width divided by one factor (widths at least 8,
-rope dims even), the layer pattern, experts, top-k, heads and sequence length unchanged, one
-micro-batch: it costs a second of CPU where the model would not fit. What carries over to
-the planned model is what does not depend on the widths: per class, computed FLOPs /
-the model's FLOP formula (``estimate.layer_flops_by_class`` at the proxy's dims: capacity
-padding, recomputation, attention's full square under a causal mask) and the share of each
-dtype; activation traffic per byte of saved activations (``moetrain.plan.activations``, its
-dims-aware model of what a block keeps); cast and optimizer bytes per parameter.
+rope dims even), at most ``PROXY_SEQ`` positions and its first ``PROXY_LAYERS`` layers
+(their pattern kept), the experts, top-k and heads unchanged, one micro-batch: it costs
+seconds of CPU where the model would not fit. Traffic inside SDPA's math path (the CPU's way
+with some attention variants) is kept apart: on a GPU it is one fused kernel, priced as
+attention. What carries over to the planned model is what does not depend on the widths: per
+class, computed FLOPs / the model's FLOP formula (``estimate.layer_flops_by_class`` at the
+proxy's dims: capacity padding, recomputation, attention's full square under a causal mask)
+and the share of each dtype; activation traffic per byte of saved activations
+(``moetrain.plan.activations``, its dims-aware model of what a block keeps); cast and
+optimizer bytes per parameter.
 """
 
 from __future__ import annotations
@@ -43,8 +46,11 @@ from torch.utils._pytree import tree_flatten
 
 from moetrain.config import JobConfig
 from moetrain.plan.census import _MATMULS, StepCensus, _name
+from moetrain.plan.flops import CLASSES, layer_flops_by_class
 
-CLASSES = ("experts", "attention", "matmul")
+__all__ = ["CLASSES", "MatmulLabels", "StepMix", "StepMixCensus", "cached_census",
+           "census_step", "proxy_config"]  # fmt: skip
+
 _ATTENTION = {n for n in _MATMULS if "attention" in n}
 # Ops that move no data (metadata, aliasing, allocation without a write, host reads).
 _FREE = {
@@ -57,6 +63,9 @@ PROXY_PARAMS = 2e6
 """Parameters the proxy aims at (its widths are the model's / sqrt(params / this))."""
 PROXY_SEQ = 128
 """Positions per sequence of the proxy (sliding windows scaled with them)."""
+PROXY_LAYERS = 8
+"""Layers of the proxy at most: the first ones, with their pattern (dense and MoE layers,
+windows) as the model has it there."""
 
 
 def _bytes(t: torch.Tensor) -> int:
@@ -103,18 +112,29 @@ class StepMixCensus(StepCensus):
             return super().__torch_dispatch__(func, types, args, kwargs)
         if name in _FREE or getattr(func, "is_view", False):
             return super().__torch_dispatch__(func, types, args, kwargs)
-        inputs = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        inputs = _tensors(args) + _tensors(tuple((kwargs or {}).values()))
         read = sum(_bytes(t) for t in inputs)
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        written = sum(_bytes(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        written = sum(_bytes(t) for t in _tensors(out))
         if self.phase == "optimizer":
             kind = "optimizer"
         elif name == "_to_copy" and inputs and _storage(inputs[0]) in self._params:
             kind = "weights"
+        elif matmul_class("", self.region) == "attention":
+            kind = "attention"  # inside SDPA's math path: a fused kernel's on a GPU
         else:
             kind = "activations"
         self.traffic[kind] += read + written
         return out
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of an op's arguments or outputs (tensors, and lists or tuples of them)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -244,7 +264,8 @@ class StepMix:
     model_flops: dict[str, float]
     """class -> the model formula's FLOPs for the same step (``layer_flops_by_class``)."""
     traffic: dict[str, float]
-    """"activations", "weights", "optimizer" -> bytes the censused step moved."""
+    """"activations", "weights", "optimizer" -> bytes the censused step moved ("attention":
+    inside SDPA's math path, which a GPU runs as one fused kernel: not priced there)."""
     saved: float
     """Activation bytes ``moetrain.plan.activations`` counts for the censused micro-batch."""
     params: float
@@ -292,9 +313,9 @@ class StepMix:
 
 def proxy_config(cfg: JobConfig, n_params: float | None = None) -> JobConfig:
     """``cfg`` with every width divided by sqrt(n_params / PROXY_PARAMS) (at least 8; rope
-    dims even), at most PROXY_SEQ positions (windows in proportion), one micro-batch of
-    ``moe.token_group_seqs`` sequences (or one), SDPA attention, no checkpoint to start
-    from, one process; the same layers, experts, top-k and heads."""
+    dims even), at most PROXY_SEQ positions (windows in proportion) and PROXY_LAYERS layers
+    (the first), one micro-batch of ``moe.token_group_seqs`` sequences (or one), SDPA
+    attention, no checkpoint to start from, one process; the same experts, top-k and heads."""
     from moetrain.model.transformer import meta_model
 
     if n_params is None:
@@ -325,7 +346,13 @@ def proxy_config(cfg: JobConfig, n_params: float | None = None) -> JobConfig:
     window = m.sliding_window
     if window is not None:
         window = max(1, round(window * seq / cfg.data.seq_len))
-    model = dataclasses.replace(model, sliding_window=window, max_seq_len=max(seq, 8))
+    layers = min(m.n_layers, PROXY_LAYERS)
+    windowed = m.sliding_window_layers
+    if windowed is not None:
+        windowed = [i for i in windowed if i < layers]
+    model = dataclasses.replace(model, sliding_window=window, max_seq_len=max(seq, 8),
+                                n_layers=layers, sliding_window_layers=windowed)  # fmt: skip
+    moe = dataclasses.replace(moe, dense_layers=[i for i in mo.dense_layers if i < layers])
     data = dataclasses.replace(cfg.data, seq_len=seq)
     parallel = dataclasses.replace(
         cfg.parallel, tp=1, pp=1, cp=1, ep=1, dp_shard=1, dp_replicate=1,
@@ -351,7 +378,6 @@ def census_step(
     from moetrain.parallel.dims import ParallelDims
     from moetrain.plan import activations as act
     from moetrain.plan.build import Chunk, Layer
-    from moetrain.plan.estimate import layer_flops_by_class
 
     run = proxy_config(cfg) if proxy else cfg
     m, mo = run.model, run.moe
@@ -400,7 +426,7 @@ def census_step(
             model_flops[cls] += f * B * S
     model_flops["matmul"] += 6 * m.dim * m.vocab_size * B * S * (1 + m.mtp_depth)
     model_flops["matmul"] += 6 * 2 * m.dim * m.dim * B * S * m.mtp_depth  # eh_proj
-    sh = act.shapes(run, dims, dtype, "cpu")
+    sh = act.shapes(run, dims, dtype, "cuda")  # attention's tensors as a fused kernel keeps them
     layers = [Layer(i, _is_moe(i, run)) for i in range(m.n_layers)]
     saved = act.chunk_bytes(run, sh, Chunk(0, layers, True, True))
     casts = {f"{str(a).removeprefix('torch.')}->{str(b).removeprefix('torch.')}": float(n)

@@ -86,13 +86,13 @@ def test_traffic_is_counted_by_what_it_serves():
 
 
 def test_proxy_of_every_shipped_config_censuses():
-    """Every config's proxy builds and steps (widths divided, layers, experts, heads kept);
+    """Every config's proxy builds (widths divided, 8 layers at most, experts and heads kept);
     the shares of each class sum to one. The 671B DeepSeek-V3 proxy is a few M parameters."""
     for path in sorted((REPO / "configs").glob("*.yaml")):
         cfg = load_config(path, ["model.vocab_size=4096"] if "vocab_size" not in
                           path.read_text() else [])  # fmt: skip
         proxy = proxy_config(cfg)
-        assert proxy.model.n_layers == cfg.model.n_layers, path.name
+        assert proxy.model.n_layers == min(cfg.model.n_layers, 8), path.name
         assert proxy.moe.num_experts == cfg.moe.num_experts, path.name
         assert proxy.model.dim <= cfg.model.dim and proxy.data.seq_len <= 128, path.name
     cfg = load_config(REPO / "configs" / "deepseek_v3.yaml")
