@@ -453,3 +453,25 @@ def test_kernels_auto_picks_each_op_by_measurement_and_says_why(fake_cuda, monke
     cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(8192, 2048),
                                 dtype=torch.float32)  # fmt: skip
     assert kernels.select_kernels("auto", cpu, **moe) == "torch"
+
+
+def test_the_trainer_chooses_the_kernels_at_start_up(tmp_path, monkeypatch):
+    """The trainer asks for the MoE layers' kernel choice before anything is built, with the
+    shape a layer sees (micro-batch x seq_len tokens of this rank) and the compute dtype:
+    on CUDA that call logs the choice, one line per op (faked above)."""
+    from moetrain.kernels import selection
+    from multirank import micro_config
+
+    from moetrain.train.trainer import Trainer
+
+    calls = []
+    real = selection.choose_kernels
+    monkeypatch.setattr(selection, "choose_kernels",
+                        lambda *a: calls.append(a) or real(*a))  # fmt: skip
+    cfg = micro_config(tmp_path, "train.memory_check=false")
+    Trainer(cfg).close()
+    m = cfg.moe
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    assert calls == [(m.kernels, torch.device("cpu"), selection.MoEShape(
+        tokens, cfg.model.dim, m.expert_ffn_dim, m.num_experts, m.top_k, m.score_func),
+        torch.float32)]  # fmt: skip
