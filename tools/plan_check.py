@@ -3,7 +3,8 @@
     python tools/plan_check.py              # docs/plan_check.csv from the kept censuses
     python tools/plan_check.py --check      # exit 1 when docs/plan_check.csv is not this
     python tools/plan_check.py --print      # the tables docs/plan.md shows
-    python tools/plan_check.py --census     # census this tree's step again first
+    python tools/plan_check.py --census     # census this tree's step again first (the
+                                            # measured code's only while its experts are fp32)
 
 The censuses (``moetrain.plan.stepmix.census_step`` of configs/gpu_1b.yaml's proxy, bf16)
 are kept in docs/plan_census.json, each with the commit whose code it counted:
@@ -197,8 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print", action="store_true", help="print the docs table")
     args = parser.parse_args(argv)
     if args.census:
+        fresh = census()
+        if set(fresh["measured code"]["mix"]["flops"]["experts"]) != {"float32"}:
+            # The tree no longer runs the measured code (its experts are not fp32): the
+            # measured run's census stays what it was; "bf16 experts" is this tree's.
+            with open(CENSUS) as f:
+                fresh["measured code"] = json.load(f)["measured code"]
+            print("this tree's experts are not fp32: the measured code's census is kept")
         with open(CENSUS, "w") as f:
-            json.dump(census(), f, indent=1, sort_keys=True)
+            json.dump(fresh, f, indent=1, sort_keys=True)
             f.write("\n")
         print(f"wrote {CENSUS}")
     with open(CENSUS) as f:
