@@ -3,6 +3,8 @@
 Public API (T tokens, D model dim, E experts, K top-k, N permuted rows):
 
     resolve_backend(name, device) -> "torch" | "triton"
+    select_kernels(name, x_TD, experts=, top_k=, ffn=, score_func=) -> backend
+        (``moe.kernels: auto``: a per-op KernelChoice from the measured table on CUDA)
     grouped_mm(x_NK, w_EKM, offs_E, backend=...) -> y_NM
     gather_grouped_mm(x_TK, src_N, w_EKM, offs_E, backend=...) -> y_NM
     route(logits_TE, top_k, score_func=..., expert_bias_E=..., renormalize=..., backend=...,
@@ -16,6 +18,10 @@ FP8 GEMMs (``train.fp8``) live in ``moetrain.kernels.fp8``: ``fp8_linear`` and
 ``fp8_grouped_mm`` with the quantization recipe and its emulated and ``torch._scaled_mm``
 backends (docs/fp8.md).
 
+Every ``backend=`` takes a name ("torch", "triton", "auto") or a ``KernelChoice`` (what
+``select_kernels`` gives ``auto`` on CUDA: each op on the implementation measured faster
+there, ``kernels/selection.py``).
+
 The Triton modules are imported lazily, so this package imports without triton.
 See docs/kernels.md for the exact contracts.
 """
@@ -27,12 +33,17 @@ import functools
 import torch
 from moetrain.kernels import common, torch_ops
 from moetrain.kernels.common import RouteResult, interpreter_enabled
+from moetrain.kernels.selection import KernelChoice, backend_of, select_kernels
 from moetrain.kernels.torch_ops import combine_weights
+
+Backend = str | KernelChoice
 
 BACKENDS = ("auto", "triton", "torch")
 
 __all__ = [
     "BACKENDS",
+    "Backend",
+    "KernelChoice",
     "RouteResult",
     "combine_weights",
     "gather_grouped_mm",
@@ -40,6 +51,7 @@ __all__ = [
     "permute",
     "resolve_backend",
     "route",
+    "select_kernels",
     "unpermute",
 ]
 
@@ -66,8 +78,9 @@ MISSING_TRITON = (
 def resolve_backend(name: str, device: torch.device | str) -> str:
     """Map a configured backend name to the one that will run on `device`.
 
-    "auto" picks "triton" on CUDA when triton is importable, else "torch". "triton" off
-    CUDA is only possible under the Triton CPU interpreter (TRITON_INTERPRET=1).
+    "auto" picks "triton" on CUDA when triton is importable, else "torch" (the default an
+    MoE layer's ``select_kernels`` refines per op from measurements). "triton" off CUDA is
+    only possible under the Triton CPU interpreter (TRITON_INTERPRET=1).
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown kernel backend {name!r}; allowed values: {', '.join(BACKENDS)}")
@@ -88,11 +101,22 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
 
 
 def grouped_mm(
-    x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor, *, backend: str = "torch"
+    x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor, *, backend: Backend = "torch"
 ) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ w[e], rows of e = [offs[e-1], offs[e]); rows past
-    offs[-1] are zero. offs: int32 cumulative end offsets. Differentiable in x and w."""
+    offs[-1] are zero. offs: int32 cumulative end offsets. Differentiable in x and w.
+    A KernelChoice may put the forward, dgrad and wgrad on different implementations."""
     common.check_grouped_mm("grouped_mm", x_NK, w_EKM, offs_E)
+    if isinstance(backend, KernelChoice):
+        from moetrain.kernels.selection import MixedGroupedMMFunction
+
+        parts = tuple(
+            resolve_backend(backend.backend(op, x_NK.dtype), x_NK.device)
+            for op in ("fwd", "dgrad", "wgrad")
+        )
+        if len(set(parts)) > 1:
+            return MixedGroupedMMFunction.apply(x_NK, w_EKM, offs_E, parts)
+        backend = parts[0]
     if resolve_backend(backend, x_NK.device) == "triton":
         from moetrain.kernels import grouped_gemm
 
@@ -106,13 +130,13 @@ def gather_grouped_mm(
     w_EKM: torch.Tensor,
     offs_E: torch.Tensor,
     *,
-    backend: str = "torch",
+    backend: Backend = "torch",
 ) -> torch.Tensor:
     """y[n] = x[src[n]] @ w[group(n)]; src int64, -1 = padding row (zero output).
     The triton backend never materialises x[src]. Differentiable in x and w."""
     common.check_grouped_mm("gather_grouped_mm", x_TK, w_EKM, offs_E)
     common.check_gather("gather_grouped_mm", x_TK, src_N)
-    if resolve_backend(backend, x_TK.device) == "triton":
+    if resolve_backend(backend_of(backend, "gather", x_TK), x_TK.device) == "triton":
         from moetrain.kernels import grouped_gemm
 
         return grouped_gemm.gather_grouped_mm_triton(x_TK, src_N, w_EKM, offs_E)
@@ -126,7 +150,7 @@ def route(
     score_func: str = "softmax",
     expert_bias_E: torch.Tensor | None = None,
     renormalize: bool = True,
-    backend: str = "torch",
+    backend: Backend = "torch",
     n_groups: int = 1,
     topk_groups: int = 1,
     group_score: str = "top2",
@@ -142,7 +166,7 @@ def route(
     implement it and refuses (route such layers with backend "torch")."""
     common.check_route("route", logits_TE, top_k, score_func, expert_bias_E)
     common.check_groups("route", logits_TE.shape[1], top_k, n_groups, topk_groups, group_score)
-    if resolve_backend(backend, logits_TE.device) == "triton":
+    if resolve_backend(backend_of(backend, "route", logits_TE), logits_TE.device) == "triton":
         if n_groups > 1:
             raise ValueError(
                 "route: group-limited routing (n_groups > 1) has no Triton kernel; "
@@ -158,12 +182,12 @@ def route(
 
 
 def permute(
-    x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *, backend: str = "torch"
+    x_TD: torch.Tensor, dest_TK: torch.Tensor, num_rows: int, *, backend: Backend = "torch"
 ) -> torch.Tensor:
     """out = zeros(num_rows, D); out[dest[t, k]] = x[t] for dest >= 0 (-1 = dropped).
     Each row is written at most once. Backward sums the copies of each token."""
     common.check_permute("permute", x_TD, dest_TK, num_rows)
-    if resolve_backend(backend, x_TD.device) == "triton":
+    if resolve_backend(backend_of(backend, "permute", x_TD), x_TD.device) == "triton":
         from moetrain.kernels import permutation
 
         return permutation.permute_triton(x_TD, dest_TK, num_rows)
@@ -171,12 +195,16 @@ def permute(
 
 
 def unpermute(
-    y_ND: torch.Tensor, dest_TK: torch.Tensor, weights_TK: torch.Tensor, *, backend: str = "torch"
+    y_ND: torch.Tensor,
+    dest_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    *,
+    backend: Backend = "torch",
 ) -> torch.Tensor:
     """out[t] = sum_{k: dest >= 0} weights[t, k] * y[dest[t, k]], fp32 accumulation, y's
     dtype out. Differentiable in y and weights."""
     common.check_unpermute("unpermute", y_ND, dest_TK, weights_TK)
-    if resolve_backend(backend, y_ND.device) == "triton":
+    if resolve_backend(backend_of(backend, "unpermute", y_ND), y_ND.device) == "triton":
         from moetrain.kernels import permutation
 
         return permutation.unpermute_triton(y_ND, dest_TK, weights_TK)

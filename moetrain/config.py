@@ -349,8 +349,10 @@ class MoEConfig:
     selection bias moves by this rate toward balance (+rate if under-loaded, -rate if
     over-loaded). 0: off."""
     kernels: Literal["auto", "torch", "triton"] = "auto"
-    """Compute path of the MoE layer: "triton" kernels, pure "torch", or "auto" (Triton on
-    CUDA, torch elsewhere)."""
+    """Compute path of the MoE layer: "triton" kernels, pure "torch" (each forced for every
+    op), or "auto": on CUDA each op (grouped GEMM forward/dgrad/wgrad, router, permute,
+    unpermute) on the implementation measured faster on this GPU for the layer's shape, Triton
+    where nothing is measured, logged at start-up (docs/kernels.md); torch elsewhere."""
     dense_layers: list[int] = field(default_factory=list)
     """Layers (0-based) that use the dense FFN whatever ``every_n_layers`` says: DeepSeek-V3's
     first_k_dense_replace = k is [0, ..., k-1], Qwen-MoE's mlp_only_layers is itself."""

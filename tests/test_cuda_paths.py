@@ -404,3 +404,74 @@ def test_torch_grouped_mm_eligibility_on_cuda(fake_cuda):
     assert ok(torch.bfloat16, (9, 0)) and ok(torch.bfloat16, (10, 0))
     assert not ok(torch.bfloat16, (8, 0))
     assert not ok(torch.float32, (9, 0)) and not ok(torch.float16, (9, 0))
+
+
+def test_kernels_auto_picks_each_op_by_measurement_and_says_why(fake_cuda, monkeypatch, caplog):
+    """``moe.kernels: auto`` on a (faked) H100 takes each op's implementation from the
+    measured table (torch._grouped_mm for the GEMMs, Triton for router and permute) and logs
+    one line per op with the speed-up and its rows, once; a B200 (no row) keeps the default;
+    an explicit name forces one implementation; off CUDA it is torch."""
+    import logging
+
+    from moetrain.kernels import selection
+
+    from moetrain import kernels
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(kernels, "_triton_available", lambda: True)
+    monkeypatch.setattr(selection, "_MEMO", {})
+    monkeypatch.setattr(selection, "_LOGGED", set())
+    x = types.SimpleNamespace(device=CUDA0, shape=(8192, 2048), dtype=torch.bfloat16)
+    moe = {"experts": 8, "top_k": 2, "ffn": 2816}
+    with caplog.at_level(logging.INFO, logger="moetrain.kernels"):
+        c = kernels.select_kernels("auto", x, **moe)
+        assert kernels.select_kernels("auto", x, **moe) is c  # memoised, logged once
+    assert isinstance(c, kernels.KernelChoice) and c.arch == "sm_90"
+    assert [c.backend(op, torch.bfloat16) for op in ("fwd", "dgrad", "wgrad")] == ["torch"] * 3
+    assert [c.backend(op, torch.bfloat16) for op in ("permute", "unpermute")] == ["triton"] * 2
+    assert c.backend("route", torch.float32) == "triton"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 + len(selection.OPS), lines
+    assert "NVIDIA H100 80GB HBM3, sm_90" in lines[0]
+    assert "fwd: torch in bfloat16: Triton 0.99x torch._grouped_mm on the mixtral class" in (
+        lines[1]), lines[1]  # fmt: skip
+    assert "docs/benchmarks.csv" in lines[1] and "grouped_gemm mixtral/T16384/{down,up}" in lines[1]
+    assert "gather: triton (default: no measurement" in lines[4]
+    # DeepSeek-V3's sigmoid router over 256 experts at 8,192 tokens: measured slower in Triton.
+    dsv3 = types.SimpleNamespace(device=CUDA0, shape=(8192, 7168), dtype=torch.bfloat16)
+    d = kernels.select_kernels("auto", dsv3, experts=256, top_k=8, ffn=2048, score_func="sigmoid")
+    assert d.backend("route", torch.float32) == "torch" and "0.52x" in d.route.why
+    # No measurement on Blackwell: Triton everywhere, the documented default.
+    fake_cuda.capability = (10, 0)
+    b = kernels.select_kernels("auto", types.SimpleNamespace(device=torch.device("cuda", 1),
+                               shape=(8192, 2048), dtype=torch.bfloat16), **moe)  # fmt: skip
+    assert b.arch == "sm_100"
+    assert {b.backend(op, torch.bfloat16) for op in selection.OPS} == {selection.DEFAULT}
+    # Explicit names force one implementation; auto off CUDA is torch.
+    assert kernels.select_kernels("torch", x, **moe) == "torch"
+    assert kernels.select_kernels("triton", x, **moe) == "triton"
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), shape=(8192, 2048),
+                                dtype=torch.float32)  # fmt: skip
+    assert kernels.select_kernels("auto", cpu, **moe) == "torch"
+
+
+def test_the_trainer_chooses_the_kernels_at_start_up(tmp_path, monkeypatch):
+    """The trainer asks for the MoE layers' kernel choice before anything is built, with the
+    shape a layer sees (micro-batch x seq_len tokens of this rank) and the compute dtype:
+    on CUDA that call logs the choice, one line per op (faked above)."""
+    from moetrain.kernels import selection
+    from multirank import micro_config
+
+    from moetrain.train.trainer import Trainer
+
+    calls = []
+    real = selection.choose_kernels
+    monkeypatch.setattr(selection, "choose_kernels",
+                        lambda *a: calls.append(a) or real(*a))  # fmt: skip
+    cfg = micro_config(tmp_path, "train.memory_check=false")
+    Trainer(cfg).close()
+    m = cfg.moe
+    tokens = cfg.train.micro_batch_size * cfg.data.seq_len
+    assert calls == [(m.kernels, torch.device("cpu"), selection.MoEShape(
+        tokens, cfg.model.dim, m.expert_ffn_dim, m.num_experts, m.top_k, m.score_func),
+        torch.float32)]  # fmt: skip

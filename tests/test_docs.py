@@ -622,6 +622,66 @@ def _balancing_warning_steps() -> list[float]:
     return [min(fast), max(fast), *slow]
 
 
+def _plan_check_quotes() -> list[Quote]:
+    """docs/plan.md's check of the step estimate (docs/plan_check.csv, tools/plan_check.py)
+    and docs/kernels.md's measured choices (kernels/measured.py's source, benchmarks.csv)."""
+    tool = lambda name: _load_tool(REPO / "tools" / f"{name}.py")  # noqa: E731
+
+    def rows() -> dict[str, dict[str, str]]:
+        return {r["variant"]: r for r in tool("plan_check").read_rows(
+            str(REPO / "docs" / "plan_check.csv"))}  # fmt: skip
+
+    def prose() -> list[float]:
+        r = rows()
+        m, f, p = r["measured code"], r["bf16 experts"], r["measured profile"]
+        return [
+            float(m["planned_ms"]),
+            float(m["planned_over_measured"]),
+            float(m["measured_ms"]),
+            float(m["expert_GEMMs_ms"]),
+            float(p["expert_GEMMs_ms"]),
+            float(p["measured_ms"]),
+            float(f["planned_ms"]),
+        ]
+
+    def choices() -> str:
+        kt = tool("kernel_table")
+        return kt.render_choices(
+            kt.build(kt.bc.read_rows(str(REPO / "docs" / "benchmarks.csv")))["CHOICES"]
+        )
+
+    return [
+        Quote(
+            "docs/plan.md",
+            "docs/plan_check.csv (written by tools/plan_check.py)",
+            r"(?s)## Checked against the GPU run\n.*?\n\n(\| step of .*?\n)\n",
+            lambda: tool("plan_check").render(
+                tool("plan_check").read_rows(str(REPO / "docs" / "plan_check.csv"))
+            ),
+        ),
+        Quote(
+            "docs/plan.md",
+            "kernels/measured.py (tools/plan_check.py render_rates)",
+            r"(?s)\(`python tools/plan_check.py --print`\):\n\n(\| work .*?\n)\n",
+            lambda: tool("plan_check").render_rates(),
+        ),
+        Quote(
+            "docs/plan.md",
+            "docs/plan_check.csv (written by tools/plan_check.py)",
+            r"(?s)says \*\*(\S+) ms\*\*, (\S+) of the \*\*(\S+) ms\*\* measured.*?rates, "
+            r"(\S+) ms against the (\S+) ms the profile's.*?device time is (\S+) ms of.*?"
+            r"checks: (\S+) ms\*\*",
+            prose,
+        ),
+        Quote(
+            "docs/kernels.md",
+            "docs/benchmarks.csv (tools/kernel_table.py --print)",
+            r"(?s)sigmoid router over 256 experts.*?:\n\n(\| arch \| op .*?\n)\n",
+            choices,
+        ),
+    ]
+
+
 @dataclass(frozen=True)
 class Quote:
     """A figure a page quotes and where it comes from. ``pattern`` finds the quote on the
@@ -694,6 +754,7 @@ QUOTES = [
               _load_tool(REPO / "tools" / "startup_memory.py").read_rows())),
     Quote("docs/gpu.md", "_PEAK_FLOPS of moetrain/train/metrics.py",
           r"datasheet bf16 peak, (\S+) TFLOP/s for an H100", lambda: [_gpu_1b()["peak"]]),
+    *_plan_check_quotes(),
 ]  # fmt: skip
 
 

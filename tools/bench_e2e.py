@@ -25,9 +25,14 @@ timed. Rows per variant (impl "<kernels>/<eager|compile>[/balanced]"):
                     balanced one, whose routing ignores the router)
     plan_step       ``moetrain plan``'s estimated step of the same config on this GPU (ms;
                     on a CPU dry run the h100 constants), value = measured / planned step
+    part/<part>     with --log-dir, a profile of --profile-steps more steps (eager
+                    variants: each matmul labelled by class, ``moetrain.plan.stepmix.
+                    MatmulLabels``): device ms per step of each part of the step (expert
+                    GEMMs, attention, other matmuls, elementwise and copies, optimizer;
+                    ``breakdown``), value = the plan's ms for that part; printed side by side
 
-When a variant's MFU is under 45%, a torch.profiler table of 3 more steps (top ops by
-device time) is written to --log-dir. --budget-s skips the variants that would not fit.
+The profile's table (top ops by device time) is written to --log-dir as well.
+--budget-s skips the variants that would not fit.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -70,19 +76,111 @@ def analytic_memory(cfg, n_params: int) -> tuple[float, float]:
     return 16.0 * n_params, float(activations)
 
 
-def _profile(trainer: Trainer, steps: int, path: str) -> None:
+PARTS = ("expert GEMMs", "attention", "other matmuls", "elementwise and copies", "optimizer")
+LABELS = {"moetrain::experts": "expert GEMMs", "moetrain::attention": "attention",
+          "moetrain::matmul": "other matmuls"}  # fmt: skip
+MATMUL_OPS = {
+    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::addmv",
+    "aten::mv", "aten::_scaled_mm", "aten::_scaled_grouped_mm",
+}  # fmt: skip
+TRITON_GEMMS = ("_grouped_mm_kernel", "_grouped_wgrad_kernel")
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
+def _ms(cell: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s)", cell.strip())
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else 0.0
+
+
+def _fp32_gemm(name: str) -> bool:
+    """A cuBLAS / CUTLASS fp32 GEMM kernel (SIMT sgemm, or f32 operands throughout)."""
+    return "sgemm" in name or "f32f32_f32f32" in name or "gemm_f32" in name
+
+
+def breakdown(table: str, steps: int, fp32_matmuls: str | None = None) -> dict[str, float]:
+    """Device ms per step of each part (``PARTS``) from a torch.profiler ``key_averages``
+    table (``_profile``'s, sorted by device time) of ``steps`` steps.
+
+    expert GEMMs, attention, other matmuls: the CUDA time of the ``moetrain::<class>``
+    ranges (``MatmulLabels``) when the profile has them; else the Triton grouped-GEMM
+    kernels are the experts', every other matmul op (``MATMUL_OPS``, self time) is an other
+    matmul unless ``fp32_matmuls`` names the part its fp32 GEMM kernels belong to (a profile
+    of the code whose experts ran in fp32), and attention is the ops named so. optimizer:
+    the ``Optimizer.step`` ranges. elementwise and copies: the rest of the device total.
+    Also "device total" and "unlisted" (device time below the table's last row)."""
+    header, rows, total = None, [], 0.0
+    for line in table.splitlines():
+        if line.strip().startswith("Name") and "Self CUDA" in line:
+            header = [h.strip() for h in re.split(r"\s{2,}", line.strip())]
+            continue
+        m = re.match(r"\s*Self CUDA time total:\s*(\S+)", line)
+        if m:
+            total = _ms(m.group(1))
+            continue
+        if header is None or not line.strip() or set(line.strip()) <= {"-", " "}:
+            continue
+        cells = re.split(r"\s{2,}", line.strip())
+        if len(cells) != len(header):
+            continue
+        rows.append(dict(zip(header, cells, strict=True)))
+    out = dict.fromkeys(PARTS, 0.0)
+    kernel_ms = 0.0
+    matmul_ops = fp32 = 0.0
+    labelled = any(r["Name"] in LABELS for r in rows)
+    for r in rows:
+        name, self_cuda, cuda = r["Name"], _ms(r["Self CUDA"]), _ms(r["CUDA total"])
+        is_kernel = _ms(r["CPU total"]) == 0.0
+        kernel_ms += self_cuda if is_kernel else 0.0
+        if name in LABELS:
+            out[LABELS[name]] += cuda
+        elif name.startswith("Optimizer.step"):
+            out["optimizer"] += cuda
+        elif labelled:
+            continue
+        elif is_kernel and any(k in name for k in TRITON_GEMMS):
+            out["expert GEMMs"] += self_cuda
+        elif is_kernel and _fp32_gemm(name):
+            fp32 += self_cuda
+        elif name in MATMUL_OPS:
+            matmul_ops += self_cuda
+        elif not is_kernel and "attention" in name:
+            out["attention"] += self_cuda
+    if not labelled:
+        if fp32_matmuls is not None:
+            out[fp32_matmuls] += fp32
+        out["other matmuls"] += matmul_ops - (fp32 if fp32_matmuls is not None else 0.0)
+    listed = sum(out.values())
+    out["elementwise and copies"] = max(total - listed, 0.0)
+    result = {k: v / steps for k, v in out.items()}
+    result["device total"] = total / steps
+    result["unlisted"] = max(total - kernel_ms, 0.0) / steps
+    return result
+
+
+def _profile(trainer: Trainer, steps: int, path: str) -> str:
+    """The profiler's table of ``steps`` more steps, written to ``path`` and returned; eager
+    steps label each matmul by class (``MatmulLabels``)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from moetrain.plan.stepmix import MatmulLabels
 
     cuda = trainer.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    eager = not trainer.cfg.train.compile
     with profile(activities=acts) as prof:
         for _ in range(steps):
-            trainer.train_step()
+            if eager:
+                with MatmulLabels(trainer.engine.parts):
+                    trainer.train_step()
+            else:
+                trainer.train_step()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=200, max_name_column_width=80)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=80))
+        f.write(table)
     print(f"# profile written to {path}")
+    return table
 
 
 def _impl(variant: tuple) -> str:
@@ -90,16 +188,28 @@ def _impl(variant: tuple) -> str:
     return "/".join([kernels, "compile" if compile_ else "eager", *extra])
 
 
-def plan_step_ms(cfg, device: torch.device) -> tuple[float, str]:
-    """``moetrain plan``'s estimated step of ``cfg`` on one GPU of this kind (ms), and which
-    GPU's constants (h100's where the device is not in the table: a CPU dry run)."""
+def plan_step(cfg, device: torch.device) -> tuple[float, dict[str, float], str]:
+    """``moetrain plan``'s estimated step of ``cfg`` on one GPU of this kind (ms), its parts
+    (ms, ``PARTS``), and which GPU's constants (h100's where the device is not in the table:
+    a CPU dry run)."""
     from moetrain.plan import hardware, planner
     from moetrain.train.engine import build_optimizers
 
     name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
     gpu = next((g for g in hardware.GPUS if g in name), "h100")
     plan = planner.plan(cfg, 1, build_optimizers, device_type="cuda", gpu=hardware.gpu(gpu))
-    return plan.step_s * 1e3, gpu
+    e = plan.ranks[0].estimate
+    parts = {**{k: v * 1e3 for k, v in e.parts.items()}, "optimizer": e.optimizer_s * 1e3}
+    return plan.step_s * 1e3, parts, gpu
+
+
+def print_breakdown(measured: dict[str, float], planned: dict[str, float]) -> None:
+    """The measured step's parts beside the plan's (ms per step)."""
+    print(f"#   {'part':<24} {'measured':>10} {'planned':>10}")
+    for part in PARTS:
+        print(f"#   {part:<24} {measured.get(part, 0.0):>10.1f} {planned.get(part, 0.0):>10.1f}")
+    print(f"#   {'device total':<24} {measured['device total']:>10.1f} "
+          f"{sum(planned.values()):>10.1f}")  # fmt: skip
 
 
 def run_variant(res, args, overrides, variant, ceiling, case, tmp, impl=None):
@@ -157,14 +267,21 @@ def run_variant(res, args, overrides, variant, ceiling, case, tmp, impl=None):
     last = losses[-5:]
     res.add(case=case, routing="-", dtype=dtype, op="final_loss", impl=impl,
             value=sum(last) / len(last), unit="nats (mean of the last 5 steps)")  # fmt: skip
-    planned_ms, gpu = plan_step_ms(cfg, trainer.device)
+    planned_ms, parts, gpu = plan_step(cfg, trainer.device)
     measured_ms = statistics.median(times) * 1e3
     res.add(case=case, routing="forced balance" if balanced else "-", dtype=dtype,
             op="plan_step", impl=impl, ms=planned_ms, value=measured_ms / planned_ms,
             unit=f"measured / planned step (moetrain plan, {gpu} constants)")  # fmt: skip
-    if mfu < TARGET_MFU and args.log_dir and args.profile_steps:
+    if args.log_dir and args.profile_steps:
         name = f"e2e_profile_{impl.replace('/', '_')}.txt"
-        _profile(trainer, args.profile_steps, os.path.join(args.log_dir, name))
+        table = _profile(trainer, args.profile_steps, os.path.join(args.log_dir, name))
+        if trainer.device.type == "cuda":
+            measured = breakdown(table, args.profile_steps)
+            print_breakdown(measured, parts)
+            for part in PARTS:
+                unit = f"device ms per step (profile); value: planned ms ({gpu})"
+                res.add(case=case, routing="-", dtype=dtype, op=f"part/{part}", impl=impl,
+                        ms=measured[part], value=parts[part], unit=unit)  # fmt: skip
     trainer.close()
 
 

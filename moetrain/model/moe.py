@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from moetrain.config import MoEConfig
-from moetrain.kernels import RouteResult, combine_weights, resolve_backend, route
+from moetrain.kernels import RouteResult, combine_weights, route, select_kernels
 from moetrain.model.dispatch import (
     Dispatcher,
     DispatchPlan,
@@ -302,7 +302,10 @@ class MoELayer(nn.Module):
         count."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
-        backend = resolve_backend(self.cfg.kernels, x_TD.device)
+        # moe.kernels=auto on CUDA: each op on the implementation measured faster there.
+        backend = select_kernels(self.cfg.kernels, x_TD, experts=self.num_experts,
+                                 top_k=self.cfg.top_k, ffn=self.cfg.expert_ffn_dim,
+                                 score_func=self.cfg.score_func)  # fmt: skip
         valid_T, valid_all_T = self._valid(valid_BS, x_TD.device)
 
         replay_TK = None

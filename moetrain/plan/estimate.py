@@ -1,21 +1,30 @@
 """A step-time and MFU estimate for a planned rank on a named GPU (an estimate: every input is
 stated, docs/plan.md).
 
-    compute   this rank's training FLOPs / (bf16 peak x matmul_efficiency): 6 x the active
-              parameters of its layers (its tp share; routed experts at K / E of theirs, tp x
-              theirs when parallel.expert_tp is off) + causal attention, per token it
-              processes, + the recomputed forward under activation checkpointing
+    work      what this rank's step computes: per class (routed-expert GEMMs, attention,
+              other matmuls) the model formula's FLOPs of its layers per token it processes
+              (``layer_flops_by_class``: its tp share; routed experts at K / E of theirs, tp
+              x theirs when parallel.expert_tp is off; causal attention; on the last stage
+              the output head and the multi-token-prediction modules), times what the
+              census of the code's step says it computes for them (``moetrain.plan.stepmix``:
+              computed / formula FLOPs, and the share in each dtype: fp32 GEMMs where
+              autocast does not reach them); the bytes its other ops move (activation traffic
+              per byte of saved activations, parameter casts per parameter and micro-batch,
+              the optimizer's bytes per byte of its state, all from the same census); + the
+              recomputed forward under activation checkpointing
+    compute   each class's FLOPs in each dtype at its rate (``hardware.rates``: measured
+              rows of this GPU's architecture where they exist, each named), + the bytes at
+              the copy bandwidth
     comm      per axis, bytes / (link bandwidth x comm_efficiency), NVLink within a node, the
               network across; the part not hidden behind computation (``OVERLAP``)
     pipeline  the schedule's action list (``moetrain.parallel.pipeline.simulate_schedule``)
               run with every stage's own time: its rank's compute and exposed tp / cp / ep /
               pp communication, shared among the rank's stages by their FLOPs
-              (``stage_flops_per_token``: the layers, and on the last stage the output head
-              and the multi-token-prediction modules). Every rank's passes end with the
-              schedule's makespan; bubble = makespan / this rank's busy time - 1. Planning
-              one rank alone (the others' communication unknown), every stage's time is its
-              FLOPs stretched by this rank's ratio of (compute + exposed) to compute.
-    optimizer reading and writing the model state once in HBM
+              (``stage_flops_per_token``). Every rank's passes end with the schedule's
+              makespan; bubble = makespan / this rank's busy time - 1. Planning one rank
+              alone (the others' communication unknown), every stage's time is its FLOPs
+              stretched by this rank's ratio of (compute + exposed) to compute.
+    optimizer the optimizer step's bytes at the copy bandwidth
 
     step = (compute + exposed tp, cp, ep, pp) x (1 + bubble) + exposed dp + optimizer
     MFU  = model FLOPs (no recomputation) / (step x bf16 peak)
@@ -27,16 +36,32 @@ wait for it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from moetrain.config import JobConfig
-from moetrain.model.transformer import is_moe_layer
 from moetrain.parallel.dims import ParallelDims
 from moetrain.plan.build import RankState
-from moetrain.plan.hardware import GPU, OVERLAP
+from moetrain.plan.flops import (
+    layer_flops_by_class,
+    layer_flops_per_token,
+    stage_flops_by_class,
+    stage_flops_per_token,
+)
+from moetrain.plan.hardware import GPU, OVERLAP, Rate, rate_of, rates
+from moetrain.plan.stepmix import StepMix
 from moetrain.plan.traffic import Axis
+
+__all__ = ["Estimate", "estimate", "estimate_ranks", "layer_flops_by_class",
+           "layer_flops_per_token", "rank_times", "rank_work", "stage_flops_by_class",
+           "stage_flops_per_token"]  # fmt: skip
+
+PARTS = ("expert GEMMs", "attention", "other matmuls", "elementwise and copies")
+"""The compute's parts, as ``tools/bench_e2e.py`` reads them off a profile (with the
+optimizer, a part of the step of its own)."""
+_PART = {"experts": "expert GEMMs", "attention": "attention", "matmul": "other matmuls"}
 
 
 @dataclass
@@ -53,6 +78,14 @@ class Estimate:
     """Seconds of each axis's communication, before overlap."""
     exposed_s: dict[str, float] = field(default_factory=dict)
     """Seconds of each axis's communication left after overlap."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Seconds of each part of the compute (``PARTS``): ``compute_s`` is their sum."""
+    flops: dict[str, float] = field(default_factory=dict)
+    """FLOPs the step computes per "<class>/<dtype>" (recomputation included)."""
+    bytes: dict[str, float] = field(default_factory=dict)
+    """Bytes the other ops move: "activations", "weights", "optimizer"."""
+    rates: dict[str, Rate] = field(default_factory=dict)
+    """The rate each "<class>/<dtype>" and "copy" was priced at, with its source."""
 
     @property
     def busy_s(self) -> float:
@@ -66,58 +99,50 @@ class Estimate:
         return self.model_flops / self.step_s / 1e12
 
 
-def layer_flops_per_token(cfg: JobConfig, layer: int, tp: int) -> float:
-    """Training FLOPs (forward + backward: 6 per parameter use) one token costs in ``layer``
-    on one tp rank, attention scores included (causal: half the sequence on average)."""
-    m, mo = cfg.model, cfg.moe
-    D = m.dim
-    if m.attention == "mla":
-        qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
-        attn = D * (m.q_lora_rank or 0) + (m.q_lora_rank or D) * m.n_heads * qk
-        attn += D * ((m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0))
-        attn += (
-            (m.kv_lora_rank or 0) * m.n_heads * ((m.qk_nope_head_dim or 0) + (m.v_head_dim or 0))
-        )
-        attn += m.n_heads * (m.v_head_dim or 0) * D
-        width = m.n_heads * (qk + (m.v_head_dim or 0)) / 2
-    else:
-        dh = m.attn_head_dim
-        attn = D * (m.n_heads + 2 * m.kv_heads) * dh + m.n_heads * dh * D
-        width = m.n_heads * dh
-    window = m.window(layer)
-    S = cfg.data.seq_len
-    pairs = S / 2 if window is None or window >= S else window * (1 - window / (2 * S))
-    flops = (6 * attn + 12 * width * pairs) / tp
-    if is_moe_layer(layer, mo):
-        routed = mo.top_k * 3 * D * mo.expert_ffn_dim
-        shared = 3 * D * (mo.shared_expert_ffn_dim or mo.num_shared_experts * mo.expert_ffn_dim)
-        split = tp if cfg.parallel.expert_tp else 1
-        flops += 6 * (routed + shared) / split + 6 * D * mo.num_experts  # + the router
-    else:
-        flops += 6 * 3 * D * m.ffn_dim / tp
-    return flops
+def rank_work(
+    cfg: JobConfig,
+    dims: ParallelDims,
+    state: RankState,
+    mix: StepMix,
+    device_type: str = "cuda",
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(model FLOPs, FLOPs computed per "<class>/<dtype>", bytes moved per kind) of this
+    rank's step: the model formula's FLOPs per class scaled by what the census says the code
+    computes for them (recomputation included); traffic scaled from the census per byte of
+    saved activations, per parameter and per byte of optimizer state. On a GPU attention
+    is priced as its fused kernel runs it (the formula's FLOPs in the compute dtype); the
+    census's CPU may take SDPA's math path."""
+    from moetrain.plan import activations as act
+    from moetrain.plan.build import compute_dtype
 
-
-def stage_flops_per_token(cfg: JobConfig, dims: ParallelDims) -> list[float]:
-    """Training FLOPs one token costs on each pipeline stage (on one tp rank): its layers
-    (``layer_flops_per_token``), and on the last stage the output head and the multi-token-
-    prediction modules (each a block, its input projection ``eh_proj`` and the head again).
-    The stages' contents are ``stage_modules``'s, the pipeline split's own."""
-    from moetrain.parallel.pipeline import stage_modules
-
-    m = cfg.model
-    head = 6 * m.dim * (m.vocab_size or 0) / dims.tp
-    eh_proj = 6 * 2 * m.dim * m.dim / dims.tp
-    out = []
-    for s in range(dims.num_stages):
-        blocks, _, last = stage_modules(
-            m.n_layers, m.mtp_depth, dims.num_stages, s, cfg.parallel.pp_stage_layers
-        )
-        flops = sum(layer_flops_per_token(cfg, i, dims.tp) for i in blocks)
-        if last:
-            flops += head + m.mtp_depth * (head + eh_proj)
-        out.append(flops)
-    return out
+    tokens = cfg.train.global_batch_size * cfg.data.seq_len / (dims.dp * dims.cp)
+    per_stage = stage_flops_by_class(cfg, dims)
+    redo = 1 + _recompute(cfg)
+    dtype = str(compute_dtype(cfg, device_type)).removeprefix("torch.")
+    model = 0.0
+    flops: dict[str, float] = {}
+    for c in state.chunks:
+        for cls, f in per_stage[c.stage].items():
+            model += f * tokens
+            if cls == "attention" and device_type == "cuda":
+                ratio, shares = 1.0, {dtype: 1.0}
+            else:
+                ratio, shares = mix.ratio(cls), mix.shares(cls) or {dtype: 1.0}
+            for dt, share in shares.items():
+                key = f"{cls}/{dt}"
+                flops[key] = flops.get(key, 0.0) + f * tokens * ratio * share * redo
+    micro = dims.microbatches(cfg)
+    plain = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing="none")
+    )
+    sh = act.shapes(cfg, dims, compute_dtype(cfg, device_type), device_type)
+    saved = sum(act.chunk_bytes(plain, sh, c) for c in state.chunks)
+    traffic = {
+        "activations": mix.traffic_per_saved_byte * saved * micro * redo,
+        "weights": mix.per_param("weights") * state.param_elements * micro,
+        "optimizer": mix.per_state_byte("optimizer") * state.optim,
+    }
+    return model, flops, traffic
 
 
 def rank_times(
@@ -126,16 +151,24 @@ def rank_times(
     state: RankState,
     axes: list[Axis],
     hw: GPU,
+    mix: StepMix,
     overlap: dict[str, float] | None = None,
+    device_type: str = "cuda",
 ) -> Estimate:
     """A rank's compute and communication per step, without the pipeline's idle time
     (``step_s`` and ``mfu`` as if the schedule had no bubble: ``with_pipeline`` adds it)."""
     ov = {**OVERLAP, **(overlap or {})}
-    tokens = cfg.train.global_batch_size * cfg.data.seq_len / (dims.dp * dims.cp)
-    per_stage = stage_flops_per_token(cfg, dims)
-    model_flops = sum(per_stage[c.stage] for c in state.chunks) * tokens
-    peak = hw.bf16_tflops * 1e12
-    compute_s = model_flops * (1 + _recompute(cfg)) / (peak * hw.matmul_efficiency)
+    model_flops, flops, moved = rank_work(cfg, dims, state, mix, device_type)
+    table = rates(hw, moe_shape(cfg, dims), cfg.moe.kernels)
+    parts = dict.fromkeys(PARTS, 0.0)
+    used: dict[str, Rate] = {}
+    for key, f in flops.items():
+        cls, dtype = key.split("/")
+        r = used[key] = rate_of(table, cls, dtype)
+        parts[_PART[cls]] += f / (r.value * 1e12)
+    used["copy"] = table["copy"]
+    copy_bps = table["copy"].value * 1e9
+    parts["elementwise and copies"] = (moved["activations"] + moved["weights"]) / copy_bps
     comm, exposed = {}, {}
     for a in axes:
         bw = hw.nvlink_gbs if a.nodes == 1 else hw.ib_gbs
@@ -150,19 +183,35 @@ def rank_times(
         if a.name == "ep" and cfg.parallel.overlap_shared_experts:
             hidden = max(hidden, 0.5)
         exposed[a.name] = t * (1 - hidden)
-    opt_s = 2 * state.model_state / (hw.hbm_tbs * 1e12)
     e = Estimate(
         gpu=hw.name,
         step_s=0.0,
-        compute_s=compute_s,
+        compute_s=sum(parts.values()),
         model_flops=model_flops,
         mfu=0.0,
         bubble=0.0,
-        optimizer_s=opt_s,
+        optimizer_s=moved["optimizer"] / copy_bps,
         comm_s=comm,
         exposed_s=exposed,
+        parts=parts,
+        flops=flops,
+        bytes=moved,
+        rates=used,
     )
     return with_pipeline(e, e.busy_s, hw)
+
+
+def moe_shape(cfg: JobConfig, dims: ParallelDims) -> Any:
+    """The shape an MoE layer of this layout sees (``moetrain.kernels.selection.MoEShape``:
+    what the measured rates are looked up by), None without experts."""
+    from moetrain.kernels.selection import MoEShape
+
+    m = cfg.moe
+    if not m.num_experts:
+        return None
+    tokens = dims.micro_batch_size(cfg) * cfg.data.seq_len // dims.cp
+    return MoEShape(tokens, cfg.model.dim, m.expert_ffn_dim, m.num_experts, m.top_k,
+                    m.score_func)  # fmt: skip
 
 
 def with_pipeline(e: Estimate, pipeline_s: float, hw: GPU) -> Estimate:
@@ -197,17 +246,20 @@ def estimate(
     state: RankState,
     axes: list[Axis],
     hw: GPU,
+    mix: StepMix,
     overlap: dict[str, float] | None = None,
+    device_type: str = "cuda",
 ) -> Estimate:
     """One rank's estimate, planned alone: the other stages' times are their FLOPs at this
     rank's pace (its compute and exposed communication per FLOP)."""
-    e = rank_times(cfg, dims, state, axes, hw, overlap)
+    e = rank_times(cfg, dims, state, axes, hw, mix, overlap, device_type)
     if dims.pp == 1:
         return e
     flops = stage_flops_per_token(cfg, dims)
     mine = sum(flops[c.stage] for c in state.chunks)
-    if mine == 0:  # no computing stage of its own: the others at compute speed alone
-        pace = (1 + _recompute(cfg)) / (hw.bf16_tflops * 1e12 * hw.matmul_efficiency)
+    if mine == 0:  # no computing stage of its own: the others at the dense matmul's rate
+        table = rates(hw, moe_shape(cfg, dims), cfg.moe.kernels)
+        pace = (1 + _recompute(cfg)) / (table["matmul/bfloat16"].value * 1e12)
         tokens = cfg.train.global_batch_size * cfg.data.seq_len / (dims.dp * dims.cp)
         stage_s = [f * tokens * pace for f in flops]
     else:
@@ -221,15 +273,17 @@ def estimate_ranks(
     dims: ParallelDims,
     ranks: list[tuple[RankState, list[Axis]]],
     hw: GPU,
+    mix: StepMix,
     overlap: dict[str, float] | None = None,
+    device_type: str = "cuda",
 ) -> list[Estimate]:
     """The estimates of planned ranks. When they include every pipeline rank, each stage's
     time is its own rank's (compute and exposed communication, shared among the rank's
     stages by FLOPs) and one simulation of the schedule gives every rank the same makespan;
     otherwise each rank is estimated alone (``estimate``)."""
     if dims.pp == 1 or {s.coords["pp"] for s, _ in ranks} != set(range(dims.pp)):
-        return [estimate(cfg, dims, s, a, hw, overlap) for s, a in ranks]
-    out = [rank_times(cfg, dims, s, a, hw, overlap) for s, a in ranks]
+        return [estimate(cfg, dims, s, a, hw, mix, overlap, device_type) for s, a in ranks]
+    out = [rank_times(cfg, dims, s, a, hw, mix, overlap, device_type) for s, a in ranks]
     flops = stage_flops_per_token(cfg, dims)
     stage_s = [0.0] * dims.num_stages
     seen: set[int] = set()

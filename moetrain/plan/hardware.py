@@ -1,14 +1,24 @@
-"""The hardware a plan is priced on: one table of constants per GPU, every one an input.
+"""The hardware a plan is priced on: one table of constants per GPU, every one an input,
+and the rates measured on it.
 
 Datasheet figures are the vendor's; the achievable fractions are what published
 measurements reach (each row names its source; docs/plan.md lists them all). Any field can be
 overridden on the command line (``moetrain plan --gpu h100 --set nvlink_gbs=400``).
+
+``rates`` gives the speed of each kind of work a step does (expert GEMMs, attention, other
+matmuls, by dtype; copies) on a GPU, each with its source: the rows measured on its
+architecture (``moetrain.kernels.measured``, generated from docs/benchmarks.csv) where they
+exist, else a datasheet figure times a stated efficiency.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moetrain.kernels.selection import MoEShape
 
 
 @dataclass(frozen=True)
@@ -36,6 +46,20 @@ class GPU:
     """Fraction of a link's bandwidth a collective reaches (bus bandwidth): NCCL all-reduce
     on 8 x H100 NVLink about 360-370 GB/s of 450 (nccl-tests), DeepEP's all-to-all 153-158
     GB/s of H800's 160 GB/s NVLink and 43-58 of 50 GB/s RDMA (deepseek-ai/DeepEP)."""
+    fp32_tflops: float = 0.0
+    """FP32 peak without tensor cores, TFLOP/s (datasheet): where fp32 matmuls run (torch
+    keeps TF32 off by default)."""
+    arch: str = ""
+    """Compute capability as the measured table names it ("sm_90")."""
+    attention_efficiency: float = 0.5
+    """Fused attention's rate as a fraction of the measured dense bf16 matmul (of
+    ``matmul_efficiency`` x peak without rows), on the FLOPs the plan counts (causal: half
+    the square). No attention row is measured yet; FlashAttention-3 reaches 0.52-0.78 of the
+    H100's peak at head dim 128, sequences 512-16K (Shah et al. 2024, its benchmark table);
+    shorter causal sequences sit at the low end."""
+    copy_efficiency: float = 0.9
+    """Fraction of ``hbm_tbs`` a copy reaches where none was measured (an H100 copies at
+    3,003 GB/s of 3,350 in docs/benchmarks.csv: 0.90)."""
     runtime_reserve_gb: float = 2.0
     """Memory the CUDA context, NCCL's buffers and the caching allocator's fragmentation
     take besides the tensors (moetrain's allowance: the CUDA context alone is about 0.5 GB,
@@ -47,16 +71,17 @@ class GPU:
 # TB/s, same compute and NVLink); H800 (H100's compute, NVLink cut to 400 GB/s; DeepSeek-V3
 # report: 160 GB/s achievable NVLink, 50 GB/s InfiniBand per GPU); B200 (HGX B200: 2.25
 # PFLOP/s BF16 dense, 4.5 FP8, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s = 900 per
-# direction); A100 SXM 80 GB (312 TFLOP/s BF16, 2.04 TB/s, NVLink 600 GB/s). Network: 8 x
+# direction); A100 SXM 80 GB (312 TFLOP/s BF16, 2.04 TB/s, NVLink 600 GB/s). FP32 (no tensor
+# cores): H100/H200/H800 SXM 67 TFLOP/s, HGX B200 75, A100 19.5. Network: 8 x
 # ConnectX-7 400 Gb/s (50 GB/s) per DGX/HGX H100, H200 and B200 node.
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
-        GPU("h100", 989.0, 1979.0, 80.0, 3.35, 450.0, 50.0),
-        GPU("h200", 989.0, 1979.0, 141.0, 4.8, 450.0, 50.0),
-        GPU("h800", 989.0, 1979.0, 80.0, 3.35, 200.0, 50.0),
-        GPU("b200", 2250.0, 4500.0, 180.0, 7.7, 900.0, 50.0),
-        GPU("a100", 312.0, 0.0, 80.0, 2.04, 300.0, 25.0),
+        GPU("h100", 989.0, 1979.0, 80.0, 3.35, 450.0, 50.0, fp32_tflops=67.0, arch="sm_90"),
+        GPU("h200", 989.0, 1979.0, 141.0, 4.8, 450.0, 50.0, fp32_tflops=67.0, arch="sm_90"),
+        GPU("h800", 989.0, 1979.0, 80.0, 3.35, 200.0, 50.0, fp32_tflops=67.0, arch="sm_90"),
+        GPU("b200", 2250.0, 4500.0, 180.0, 7.7, 900.0, 50.0, fp32_tflops=75.0, arch="sm_100"),
+        GPU("a100", 312.0, 0.0, 80.0, 2.04, 300.0, 25.0, fp32_tflops=19.5, arch="sm_80"),
     )
 }
 
@@ -84,3 +109,89 @@ def gpu(name: str, overrides: dict[str, float] | None = None) -> GPU:
             )
         g = dataclasses.replace(g, **overrides)
     return g
+
+
+@dataclass(frozen=True)
+class Rate:
+    """How fast one kind of work runs: ``value`` TFLOP/s (matmuls) or GB/s (copies), and
+    where the figure comes from (a measured row, or a datasheet figure and an assumption)."""
+
+    value: float
+    source: str
+    measured: bool = False
+
+
+def _nearest(rows: list[dict], features: dict[str, float]) -> dict:
+    from moetrain.kernels.selection import _distance
+
+    return min(rows, key=lambda r: _distance(features, r["features"]))
+
+
+def rates(g: GPU, shape: MoEShape | None, kernels: str = "auto") -> dict[str, Rate]:
+    """The rates of ``g`` for a model whose MoE layers have ``shape`` (None: no experts),
+    keyed "<class>/<dtype>" (classes experts, attention, matmul; dtypes bfloat16, float32)
+    and "copy". ``kernels``: ``moe.kernels`` (auto: each grouped GEMM on the implementation
+    the measured table picks, ``moetrain.kernels.selection``)."""
+    from moetrain.kernels import measured
+    from moetrain.kernels.selection import choose
+
+    rows = [r for r in measured.RATES if r["arch"] == g.arch]
+    gemm = [r for r in rows if r["kind"] == "grouped_mm"]
+    dense = [r for r in rows if r["kind"] == "dense" and r["features"]]
+    ceiling = next((r for r in rows if r["kind"] == "dense" and r["case"] == "8192^3"), None)
+    copy = next((r for r in rows if r["kind"] == "copy"), None)
+    out: dict[str, Rate] = {}
+    assumed = g.bf16_tflops * g.matmul_efficiency
+    no_rows = f"assumed: no measured rows for {g.arch or g.name}"
+    bf16_matmul = Rate(assumed, f"{no_rows}; bf16 peak {g.bf16_tflops:g} x matmul_efficiency "
+                                f"{g.matmul_efficiency:g}")  # fmt: skip
+    out["experts/bfloat16"] = out["matmul/bfloat16"] = bf16_matmul
+    if gemm and shape is not None:
+        feats = shape.features("grouped_mm_fwd")
+        pick = choose(g.arch, shape) if kernels == "auto" else None
+        parts, srcs = [], []
+        for op in ("fwd", "dgrad", "wgrad"):
+            impl = getattr(pick, op).backend if pick is not None else kernels
+            mine = [r for r in gemm if r["op"] == op and r["impl"] == impl]
+            if not mine:
+                break
+            r = _nearest(mine, feats)
+            parts.append(r["tflops"])
+            srcs.append(f"{op} {impl} {r['tflops']:g} on the {r['case']} class ({r['rows']})")
+        if len(parts) == 3:  # fwd, dgrad, wgrad: a third of the FLOPs each
+            value = 3 / sum(1 / p for p in parts)
+            out["experts/bfloat16"] = Rate(value, "measured: " + "; ".join(srcs), True)
+    if dense:
+        feats = shape.features("grouped_mm_fwd") if shape is not None else dense[0]["features"]
+        r = _nearest(dense, feats)
+        out["matmul/bfloat16"] = Rate(
+            r["tflops"], f"measured: dense matmul of the {r['case']} class ({r['rows']})", True
+        )
+    if ceiling is not None:
+        frac = ceiling["tflops"] / g.bf16_tflops
+        why = (f"FP32 peak {g.fp32_tflops:g} x the measured dense bf16 ceiling's fraction of "
+               f"its peak, {frac:.3f} ({ceiling['rows']})")  # fmt: skip
+        fp32 = Rate(g.fp32_tflops * frac, why)
+        attention = Rate(ceiling["tflops"] * g.attention_efficiency, "assumed: attention_"
+                         f"efficiency {g.attention_efficiency:g} x the measured dense ceiling "
+                         f"{ceiling['tflops']:g} ({ceiling['rows']})")  # fmt: skip
+    else:
+        fp32 = Rate(g.fp32_tflops * g.matmul_efficiency, f"{no_rows}; FP32 peak "
+                    f"{g.fp32_tflops:g} x matmul_efficiency {g.matmul_efficiency:g}")  # fmt: skip
+        attention = Rate(assumed * g.attention_efficiency, f"{no_rows}; attention_efficiency "
+                         f"{g.attention_efficiency:g} x {assumed:g}")  # fmt: skip
+    for cls in ("experts", "attention", "matmul"):
+        out[f"{cls}/float32"] = fp32
+    out["attention/bfloat16"] = attention
+    if copy is not None:
+        out["copy"] = Rate(copy["gbs"], f"measured: copy bandwidth ({copy['rows']})", True)
+    else:
+        why = f"{no_rows}; HBM {g.hbm_tbs:g} TB/s x copy_efficiency {g.copy_efficiency:g}"
+        out["copy"] = Rate(g.hbm_tbs * 1e3 * g.copy_efficiency, why)
+    return out
+
+
+def rate_of(table: dict[str, Rate], cls: str, dtype: str) -> Rate:
+    """The rate of ``cls`` in ``dtype`` (fp16 and fp8 at bf16's: the tensor-core rates)."""
+    key = f"{cls}/{dtype}"
+    return table.get(key) or table[f"{cls}/bfloat16"]

@@ -22,6 +22,7 @@ from moetrain.plan import activations as act
 from moetrain.plan.build import BuildOptimizers, RankState, build_rank, compute_dtype
 from moetrain.plan.estimate import Estimate, estimate_ranks
 from moetrain.plan.hardware import GPU
+from moetrain.plan.stepmix import StepMix, cached_census
 from moetrain.plan.traffic import Axis, traffic
 
 
@@ -165,9 +166,12 @@ def plan(
     gpus_per_node: int = 8,
     ranks: list[int] | None = None,
     overlap: dict[str, float] | None = None,
+    mix: StepMix | None = None,
 ) -> Plan:
     """Validate the layout of ``cfg`` at ``world_size`` ranks and plan its distinct ranks
-    (or ``ranks``); with ``gpu`` price their traffic and step time too."""
+    (or ``ranks``); with ``gpu`` price their traffic and step time too, from ``mix``: what
+    the code's step computes (default: the census of this model's proxy,
+    ``moetrain.plan.stepmix``)."""
     dims = check_layout(cfg, world_size, device_type)
     dtype = compute_dtype(cfg, device_type)
     out = []
@@ -179,7 +183,10 @@ def plan(
             rp.axes = traffic(cfg, dims, state, sh, dtype, gpus_per_node)
         out.append(rp)
     if gpu is not None:  # together: the pipeline's pace is its slowest stage's
-        estimates = estimate_ranks(cfg, dims, [(r.state, r.axes) for r in out], gpu, overlap)
+        if mix is None:
+            mix = cached_census(cfg, dtype, build_optimizers)
+        estimates = estimate_ranks(cfg, dims, [(r.state, r.axes) for r in out], gpu, mix,
+                                   overlap, device_type)  # fmt: skip
         for rp, e in zip(out, estimates, strict=True):
             rp.estimate = e
     return Plan(cfg, dims, device_type, dtype, out, gpu, gpus_per_node)

@@ -147,6 +147,7 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
             f"{plan.tflops_per_gpu / plan.gpu.bf16_tflops:.1%} of {plan.gpu.bf16_tflops:g}), "
             f"{tokens / e.step_s / d.world_size:,.0f} tokens/s per GPU",
         ]
+        lines += estimate_lines(e)
         estimated = [r for r in plan.ranks if r.estimate]
         if d.pp > 1 and len(estimated) > 1:  # unequal stages: the busiest sets the pace
             pace = max(estimated, key=lambda r: r.estimate.busy_s)
@@ -160,6 +161,34 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
     if tips:
         lines += ["", "advice:"] + [f"  - {t}" for t in tips]
     return "\n".join(lines)
+
+
+def estimate_lines(e: Any) -> list[str]:
+    """What the compute is made of (``moetrain.plan.estimate``): each part's seconds, the
+    work and the rate it was priced at, each rate's source."""
+    by_part: dict[str, list[str]] = {}
+    for key, f in sorted(e.flops.items()):
+        cls, dtype = key.split("/")
+        part = {"experts": "expert GEMMs", "attention": "attention"}.get(cls, "other matmuls")
+        by_part.setdefault(part, []).append(
+            f"{f / 1e12:.2f} TFLOP {dtype} at {e.rates[key].value:.0f} TFLOP/s"
+        )
+    moved = e.bytes.get("activations", 0.0) + e.bytes.get("weights", 0.0)
+    by_part["elementwise and copies"] = [f"{moved / GB:.0f} GB at {e.rates['copy'].value:.0f} "
+                                         "GB/s"]  # fmt: skip
+    out = [
+        "  compute: "
+        + "; ".join(
+            f"{part} {e.parts.get(part, 0.0):.3f} s ({', '.join(by_part.get(part, ['-']))})"
+            for part in e.parts
+        )
+        + f"; optimizer {e.optimizer_s:.3f} s ({e.bytes.get('optimizer', 0.0) / GB:.0f} GB)"
+    ]
+    out.append("  rates:")
+    for key, r in sorted(e.rates.items()):
+        out.append(f"    {key} {r.value:.0f} {'GB/s' if key == 'copy' else 'TFLOP/s'}: "
+                   f"{r.source}")  # fmt: skip
+    return out
 
 
 def _is_moe(cfg: Any, i: int) -> bool:
@@ -228,6 +257,11 @@ def as_dict(plan: Plan, memory_gb: float | None) -> dict[str, Any]:
                 "start_up": plan.start_up_of(r),
                 "traffic": {a.name: a.bytes for a in r.axes},
                 "step_s": r.estimate.step_s if r.estimate else None,
+                "step_parts_s": (
+                    {**r.estimate.parts, "optimizer": r.estimate.optimizer_s}
+                    if r.estimate
+                    else None
+                ),
             }
         )
     return {

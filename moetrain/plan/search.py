@@ -141,6 +141,7 @@ def search(
     the ``parallel.*`` keys not to vary (those the command line sets)."""
     from moetrain.plan.activations import shapes
     from moetrain.plan.estimate import estimate_ranks
+    from moetrain.plan.stepmix import cached_census
     from moetrain.plan.traffic import traffic
 
     built: dict[tuple, list] = {}
@@ -169,8 +170,10 @@ def search(
             sh = shapes(c, dims, dtype, device_type)
             rp.axes = traffic(c, dims, state, sh, dtype, gpus_per_node)
             ranks.append(rp)
-        for rp, e in zip(ranks, estimate_ranks(c, dims, [(r.state, r.axes) for r in ranks], gpu),
-                         strict=True):  # fmt: skip
+        mix = cached_census(c, dtype, build_optimizers)
+        pairs = [(r.state, r.axes) for r in ranks]
+        estimates = estimate_ranks(c, dims, pairs, gpu, mix, device_type=device_type)
+        for rp, e in zip(ranks, estimates, strict=True):
             rp.estimate = e
         cand.plan = planner.Plan(c, dims, device_type, dtype, ranks, gpu, gpus_per_node)
     cap = memory_gb * GB

@@ -269,6 +269,13 @@ class Trainer:
             )
         cfg.model.vocab_size = vocab
         self.dims = dims.validate(cfg)  # before any process group exists
+        if cfg.moe.num_experts:  # moe.kernels auto on CUDA logs each op's measured choice
+            from moetrain.kernels.selection import MoEShape, choose_kernels
+
+            m, tokens = cfg.moe, dims.micro_batch_size(cfg) * cfg.data.seq_len // dims.cp
+            shape = MoEShape(tokens, cfg.model.dim, m.expert_ffn_dim, m.num_experts, m.top_k,
+                             m.score_func)  # fmt: skip
+            choose_kernels(m.kernels, self.device, shape, self.dtype)
         if tcfg.memory_check:  # before anything is allocated
             check_memory(cfg, dims, self.device)
 

@@ -123,13 +123,19 @@ def test_every_constant_is_an_input() -> None:
 
     cfg = load_config(REPO / "configs/tiny_ep.yaml")
 
-    def step(**consts) -> float:
-        gpu = hardware.gpu("h100", consts)
+    def step(name: str = "h100", **consts) -> float:
+        gpu = hardware.gpu(name, consts)
         return planner.plan(cfg, 8, build_optimizers, gpu=gpu).step_s
 
     base = step()
-    assert step(matmul_efficiency=0.3) > base  # half the compute rate: slower
     assert step(nvlink_gbs=45.0) > base  # a tenth of the bandwidth: slower
+    # On an H100 the GEMM and copy rates are measured rows; what is not measured is input:
+    assert step(fp32_tflops=20.0) > base  # fp32 GEMMs (the router's; the experts' today)
+    assert step(attention_efficiency=0.1) > base
+    # Where no row is measured (B200), the datasheet figures times efficiencies price it.
+    b200 = step("b200")
+    assert step("b200", matmul_efficiency=0.3) > b200
+    assert step("b200", copy_efficiency=0.3) > b200
     with pytest.raises(ValueError, match="not a GPU constant"):
         hardware.gpu("h100", {"no_such": 1.0})
 
