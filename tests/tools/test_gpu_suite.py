@@ -278,6 +278,20 @@ def test_report_judges_targets_from_gpu_rows():
     assert "have not been measured yet" not in text and f"Latest figures on {H100}" in text
 
 
+def test_a_run_cut_short_after_its_ceiling_does_not_hide_the_run_before():
+    """The H100's second e2e part timed out after measuring only its dense ceiling; the page
+    reports the first run's MFU, not "not measured"."""
+    report = load_tool("bench_report")
+    first = _gpu_row(benchmark="e2e", case="gpu_1b/b16xs1024", op="mfu", impl="torch/eager",
+                     value="0.055", routing="-")  # fmt: skip
+    cut = _gpu_row(benchmark="e2e", case="gpu_1b/b16xs1024", op="dense_ceiling", impl="dense",
+                   tflops="790", routing="-", timestamp="2026-01-01T01:00:00+00:00")  # fmt: skip
+    runs = report.latest_runs([first, cut], include_cpu=False)
+    assert runs[("e2e", H100)] == [first]
+    judged = {t.split(" ")[0]: fig for t, fig, _ in report.target_rows(runs[("e2e", H100)])}
+    assert judged["6."] == "5.5% (torch/eager)"
+
+
 def test_docs_benchmarks_csv_has_the_current_schema():
     with open(REPO / "docs" / "benchmarks.csv", newline="") as f:
         assert next(csv.reader(f)) == bc.CSV_FIELDS

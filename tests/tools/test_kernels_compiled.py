@@ -187,3 +187,20 @@ def test_the_dot_check_knows_each_tritons_minimums(kc):
     assert "K >= 16 of Triton 3.6" in problem and "3.9" not in problem
     assert kc.dot_problems([{**tile, "k": 16}]) == []
     assert kc.dot_problems([{**tile, "bits": 8, "k": 16}])  # fp8 needs 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_oldest_triton_compiles_the_spot_check_when_its_venv_exists(tmp_path, kc):
+    """Under Triton 3.6 itself, where its virtual environment has been built (`python
+    tools/kernels_compiled.py --oldest` builds it: CI holds the record instead, see above):
+    one configuration of every kernel and phase compiles and matches the record."""
+    venv = Path(kc.OLDEST_VENV)
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no Triton {kc.OLDEST_TRITON} environment at {venv}: `python "
+                    "tools/kernels_compiled.py --oldest` builds it")  # fmt: skip
+    proc, result = _tool(tmp_path, "--oldest", "--spot", timeout=1100)
+    assert result["versions"].startswith(f"Triton {kc.OLDEST_TRITON},"), result["versions"]
+    assert not result["diffs"], "\n".join(result["diffs"])
+    assert not result["problems"], "\n".join(result["problems"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
