@@ -15,9 +15,11 @@ gives zeros) and round-to-nearest-even by torch's float8 dtypes; it is read back
 - activations and output gradients: each token's row along the contraction dim, in both
   recipes, so that a scale never depends on which other tokens a rank holds (the
   micro-batch, the expert-parallel rank, the pipeline's micro-batching);
-- formats: e4m3 for weights and activations; output gradients e5m2 under ``tensorwise``
-  (more range, as torchao's and Transformer Engine's defaults), e4m3 under ``rowwise``
-  (torchao's rowwise recipe, DeepSeek-V3); ``rowwise`` rounds scales down to a power of two.
+- formats: e4m3 for weights and activations; a linear's output gradients e5m2 under
+  ``tensorwise`` (more range, as torchao's and Transformer Engine's defaults), e4m3 under
+  ``rowwise`` (torchao's rowwise recipe, DeepSeek-V3); the grouped GEMMs' output gradients
+  e4m3 under both, since ``torch._scaled_grouped_mm`` takes e4m3 operands only (torchao's MoE
+  training quantizes them to e4m3 too); ``rowwise`` rounds scales down to a power of two.
 
 Forward (``y = x w``) and dgrad (``dx = dy w^T``) are FP8 GEMMs. The weight gradient's
 contraction runs over tokens, where per-token scales cannot be factored out of one scaled
@@ -69,14 +71,22 @@ class Recipe:
     """True: a weight scale per row along the contraction dim; False: one per tensor
     (per expert for grouped weights)."""
     grad_dtype: torch.dtype
-    """Format of the output gradients (dgrad's input)."""
+    """Format of a linear's output gradients (dgrad's input; ``torch._scaled_mm`` takes e5m2
+    and e4m3)."""
+    grouped_grad_dtype: torch.dtype
+    """Format of the grouped GEMMs' output gradients: e4m3, what ``torch._scaled_grouped_mm``
+    takes (its CUDA kernel and its meta kernel refuse e5m2)."""
     pow2_scales: bool
     """Round every scale down to a power of two (the read-back then only shifts exponents)."""
 
 
 RECIPES = {
-    "tensorwise": Recipe("tensorwise", weight_rows=False, grad_dtype=E5M2, pow2_scales=False),
-    "rowwise": Recipe("rowwise", weight_rows=True, grad_dtype=E4M3, pow2_scales=True),
+    "tensorwise": Recipe(
+        "tensorwise", weight_rows=False, grad_dtype=E5M2, grouped_grad_dtype=E4M3, pow2_scales=False
+    ),
+    "rowwise": Recipe(
+        "rowwise", weight_rows=True, grad_dtype=E4M3, grouped_grad_dtype=E4M3, pow2_scales=True
+    ),
 }
 
 
@@ -392,7 +402,7 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
         reduce_k, reduce_m = ctx.reduce
         dx = dw = None
         with torch.autocast(dy_RM.device.type, enabled=False):
-            gq = cast(dy_RM, recipe.grad_dtype, (1,), recipe.pow2_scales, reduce_m)
+            gq = cast(dy_RM, recipe.grouped_grad_dtype, (1,), recipe.pow2_scales, reduce_m)
             if ctx.needs_input_grad[0]:
                 wq = _cast_grouped_weight(w_EKM, recipe, along=2, reduce_k=reduce_k,
                                           reduce_m=reduce_m)  # fmt: skip

@@ -36,9 +36,12 @@ _WGRAD_TC = [(128, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3),
 # fp32 computes with input_precision="ieee", on the FMA units, where Triton's dot holds a
 # BLOCK_K-deep slice of both operands in registers: the tensor-core tiles (64-deep, 3-5
 # stages of 4-byte operands) spill to local memory and outgrow shared memory in fp32
-# (docs/kernels_compiled.md). Shallow K tiles instead, none spilling on sm_90 or sm_100.
-_FWD_FMA = [(128, 128, 8, 8, 4), (128, 64, 8, 4, 4), (64, 128, 8, 4, 4), (128, 64, 16, 8, 3),
-            (64, 64, 16, 4, 4), (64, 64, 32, 4, 3)]  # fmt: skip
+# (docs/kernels_compiled.md). Shallow K tiles instead, none spilling on sm_90 or sm_100
+# under the oldest and the newest supported Triton. Every dot is at least 16 deep: Triton
+# 3.6's tl.dot refuses K < 16 for 16- and 32-bit operands (3.9 allows 8 for fp32), and the
+# 128x128 and 8-warp 16-deep tiles that would fit spill under 3.6's register allocation.
+_FWD_FMA = [(128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 4, 4), (64, 64, 16, 4, 4),
+            (64, 64, 32, 4, 3)]  # fmt: skip
 _WGRAD_FMA = [(128, 128, 16, 8, 3), (128, 128, 32, 8, 3), (64, 128, 16, 4, 3),
               (128, 64, 16, 4, 3), (64, 64, 32, 4, 3)]  # fmt: skip
 _FMA_CONFIGS: set[int] = set()  # ids of the fp32 configurations

@@ -475,3 +475,133 @@ def test_the_trainer_chooses_the_kernels_at_start_up(tmp_path, monkeypatch):
     assert calls == [(m.kernels, torch.device("cpu"), selection.MoEShape(
         tokens, cfg.model.dim, m.expert_ffn_dim, m.num_experts, m.top_k, m.score_func),
         torch.float32)]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# The FP8 CUDA path against torch's own contract for each CUDA op, on CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_meta(v):
+    """The same shape, strides and dtype on the meta device (other arguments as they are)."""
+    if isinstance(v, torch.Tensor):
+        return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+    return v
+
+
+def _scaled_grouped_mm_on_cpu(a, b, scale_a, scale_b, offs=None, out_dtype=None, **_):
+    """What ``torch._scaled_grouped_mm`` (2-D a, 3-D b) computes: per group, the scaled
+    product rounded to bf16; rows past the last group NaN (the CUDA kernel leaves them)."""
+    y = torch.full((a.shape[0], b.shape[2]), float("nan"))
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        y[start:end] = (a[start:end].float() * scale_a[start:end, None]) @ (
+            b[g].float() * scale_b[g][None, :]
+        )
+        start = end
+    return y.to(out_dtype or torch.bfloat16)
+
+
+def _scaled_mm_on_cpu(a, b, scale_a, scale_b, out_dtype=None, **_):
+    """What ``torch._scaled_mm`` computes with row-wise scales (any torch: 2.11's CPU build
+    has no such kernel for these operands)."""
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype or a.dtype)
+
+
+class CudaContract:
+    """torch's CUDA GEMMs on CPU: every call first replays its operands as meta tensors through
+    the real op -- torch's meta kernel, which applies the CUDA kernel's checks (dtypes, row-
+    and column-major operands, multiples of 16, scale shapes and dtypes, bf16 output) -- then
+    computes with a CPU stand-in. Records (op, operand dtypes) of each call."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[tuple[str, tuple]] = []
+        grouped_mm_cpu = torch._grouped_mm
+        for name, cpu in (("_scaled_grouped_mm", _scaled_grouped_mm_on_cpu),
+                          ("_scaled_mm", _scaled_mm_on_cpu),
+                          ("_grouped_mm", grouped_mm_cpu)):  # fmt: skip
+            monkeypatch.setattr(torch, name, self._wrap(name, cpu))
+
+    def _wrap(self, name, cpu):
+        op = getattr(torch.ops.aten, name)
+
+        def call(*args, **kwargs):
+            op(*map(_as_meta, args), **{k: _as_meta(v) for k, v in kwargs.items()})
+            dtypes = tuple(str(a.dtype)[6:] for a in args[:2])
+            self.calls.append((name, dtypes))
+            return cpu(*args, **kwargs)
+
+        return call
+
+
+def _cuda_eligibility(monkeypatch, fake_cuda):
+    """The FP8 and bf16 grouped GEMMs' CUDA eligibility rules applied to CPU operands (an
+    H100, sm90): the operands report a CUDA device to the checks."""
+    from moetrain.kernels import fp8, torch_ops
+
+    grouped_ok, native_ok = fp8._native_grouped_ok, torch_ops._native_ok
+    monkeypatch.setattr(fp8, "_native_grouped_ok", lambda a, b: grouped_ok(_OnCuda(a), _OnCuda(b)))
+    monkeypatch.setattr(torch_ops, "_native_ok",
+                        lambda a, b, cols: native_ok(_OnCuda(a), _OnCuda(b), cols))  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_cuda_path_meets_each_ops_contract(recipe, fake_cuda, monkeypatch):
+    """The `scaled_mm` backend as it runs on an H100 -- expert groups through
+    `torch._scaled_grouped_mm` (forward, dgrad), the weight gradient through the bf16
+    `torch._grouped_mm`, linears through `torch._scaled_mm` (forward, dgrad) -- with every call
+    checked by torch's own meta kernel, and the results equal to the emulated recipe's. The
+    grouped dgrad once passed e5m2 gradients, which `_scaled_grouped_mm` refuses."""
+    from moetrain.kernels import fp8
+
+    r = fp8.get_recipe(recipe)
+    gen = torch.Generator().manual_seed(0)
+    offs = torch.tensor([10, 10, 25, 37], dtype=torch.int32)  # unaligned groups, a tail
+    x = torch.randn(40, 32, generator=gen)
+    w = torch.randn(4, 32, 48, generator=gen)
+    lw = torch.randn(64, 32, generator=gen)
+    dy, dz = torch.randn(40, 48, generator=gen), torch.randn(40, 64, generator=gen)
+    runs = {}
+    for backend in ("emulated", "scaled_mm"):
+        if backend == "scaled_mm":
+            contract = CudaContract(monkeypatch)
+            _cuda_eligibility(monkeypatch, fake_cuda)
+        xs, ws, lws = (t.clone().requires_grad_() for t in (x, w, lw))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fp8.fp8_grouped_mm(xs, ws, offs, r, backend)
+            x2 = x.clone().requires_grad_()
+            z = fp8.fp8_linear(x2, lws, None, r, backend)
+        (y.float() * dy).sum().backward()
+        (z.float() * dz).sum().backward()
+        runs[backend] = (y, xs.grad, ws.grad, z, x2.grad, lws.grad)
+    e4m3 = ("float8_e4m3fn", "float8_e4m3fn")
+    grouped = [c for c in contract.calls if c[0] == "_scaled_grouped_mm"]
+    assert grouped == [("_scaled_grouped_mm", e4m3)] * 2, contract.calls  # forward, dgrad
+    assert [c for c in contract.calls if c[0] == "_grouped_mm"] == [
+        ("_grouped_mm", ("bfloat16", "bfloat16"))
+    ]  # the weight gradient
+    assert len([c for c in contract.calls if c[0] == "_scaled_mm"]) == 2  # linear fwd, dgrad
+    for name, a, b in zip(("y", "dx", "dw", "linear y", "linear dx", "linear dw"),
+                          runs["scaled_mm"], runs["emulated"], strict=True):  # fmt: skip
+        a, b = a.detach().double(), b.detach().double()
+        err = float((a - b).norm() / b.norm())
+        assert err <= 0.01, (name, err)
+
+
+def test_the_contract_check_catches_what_cuda_refuses(monkeypatch):
+    """The meta replay fails where the CUDA kernel would: e5m2 operands of the grouped GEMM,
+    a row-major second operand, an fp32 grouped GEMM (CUDA's is bf16 only)."""
+    CudaContract(monkeypatch)
+    offs = torch.tensor([16, 32], dtype=torch.int32)
+    a = torch.zeros(32, 32, dtype=torch.float8_e4m3fn)
+    b_col = torch.zeros(2, 48, 32, dtype=torch.float8_e4m3fn).transpose(1, 2)
+    sa, sb = torch.ones(32), torch.ones(2, 48)
+    torch._scaled_grouped_mm(a, b_col, sa, sb, offs=offs, out_dtype=torch.bfloat16)  # fine
+    with pytest.raises(RuntimeError, match="E4M3"):
+        torch._scaled_grouped_mm(a.to(torch.float8_e5m2), b_col.to(torch.float8_e5m2), sa, sb,
+                                 offs=offs, out_dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(RuntimeError, match="column major"):
+        torch._scaled_grouped_mm(a, b_col.contiguous(), sa, sb, offs=offs,
+                                 out_dtype=torch.bfloat16)  # fmt: skip
+    with pytest.raises(RuntimeError, match="BF16"):
+        torch._grouped_mm(torch.zeros(32, 32), torch.zeros(2, 32, 48), offs=offs)

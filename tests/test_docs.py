@@ -533,6 +533,49 @@ def _gpu_1b() -> dict[str, float]:
             "acts": acts / 1e9, "peak": _PEAK_FLOPS["H100"] / 1e12}  # fmt: skip
 
 
+def _h100() -> dict[str, float]:
+    """The first GPU run's figures (one H100, 2026-11-27) from docs/benchmarks.csv, as the
+    pages round them: grouped GEMM vs torch._grouped_mm, fused router, permute / unpermute,
+    MoE layer / GEMMs, end to end, the kernel tests."""
+    import csv
+
+    with (REPO / "docs" / "benchmarks.csv").open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["device"] == "NVIDIA H100 80GB HBM3"
+                and r["timestamp"].startswith("2026-11-27")]  # fmt: skip
+
+    def pick(bench: str, impl: str, ops: tuple[str, ...], key: str) -> list[float]:
+        return [float(r[key]) for r in rows if r["benchmark"] == bench and r["impl"] == impl
+                and r["op"] in ops and r[key] and r["status"] == "ok"]  # fmt: skip
+
+    def one(bench: str, impl: str, op: str, key: str, case: str = "") -> float:
+        (v,) = [float(r[key]) for r in rows if r["benchmark"] == bench and r["impl"] == impl
+                and r["op"] == op and r["case"].startswith(case) and r[key]]  # fmt: skip
+        return v
+
+    gemm = pick("grouped_gemm", "triton", ("fwd", "dgrad", "wgrad"), "ratio_peer")
+    peer = pick("grouped_gemm", "torch_gmm", ("fwd", "dgrad", "wgrad"), "tflops")
+    router = pick("router", "triton", ("fwd+bwd",), "ratio_peer")
+    permute = pick("permute", "triton", ("permute_fwd",), "ratio_ceiling")
+    unpermute = pick("permute", "triton", ("unpermute_fwd",), "ratio_ceiling")
+    tests = {r["op"]: int(r["value"]) for r in rows if r["benchmark"] == "correctness"
+             and r["case"] == "pytest tests/kernels"}  # fmt: skip
+    return {
+        "gemm_lo": round(min(gemm), 2), "gemm_hi": round(max(gemm), 2),
+        "peer_lo": round(min(peer)), "peer_hi": round(max(peer)),
+        "router_lo": round(min(router), 2), "router_hi": round(max(router), 1),
+        "permute_lo": round(min(permute), 2), "permute_hi": round(max(permute), 2),
+        "unpermute_lo": round(min(unpermute), 2), "unpermute_hi": round(max(unpermute), 2),
+        "layer_mixtral": round(one("moe_layer", "triton", "layer/gemms", "value", "mixtral"), 2),
+        "layer_qwen3": round(one("moe_layer", "triton", "layer/gemms", "value", "qwen3"), 2),
+        "step_ms": round(one("e2e", "torch/eager", "step", "ms")),
+        "mfu": round(one("e2e", "torch/eager", "mfu", "value"), 3),
+        "tokens_s": round(one("e2e", "torch/eager", "tokens_per_s", "value")),
+        "peak_gib": round(one("e2e", "torch/eager", "peak_mem_gib", "value"), 1),
+        "plan_ratio": round(one("e2e", "torch/eager", "plan_step", "value"), 1),
+        "tests_passed": tests["passed"], "tests_failed": tests["failed"],
+    }  # fmt: skip
+
+
 def _tiny_params() -> float:
     """configs/tiny.yaml's parameters, millions (the default tokenizer's 4096 ids)."""
     import torch
@@ -752,6 +795,43 @@ QUOTES = [
           r"(?s)## Start-up, measured\n.*?\n\n(\| code \| layout .*?\n)\n",
           lambda: _load_tool(REPO / "tools" / "startup_memory.py").render(
               _load_tool(REPO / "tools" / "startup_memory.py").read_rows())),
+    Quote("README.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+          r"Triton grouped GEMM (\S+)x-(\S+)x `torch._grouped_mm`, fused router (\S+)x-(\S+)x "
+          r"the torch path, end to end (\S+) MFU",
+          lambda: [_h100()[k] for k in ("gemm_lo", "gemm_hi", "router_lo", "router_hi", "mfu")]),
+    Quote("docs/gpu.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+          r"(?s)grouped GEMM ran at (\S+)x to (\S+)x of `torch._grouped_mm`.*?itself\s+(\S+) to "
+          r"(\S+) TFLOP/s\);.*?at (\S+)x to (\S+)x of the unfused.*?permute at (\S+) to (\S+) of "
+          r"the measured copy bandwidth, unpermute at (\S+) to\s+(\S+) \(",
+          lambda: [_h100()[k] for k in ("gemm_lo", "gemm_hi", "peer_lo", "peer_hi", "router_lo",
+                                        "router_hi", "permute_lo", "permute_hi", "unpermute_lo",
+                                        "unpermute_hi")]),
+    Quote("docs/gpu.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+          r"(?s)\*\*(\S+) MFU\*\*\s+\((\S+) ms a step, (\S+) tokens/s, (\S+) GiB peak\), (\S+) "
+          r"times the step",
+          lambda: [_h100()[k] for k in ("mfu", "step_ms", "tokens_s", "peak_gib", "plan_ratio")]),
+    Quote("docs/gpu.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+          r"counted (\d+) passed and (\d+) failed",
+          lambda: [_h100()["tests_passed"], _h100()["tests_failed"]]),
+    Quote("docs/kernels.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+          r"(?s)grouped GEMM ran at (\S+)x to\s+(\S+)x of.*?at (\S+)x to (\S+)x of the\s+unfused"
+          r"\s+torch router; permute at (\S+) to (\S+) of.*?unpermute at (\S+) to\s+(\S+);.*?took"
+          r"\s+(\S+) times its grouped GEMMs'\s+time on Mixtral and (\S+) times",
+          lambda: [_h100()[k] for k in ("gemm_lo", "gemm_hi", "router_lo", "router_hi",
+                                        "permute_lo", "permute_hi", "unpermute_lo",
+                                        "unpermute_hi", "layer_mixtral", "layer_qwen3")]),
+    Quote("docs/kernels.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+          r"(\d+) compiled kernel tests failed",
+          lambda: [_h100()["tests_failed"]]),
+    Quote("docs/kernels.md", "docs/kernels_compiled_oldest.csv (tools/kernels_compiled.py)",
+          r"The record holds (\d+) compiled kernel variants",
+          lambda: [len((REPO / "docs" / "kernels_compiled_oldest.csv").read_text().splitlines())
+                   - 1]),
+    Quote("docs/fp8.md", "docs/fp8_error.csv (tests/kernels/test_kernels_fp8.py)",
+          r"\| grouped \| tensorwise \| (\S+) \| (\S+) \| (\S+) \|",
+          lambda: [float(line.rsplit(",", 1)[1]) for line
+                   in (REPO / "docs" / "fp8_error.csv").read_text().splitlines()
+                   if line.startswith("grouped,tensorwise,")]),
     Quote("docs/gpu.md", "_PEAK_FLOPS of moetrain/train/metrics.py",
           r"datasheet bf16 peak, (\S+) TFLOP/s for an H100", lambda: [_gpu_1b()["peak"]]),
     *_plan_check_quotes(),

@@ -73,35 +73,38 @@ DRY=1 bash tools/gpu_suite.sh   # every part of the GPU suite on CPU, 2-3 minute
 
 SUITE_PARTS = [
     ("tests", "`pytest tests/kernels` compiled (no interpreter), fp32 and bf16, the one "
-     "tolerance table; then `pytest -m gpu` elsewhere. Autotuning is cut to the first config "
-     "(`MOETRAIN_TEST_AUTOTUNE=first`; `AUTOTUNE_TESTS=full` to tune)", 200),
+     "tolerance table, in parallel (`-n`) where pytest-xdist is installed; then `pytest -m gpu` "
+     "elsewhere. Each failure's message is written as it fails "
+     "(`tools/pytest_live_failures.py`), so a part cut short keeps them. Autotuning is cut "
+     "to the first config (`MOETRAIN_TEST_AUTOTUNE=first`; `AUTOTUNE_TESTS=full` to tune)"),
     ("tiny", "`tools/compare_kernel_paths.py`: configs/tiny.yaml, 50 steps, "
      "`moe.kernels=triton` vs `torch`, every step's loss within the bf16 row of the "
-     "tolerance table", 80),
+     "tolerance table"),
     ("gemm", "`tools/bench_grouped_gemm.py --tokens 16384`: 3 anchor shapes x uniform/Zipf x "
-     "up/down projections; Triton outputs checked against `torch._grouped_mm`", 270),
-    ("router", "`tools/bench_router.py`: Mixtral, Qwen3, DeepSeek-V3 routers, 8K-64K tokens", 45),
-    ("permute", "`tools/bench_permute.py --tokens 16384`", 45),
-    ("layer", "`tools/bench_moe_layer.py --tokens 16384`: layer / GEMMs, router, dispatch, "
-     "experts, rest, host syncs", 100),
+     "up/down projections; Triton outputs checked against `torch._grouped_mm`"),
+    ("router", "`tools/bench_router.py`: Mixtral, Qwen3, DeepSeek-V3 routers, 8K-64K tokens"),
+    ("permute", "`tools/bench_permute.py --tokens 16384`"),
+    ("layer", "`tools/bench_moe_layer.py --tokens 16384 --shapes mixtral qwen3-30b-a3b`: "
+     "layer / GEMMs, router, dispatch, experts, rest, host syncs"),
     ("attention", "`tools/bench_attention.py`: document-masked attention (8 documents a "
      "sequence) with SDPA and an explicit mask and with FlexAttention (compiled), forward and "
      "forward + backward, each against causal SDPA measured beside it; S = 2,048 and 8,192, 16 "
-     "heads of 128, bf16", 90),
-    ("e2e", "`tools/bench_e2e.py`: configs/gpu_1b.yaml (1.8B total, 0.55B active), "
-     "triton/torch x eager/compile and triton with forced balanced routing "
-     "([plan.md](plan.md#balanced-routing-for-benchmarks)), 50 steps each, `moetrain plan`'s "
-     "estimated step beside each measured one (`plan_step`), profiler tables under 45% MFU",
-     330),
-    ("fp8", "`tools/bench_fp8.py --tokens 16384`: FP8 (tensorwise, rowwise; "
-     "`torch._scaled_grouped_mm`, `torch._scaled_mm`) against bf16 on the 3 anchor shapes' "
-     "expert GEMMs (up/down) and a dense linear, fwd / bwd / fwd+bwd, speed-ups measured in "
-     "the same run; then configs/gpu_1b.yaml with `train.fp8` none / tensorwise / rowwise, "
-     "30 steps each: tokens/s over bf16's, memory, final loss (docs/fp8.md)", 240),
-    ("peer", "builds MegaBlocks' `grouped_gemm` from its source distribution in `.whl/` "
-     "(`tools/gpu_wheels.sh` fetches it) in the background (`TORCH_CUDA_ARCH_LIST=9.0 "
-     "GROUPED_GEMM_CUTLASS=1`) into a folder outside the tree, where later parts and later runs on "
-     "the same machine find it; `gemm` then adds it as a peer; skipped without the sdist", 300),
+     "heads of 128, bf16"),
+    ("e2e", "`tools/bench_e2e.py`: configs/gpu_1b.yaml (1.8B total, 0.55B active), Triton and "
+     "torch eager and Triton compiled, 20 steps each (`ARGS_E2E=\"--variants ...\"` adds "
+     "torch compiled and Triton with forced balanced routing, "
+     "[plan.md](plan.md#balanced-routing-for-benchmarks)), `moetrain plan`'s estimated step "
+     "beside each measured one (`plan_step`), profiler tables under 45% MFU"),
+    ("fp8", "`tools/bench_fp8.py --tokens 16384 --shapes mixtral`: FP8 (tensorwise, rowwise; "
+     "`torch._scaled_grouped_mm`, `torch._scaled_mm`) against bf16 on Mixtral's expert GEMMs "
+     "(up/down) and a dense linear, fwd / bwd / fwd+bwd, speed-ups measured in the same run; "
+     "then configs/gpu_1b.yaml with `train.fp8` none / tensorwise / rowwise: tokens/s over "
+     "bf16's, memory, final loss (docs/fp8.md), what fits the budget"),
+    ("peer", "only when `PARTS` names it: builds MegaBlocks' `grouped_gemm` from its source "
+     "distribution in `.whl/` (`tools/gpu_wheels.sh` fetches it) in the background "
+     "(`TORCH_CUDA_ARCH_LIST=9.0 GROUPED_GEMM_CUTLASS=1`) into a folder outside the tree, where "
+     "later parts and later runs on the same machine find it; `gemm` then adds it as a peer; "
+     "skipped without the sdist"),
 ]  # fmt: skip
 SUITE_INTRO = """\
 ## Running the GPU suite
@@ -111,13 +114,15 @@ its `[test]` extra installed (`pip install -e ".[test]"`: pytest, transformers, 
 
 ```bash
 bash tools/gpu_suite.sh                                  # every part, within BUDGET seconds
-OUT=gpu_results BUDGET=1500 bash tools/gpu_suite.sh      # every part at its full budget
+OUT=gpu_results BUDGET=1500 bash tools/gpu_suite.sh      # more time than the parts' budgets
 PARTS=gemm,router bash tools/gpu_suite.sh                # some parts
 ```
 
 It runs the parts below in order, each under its own time budget (a part that runs out is
-killed and recorded as `timeout`, the rest go on; `BUDGET` caps the whole run, default 540 s,
-and `BUDGET_<PART>=seconds` or `ARGS_<PART>="..."` adjust one part, e.g.
+killed and recorded as `timeout`, the rest go on; `BUDGET` caps the whole run, by default the
+parts' budgets added up, {total} s: under ten minutes on one H100, from what each part took on
+the first one; `OUT=gpu_results BUDGET=1500` gives room to spare), and
+`BUDGET_<PART>=seconds` or `ARGS_<PART>="..."` adjust one part, e.g.
 `ARGS_GEMM="--shapes deepseek-v3-rank"`). moetrain runs from the working tree, through a
 folder of symlinks first on `PYTHONPATH`, so the suite measures the checkout it is started
 from whatever else is installed. Everything lands in `OUT` (default: a new temporary folder,
@@ -160,12 +165,18 @@ the wheels (`--no-index --no-deps`, into a folder of its own) only if `import da
 
 
 def suite_section() -> str:
+    """The suite's parts with their default budgets, read from tools/gpu_suite.py."""
+    import gpu_suite  # tools/ is on sys.path (this script's folder)
+
+    budgets = {name: part.budget for name, part in gpu_suite.PARTS.items()}
+    budgets["peer"] = gpu_suite.PEER_BUDGET
     parts = ["| part | what | budget |\n|---|---|---:|\n"]
-    parts += [f"| `{name}` | {what} | {budget} s |\n" for name, what, budget in SUITE_PARTS]
+    parts += [f"| `{name}` | {what} | {budgets[name]} s |\n" for name, what in SUITE_PARTS]
     files = "| file | content |\n|---|---|\n" + "".join(
         f"| `{name}` | {what} |\n" for name, what in SUITE_FILES
     )
-    return SUITE_INTRO.format(files=files) + "".join(parts) + "\n" + SUITE_AFTER
+    intro = SUITE_INTRO.format(files=files, total=gpu_suite.DEFAULT_BUDGET)
+    return intro + "".join(parts) + "\n" + SUITE_AFTER
 
 
 MEGABLOCKS = """\
@@ -203,13 +214,21 @@ def is_cpu(row: dict) -> bool:
 
 
 def latest_runs(rows: list[dict], include_cpu: bool) -> dict[tuple[str, str], list[dict]]:
-    """(benchmark, device) -> rows of the most recent run."""
+    """(benchmark, device) -> rows of the most recent run that measured a figure."""
     runs: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
         if is_cpu(r) and not include_cpu:
             continue
         runs[(r["benchmark"], r["device"])][r["timestamp"]].append(r)
-    return {key: by_ts[max(by_ts)] for key, by_ts in sorted(runs.items())}
+
+    def measured(rows: list[dict]) -> bool:  # more than the run's own ceiling
+        return any(r["status"] in ("ok", "pass", "mismatch") and r["op"] != "dense_ceiling"
+                   for r in rows)  # fmt: skip
+
+    # The latest run that measured something: a run cut short before its first figure (the
+    # 2026-11-27 H100 e2e part that timed out after its ceiling) does not hide the one before.
+    return {key: by_ts[max((ts for ts in by_ts if measured(by_ts[ts])), default=max(by_ts))]
+            for key, by_ts in sorted(runs.items())}  # fmt: skip
 
 
 def _cell(row: dict, key: str) -> str:

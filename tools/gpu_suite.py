@@ -1,24 +1,28 @@
 """The GPU suite's driver: each part a subprocess under its own time budget, rows into one CSV.
 
-    python tools/gpu_suite.py --out DIR [--parts tests,gemm] [--budget 540] [--dry]
+    python tools/gpu_suite.py --out DIR [--parts tests,gemm] [--budget 590] [--dry]
 
 Run it through tools/gpu_suite.sh, which first makes moetrain importable offline. Parts,
-in order (default budget in seconds; --dry: CPU, tiny shapes, Triton interpreter):
+in order (default budget in seconds, sized from the first H100 run so that every default
+part fits in under ten minutes; --dry: CPU, tiny shapes, Triton interpreter):
 
     tests    pytest tests/kernels compiled on the GPU (fp32 + bf16, the tolerance table),
-             then `pytest -m gpu` over the other test folders                      (200)
-    tiny     configs/tiny.yaml 50 steps, moe.kernels=triton vs torch, losses compared (80)
-    gemm     grouped GEMM fwd/dgrad/wgrad, anchor shapes, uniform + Zipf           (270)
-    router   fused router vs the unfused torch router, vs measured HBM copy         (45)
-    permute  permute / unpermute vs the torch path, vs measured HBM copy            (45)
-    layer    MoE layer time / its grouped GEMMs' time, with the breakdown         (100)
-    e2e      configs/gpu_1b.yaml, triton/torch x compile off/on and triton with
-             forced balanced routing, MFU, memory, moetrain plan's step estimate
-             beside each measured step                                            (330)
-    fp8      FP8 vs bf16 in one run: expert GEMMs on the anchor shapes, a linear,
-             configs/gpu_1b.yaml with train.fp8 none / tensorwise / rowwise       (240)
-    peer     MegaBlocks' grouped_gemm built from its sdist in .whl/, in the background
-             while tests/tiny run (only when .whl/grouped_gemm-*.tar.gz is there)  (420)
+             in parallel (-n) where pytest-xdist is installed, then `pytest -m gpu` over
+             the other test folders; each failure's message written as it fails       (90)
+    tiny     configs/tiny.yaml 50 steps, moe.kernels=triton vs torch, losses compared (45)
+    gemm     grouped GEMM fwd/dgrad/wgrad, anchor shapes, uniform + Zipf            (90)
+    router   fused router vs the unfused torch router, vs measured HBM copy         (25)
+    permute  permute / unpermute vs the torch path, vs measured HBM copy            (25)
+    layer    MoE layer time / its grouped GEMMs' time, with the breakdown (Mixtral,
+             Qwen3-30B-A3B)                                                         (75)
+    attention document-masked attention against causal SDPA                        (40)
+    e2e      configs/gpu_1b.yaml, 20 steps a variant: triton and torch eager, triton
+             compiled, MFU, memory, moetrain plan's step estimate beside each measured
+             step (ARGS_E2E="--variants ..." for the others)                       (140)
+    fp8      FP8 vs bf16 in one run: expert GEMMs on Mixtral's shape, a linear,
+             configs/gpu_1b.yaml with train.fp8 none / tensorwise / rowwise         (50)
+    peer     (only when named) MegaBlocks' grouped_gemm built from its sdist in .whl/, in
+             the background while tests/tiny run                                  (420)
 
 A part gets min(its budget, what is left of --budget); one that cannot get 20 s is skipped.
 BUDGET_<PART>=seconds overrides a part's budget and ARGS_<PART>="..." appends arguments to
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib.util
 import os
 import re
 import shlex
@@ -56,6 +61,9 @@ REPO = bc.REPO
 PY = sys.executable
 PEER_DIR = "/tmp/moetrain_peer"
 MIN_PART_S = 20
+# A dry run's parts take the GPU budgets times this: the Triton interpreter on a (shared) CPU
+# is slower than the GPU at the tiny shapes it runs; --budget still caps the whole run.
+DRY_BUDGET_SCALE = 4.0
 RESERVE_S = 10  # kept back for packing the outputs
 MAX_TAR_BYTES = 15 * 1024 * 1024
 TIMED_PARTS = ("gemm", "router", "permute", "layer", "e2e", "fp8")
@@ -73,11 +81,30 @@ def _tool(name: str) -> list[str]:
     return [PY, os.path.join(REPO, "tools", name)]
 
 
+def xdist_workers() -> int:
+    """Processes for `pytest -n` (0: pytest-xdist is not installed, run serially)."""
+    if importlib.util.find_spec("xdist") is None:
+        return 0
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def pytest_command(targets: list[str], workers: int | None = None) -> list[str]:
+    """pytest with every outcome and each failure's message written as it happens
+    (tools/pytest_live_failures.py: a part killed at its budget keeps what failed and why),
+    in parallel over `workers` processes when pytest-xdist is there."""
+    workers = xdist_workers() if workers is None else workers
+    cmd = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "pytest_live_failures",
+           "--tb=short", "--timeout=300"]  # fmt: skip
+    if workers > 1:
+        cmd += ["-n", str(workers)]
+    return cmd + targets
+
+
 def _tests(args, csv_path, log_dir, budget):
-    pytest = [PY, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--timeout=300"]
     if args.dry:
-        return [pytest + ["tests/kernels/test_kernels_api.py"]]
-    return [pytest + ["tests/kernels"], pytest + ["-m", "gpu", "tests", "--ignore=tests/kernels"]]
+        return [pytest_command(["tests/kernels/test_kernels_api.py"], workers=0)]
+    return [pytest_command(["tests/kernels"]),
+            pytest_command(["-m", "gpu", "tests", "--ignore=tests/kernels"])]  # fmt: skip
 
 
 def _tiny(args, csv_path, log_dir, budget):
@@ -107,20 +134,30 @@ def _attention(args, csv_path, log_dir, budget):
     return [_tool("bench_attention.py") + dev + ["--csv", csv_path]]
 
 
+E2E_GPU = ["--steps", "20", "--warmup", "5", "--variants", "triton/eager", "torch/eager",
+           "triton/compile"]  # fmt: skip
 PARTS = {
     p.name: p
     for p in [
-        Part("tests", 200, _tests),
-        Part("tiny", 80, _tiny),
-        Part("gemm", 270, _bench("bench_grouped_gemm.py", ["--tokens", "16384", "--reps", "10"])),
-        Part("router", 45, _bench("bench_router.py", ["--reps", "10"])),
-        Part("permute", 45, _bench("bench_permute.py", ["--tokens", "16384", "--reps", "10"])),
-        Part("layer", 100, _bench("bench_moe_layer.py", ["--tokens", "16384", "--reps", "10"])),
-        Part("attention", 90, _attention),
-        Part("e2e", 330, _bench("bench_e2e.py", [])),
-        Part("fp8", 240, _bench("bench_fp8.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("tests", 90, _tests),
+        Part("tiny", 45, _tiny),
+        Part("gemm", 90, _bench("bench_grouped_gemm.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("router", 25, _bench("bench_router.py", ["--reps", "10"])),
+        Part("permute", 25, _bench("bench_permute.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("layer", 75, _bench("bench_moe_layer.py", ["--tokens", "16384", "--reps", "10",
+                                                        "--shapes", "mixtral",
+                                                        "qwen3-30b-a3b"])),
+        Part("attention", 40, _attention),
+        Part("e2e", 140, _bench("bench_e2e.py", E2E_GPU)),
+        Part("fp8", 50, _bench("bench_fp8.py", ["--tokens", "16384", "--reps", "10",
+                                                "--shapes", "mixtral"])),
     ]
-}
+}  # fmt: skip
+# The whole default suite: every part at its own budget, with room for the set-up and
+# the packing of the outputs, within ten minutes of one H100 (the 2026-11-27 run measured
+# gemm 85 s, router and permute 17 s each, two e2e variants 127 s, a compiled first step 41 s,
+# 96 router/permute/benchmark tests 21 s on 8 xdist workers).
+DEFAULT_BUDGET = sum(p.budget for p in PARTS.values()) + RESERVE_S
 PEER_BUDGET = 420
 
 
@@ -158,6 +195,9 @@ class Suite:
         else:
             env.pop("TRITON_INTERPRET", None)  # compiled kernels, never the interpreter
         if part == "tests":
+            # tools/ on the path: pytest loads the live-failures plugin from there.
+            tools = os.path.dirname(os.path.abspath(__file__))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), tools) if p)
             # Correctness runs tune nothing (first config only; the benchmarks check the
             # tuned configs against torch._grouped_mm on the anchor shapes).
             env.setdefault("MOETRAIN_TEST_AUTOTUNE", os.environ.get("AUTOTUNE_TESTS", "first"))
@@ -239,7 +279,8 @@ class Suite:
 
     def run_part(self, part: Part) -> None:
         own = float(os.environ.get(f"BUDGET_{part.name.upper()}", part.budget))
-        budget = min(own * self.args.budget_scale, self.remaining() - RESERVE_S)
+        scale = self.args.budget_scale * (DRY_BUDGET_SCALE if self.args.dry else 1.0)
+        budget = min(own * scale, self.remaining() - RESERVE_S)
         if budget < MIN_PART_S:
             self.say(f"== part {part.name}: skipped ({self.remaining():.0f} s left)")
             self.suite_row(part.name, "skipped", 0.0, "not enough of the suite budget left")
@@ -362,29 +403,47 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+# `pytest -v` result lines: "nodeid OUTCOME" serially, "[gwN] [ 4%] OUTCOME nodeid" under
+# xdist; and the live-failures plugin's "LIVE OUTCOME nodeid (phase)", preferred when present.
 _PYTEST_LINE = re.compile(r"^(\S+::\S+(?:\[.*?\])?) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+_XDIST_LINE = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) "
+                         r"(\S+::\S+(?:\[.*?\])?)")  # fmt: skip
+_LIVE_LINE = re.compile(r"^LIVE (PASSED|FAILED|SKIPPED|ERROR) (\S+::\S+(?:\[.*?\])?) \(")
 
 
 def pytest_rows(log_path: str, meta: dict) -> list[dict]:
-    """Rows from `pytest -v` output (what ran before a timeout counts too): per invocation
+    """Rows from the pytest output (what ran before a timeout counts too): per invocation
     the passed / failed / skipped / error counts, and one row per failing test."""
     rows: list[dict] = []
     if not os.path.exists(log_path):
         return rows
-    blocks: list[tuple[str, list[tuple[str, str]]]] = []
+    # Per invocation: (target, results from -v lines, results from LIVE lines).
+    blocks: list[tuple[str, list[tuple[str, str]], list[tuple[str, str]]]] = []
     with open(log_path, errors="replace") as f:
         for line in f:
             if line.startswith("$ ") and " pytest " in line:
                 words = line.split()
                 words = words[words.index("pytest") + 1 :]
-                kept = [w for w in words if w not in ("-v", "-p", "no:cacheprovider")
-                        and not w.startswith("--timeout")]  # fmt: skip
-                blocks.append(("pytest " + " ".join(kept), []))
+                kept, skip_next = [], False
+                for w in words:
+                    if skip_next:
+                        skip_next = False
+                    elif w in ("-p", "-n"):
+                        skip_next = True
+                    elif w != "-v" and not w.startswith(("--timeout", "--tb")):
+                        kept.append(w)
+                blocks.append(("pytest " + " ".join(kept), [], []))
                 continue
-            m = _PYTEST_LINE.match(line)
-            if m and blocks:
+            if not blocks:
+                continue
+            if m := _LIVE_LINE.match(line):
+                blocks[-1][2].append((m.group(2), m.group(1)))
+            elif m := _PYTEST_LINE.match(line):
                 blocks[-1][1].append((m.group(1), m.group(2)))
-    for target, results in blocks:
+            elif m := _XDIST_LINE.match(line):
+                blocks[-1][1].append((m.group(2), m.group(1)))
+    for target, verbose, live in blocks:
+        results = _dedup(live) if live else verbose
         counts = {k: 0 for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
         for _, outcome in results:
             key = {"XFAIL": "SKIPPED", "XPASS": "PASSED"}.get(outcome, outcome)
@@ -398,6 +457,17 @@ def pytest_rows(log_path: str, meta: dict) -> list[dict]:
             if outcome in ("FAILED", "ERROR"):
                 rows.append(_row(meta, "correctness", nodeid, outcome.lower(), 1, "test", "fail"))
     return rows
+
+
+def _dedup(results: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """One outcome per test from the plugin's per-phase lines: a failure or an error in any
+    phase wins over the call's pass (a teardown error after a passing call)."""
+    rank = {"ERROR": 3, "FAILED": 2, "SKIPPED": 1, "PASSED": 0}
+    best: dict[str, str] = {}
+    for nodeid, outcome in results:
+        if nodeid not in best or rank[outcome] > rank[best[nodeid]]:
+            best[nodeid] = outcome
+    return list(best.items())
 
 
 def _row(meta: dict, bench: str, case: str, op: str, value: float, unit: str,
@@ -436,16 +506,23 @@ def headlines(rows: list[dict]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for results.csv, logs.tar.gz, ...")
     parser.add_argument("--work", default=None, help="scratch folder (logs before packing)")
-    parser.add_argument("--parts", default=",".join(PARTS) + ",peer",
-                        help=f"comma-separated, of {', '.join(PARTS)}, peer")  # fmt: skip
-    parser.add_argument("--budget", type=float, default=540.0, help="seconds for all parts")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)}, peer (default: all "
+                        "but peer)")  # fmt: skip
+    parser.add_argument("--budget", type=float, default=float(DEFAULT_BUDGET),
+                        help=f"seconds for all parts (default {DEFAULT_BUDGET})")  # fmt: skip
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiply every part's own budget")  # fmt: skip
     parser.add_argument("--dry", action="store_true", help="CPU dry run (tiny shapes)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.parts.split(",") if n.strip()]
     unknown = [n for n in names if n not in PARTS and n != "peer"]

@@ -8,7 +8,8 @@
 #   DRY=1 bash tools/gpu_suite.sh                    # CPU dry run: tiny shapes, interpreter
 #
 # Environment: OUT (results folder; default a new temporary one, named at the end), PARTS
-# (comma-separated, default all), BUDGET (seconds for all parts, default 540), DRY=1 (CPU),
+# (comma-separated, default all but peer), BUDGET (seconds for all parts, default: the
+# parts' own budgets added up, under ten minutes), DRY=1 (CPU),
 # MOETRAIN_COMMIT (the commit the tree is at, for a copy without .git), PYTHON.
 #
 # Set-up, installing nothing that is already there:
@@ -24,7 +25,7 @@
 #   copy .whl/ along), they are installed with --no-index --no-deps into /tmp/moetrain_site,
 #   which joins PYTHONPATH.
 # - MegaBlocks' grouped_gemm: no wheel exists; if .whl/ holds its sdist, tools/gpu_suite.py
-#   builds it in the background (part "peer") into /tmp/moetrain_peer.
+#   builds it in the background (part "peer", when PARTS names it) into /tmp/moetrain_peer.
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
@@ -95,7 +96,8 @@ setup 2>&1 | tee -a "$LOG"
 export PYTHONPATH="$WORK/shim${PYTHONPATH:+:$PYTHONPATH}"
 [ -d /tmp/moetrain_site ] && export PYTHONPATH="$PYTHONPATH:/tmp/moetrain_site"
 
-ARGS=(--out "$OUT" --work "$WORK" --budget "${BUDGET:-540}")
+ARGS=(--out "$OUT" --work "$WORK")
+[ -n "${BUDGET:-}" ] && ARGS+=(--budget "$BUDGET")
 [ -n "${PARTS:-}" ] && ARGS+=(--parts "$PARTS")
 [ "${DRY:-0}" != "0" ] && ARGS+=(--dry)
 "$PY" tools/gpu_suite.py "${ARGS[@]}"

@@ -21,6 +21,17 @@ docs/kernels_compiled.md, "What the test checks").
 
 The table depends on the Triton version that compiles it (written in the page): the
 committed one comes from the version the CPU test suite installs.
+
+    python tools/kernels_compiled.py --oldest   # the same, under the oldest supported Triton
+
+`--oldest` compiles every kernel at every configuration under OLDEST_TRITON (what the oldest
+supported torch brings), in a virtual environment of its own (`.cache/triton-<version>`,
+built on first use: torch and that Triton from the package index, about a minute), and
+writes docs/kernels_compiled_oldest.csv: the same rows, with a hash of each kernel's
+source. tests/tools/test_kernels_compiled.py holds that record to the code: the same launches
+(kernel, phase, target, dtype, configuration) as the kernels make now, from the same source,
+none of them with a problem. Besides, every tile of a `tl.dot` is checked against the
+minimum shapes of every supported Triton (DOT_MIN_K), without compiling anything.
 """
 
 from __future__ import annotations
@@ -103,6 +114,17 @@ FIELDS = [
 GEMM_KERNELS = ("grouped_gemm._grouped_mm_kernel", "grouped_gemm._grouped_wgrad_kernel")
 KEY_FIELDS = ("kernel", "phase", "target", "dtype", "config")
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+OLDEST_TRITON = "3.6.0"
+"""The oldest Triton a supported torch brings: torch 2.11, pyproject's floor, pins 3.6.0."""
+OLDEST_CSV = os.path.join(REPO, "docs", "kernels_compiled_oldest.csv")
+OLDEST_VENV = os.path.join(REPO, ".cache", f"triton-{OLDEST_TRITON}")
+# tl.dot's smallest K per operand bit width, for each supported Triton (major.minor): what
+# triton.backends.nvidia.compiler.min_dot_size returns (M and N may be 1). 3.6 wants K >= 16
+# for 16- and 32-bit operands; 3.9 lowered 32-bit to 8. Every tile must meet all of them.
+DOT_MIN_K = {"3.6": {8: 32, 16: 16, 32: 16}, "3.9": {8: 32, 16: 16, 32: 8}}
+# The contraction depth of each kernel's tl.dot: the constexpr that sets it.
+DOT_K = {"grouped_gemm._grouped_mm_kernel": "BLOCK_K",
+         "grouped_gemm._grouped_wgrad_kernel": "BLOCK_R"}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,8 +400,7 @@ CONFIG_KEYS = ("BLOCK_N", "BLOCK_M", "BLOCK_K", "BLOCK_R", "BLOCK_T", "BLOCK_D",
 
 
 def _config(job: Job) -> str:
-    names = [p for p in job.signature]
-    consts = {names[path[0]]: v for path, v in job.constexprs.items() if len(path) == 1}
+    consts = _constexprs(job)
     parts = [f"{k}={int(v) if isinstance(v, bool) else v}" for k in CONFIG_KEYS
              if k in consts for v in [consts[k]]]  # fmt: skip
     parts.append(f"w{job.options['num_warps']}s{job.options['num_stages']}")
@@ -408,9 +429,9 @@ def in_spot(launch: Launch) -> bool:
     )  # fmt: skip
 
 
-def build_rows(targets: list[int], jobs: int, spot: bool = False) -> list[dict]:
-    """Record, deduplicate and compile every launch for every target (`spot`: only the quick
-    subset, on sm_90)."""
+def plan(targets: list[int], spot: bool = False) -> list[tuple[Launch, Job]]:
+    """Record and deduplicate every launch for every target, nothing compiled (`spot`: only
+    the quick subset, on sm_90)."""
     unique: dict[tuple, tuple[Launch, Job]] = {}
     spot_keys = set()
     for launch in record_launches():
@@ -427,7 +448,82 @@ def build_rows(targets: list[int], jobs: int, spot: bool = False) -> list[dict]:
                 spot_keys.add(key)
     if spot:  # labelled from every launch, as in the full table
         unique = {k: v for k, v in unique.items() if k in spot_keys}
-    items = list(unique.values())
+    return list(unique.values())
+
+
+def _constexprs(job: Job) -> dict:
+    names = list(job.signature)
+    return {names[path[0]]: v for path, v in job.constexprs.items() if len(path) == 1}
+
+
+def label(launch: Launch, job: Job) -> dict:
+    """A row's identity and description, before compiling."""
+    return {
+        "kernel": kernel_name(launch.fn),
+        "phase": ", ".join(sorted(launch.phases)),
+        "cases": " ".join(sorted(launch.cases)),
+        "target": f"sm_{job.capability}",
+        "dtype": "/".join(sorted(launch.dtypes)),
+        "config": _config(job),
+        "shared_limit": SHARED_LIMIT[job.capability],
+    }
+
+
+def dot_tiles(items: list[tuple[Launch, Job]]) -> list[dict]:
+    """Each launch's tl.dot: its row label, the operands' bit width and the contraction K."""
+    out = []
+    for launch, job in items:
+        name = kernel_name(launch.fn)
+        if name not in DOT_K:
+            continue
+        consts = _constexprs(job)
+        dtypes = {d for d in launch.dtypes}
+        # DOT_FP32 casts the tiles to fp32 before the dot (fp32 inputs, the interpreter).
+        bits = 32 if consts.get("DOT_FP32") or dtypes == {"fp32"} else 16
+        out.append({**label(launch, job), "bits": bits, "k": int(consts[DOT_K[name]])})
+    return out
+
+
+def dot_problems(tiles: list[dict]) -> list[str]:
+    """Tiles below tl.dot's minimum K of any supported Triton (DOT_MIN_K)."""
+    out = []
+    for t in tiles:
+        need = {v: mins[t["bits"]] for v, mins in DOT_MIN_K.items()}
+        short = {v: k for v, k in need.items() if t["k"] < k}
+        if short:
+            out.append(
+                f"{t['kernel']} {t['phase']} {t['target']} {t['dtype']} [{t['config']}]: "
+                f"tl.dot over K={t['k']} with {t['bits']}-bit operands, below the "
+                + ", ".join(f"K >= {k} of Triton {v}" for v, k in sorted(short.items()))
+            )
+    return out
+
+
+def undeclared_dots() -> list[str]:
+    """Kernels whose source calls tl.dot but DOT_K does not say which constexpr is its K."""
+    out = []
+    for m in kernel_modules():
+        for name, obj in vars(m).items():
+            full = f"{m.__name__.rsplit('.', 1)[1]}.{name}"
+            if isinstance(obj, JITFunction) and "tl.dot(" in obj.src and full not in DOT_K:
+                out.append(f"{full}: calls tl.dot; name its K in DOT_K for the minimum check")
+    return out
+
+
+def source_hash(kernel: str) -> str:
+    """A short hash of a kernel's source: the oldest-Triton record is from this source."""
+    import hashlib
+
+    module, name = kernel.split(".")
+    mods = {m.__name__.rsplit(".", 1)[1]: m for m in kernel_modules()}
+    fn = _jit_function(getattr(mods[module], name))
+    return hashlib.sha256(fn.src.encode()).hexdigest()[:12]
+
+
+def build_rows(targets: list[int], jobs: int, spot: bool = False) -> list[dict]:
+    """Record, deduplicate and compile every launch for every target (`spot`: only the quick
+    subset, on sm_90)."""
+    items = plan(targets, spot)
     print(f"compiling {len(items)} kernel variants with {jobs} processes", file=sys.stderr)
     with ProcessPoolExecutor(jobs) if jobs > 1 else contextlib.nullcontext() as pool:
         mapped = (pool.map(compile_job, [j for _, j in items]) if pool
@@ -440,17 +536,7 @@ def build_rows(targets: list[int], jobs: int, spot: bool = False) -> list[dict]:
     rows = []
     compiler = versions()
     for (launch, job), res in zip(items, results, strict=True):
-        rows.append({
-            "kernel": kernel_name(launch.fn),
-            "phase": ", ".join(sorted(launch.phases)),
-            "cases": " ".join(sorted(launch.cases)),
-            "target": f"sm_{job.capability}",
-            "dtype": "/".join(sorted(launch.dtypes)),
-            "config": _config(job),
-            "shared_limit": SHARED_LIMIT[job.capability],
-            **res,
-            "compiler": compiler,
-        })  # fmt: skip
+        rows.append({**label(launch, job), **res, "compiler": compiler})
     rows.sort(key=lambda r: tuple(str(r[k]) for k in ("kernel", "target", "phase", "dtype",
                                                       "config")))  # fmt: skip
     keys = [row_key(r) for r in rows]
@@ -522,9 +608,9 @@ def row_key(row: dict) -> tuple:
     return tuple(str(row[k]) for k in KEY_FIELDS)
 
 
-def write_csv(rows: list[dict], path: str) -> None:
+def write_csv(rows: list[dict], path: str, fields: list[str] = FIELDS) -> None:
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, lineterminator="\n")
+        writer = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
 
@@ -538,7 +624,8 @@ def read_csv(path: str) -> list[dict]:
 INT_FIELDS = set(FIELDS[FIELDS.index("registers") : FIELDS.index("compiler")])
 
 
-def compare(rows: list[dict], committed: list[dict], subset: bool = False) -> list[str]:
+def compare(rows: list[dict], committed: list[dict], subset: bool = False,
+            fields: list[str] = FIELDS) -> list[str]:  # fmt: skip
     """Differences between compiled rows and the committed table. `subset`: only rows that
     were compiled are compared (a partial run), none reported missing."""
     was, now = {r["compiler"] for r in committed}, {r["compiler"] for r in rows}
@@ -552,8 +639,8 @@ def compare(rows: list[dict], committed: list[dict], subset: bool = False) -> li
         if key not in old:
             out.append(f"new row {' | '.join(key)}")
             continue
-        changed = [f"{k} {old[key][k]} -> {new[key][k]}" for k in FIELDS
-                   if str(old[key][k]) != str(new[key][k])]  # fmt: skip
+        changed = [f"{k} {old[key].get(k)} -> {new[key].get(k)}" for k in fields
+                   if str(old[key].get(k)) != str(new[key].get(k))]  # fmt: skip
         if changed:
             out.append(f"{' | '.join(key)}: {', '.join(changed)}")
     if not subset:
@@ -611,6 +698,13 @@ stated here since no device is present); `tmem` sm_100 tensor-memory columns (of
   target's tensor-core MMA: `wgmma` and no `mma.sync` on sm_90, `tcgen05.mma` on sm_100, for
   bf16. fp32 tiles use none, by design: fp32 inputs take `input_precision="ieee"`, products
   in full fp32 on the FMA units, as torch's fp32 matmul computes them (no TF32).
+- Every tile of a `tl.dot` meets the minimum shapes of every supported Triton (K >= 16 for
+  16- and 32-bit operands under Triton {oldest}, the oldest supported, which torch 2.11
+  brings; 8 for fp32 under 3.9; 32 for 8-bit), checked without compiling.
+- The same kernels compile under Triton {oldest}: `python tools/kernels_compiled.py --oldest`
+  compiles every configuration again in a virtual environment of its own and writes
+  `docs/kernels_compiled_oldest.csv`, which the test holds to the kernels (the same
+  launches, the same kernel source, no problem in any row).
 """
 
 
@@ -662,7 +756,7 @@ def markdown(rows: list[dict]) -> str:
         gemm_dtypes=" and ".join(DTYPE_NAMES[d] for d in GEMM_DTYPES),
         row_dtypes=" and ".join(DTYPE_NAMES[d] for d in ROW_DTYPES),
         limit_kib=SHARED_LIMIT[90] // 1024, tmem_columns=TMEM_COLUMNS,
-        spill_rule=SPILL_RULE,
+        spill_rule=SPILL_RULE, oldest=OLDEST_TRITON,
     )  # fmt: skip
     text += findings(rows)
     cols = ["phase", "dtype", "config", "cases", "regs", "spills", "loop", "smem", "tmem",
@@ -686,12 +780,78 @@ def markdown(rows: list[dict]) -> str:
     return text
 
 
+def record_problems(record: list[dict]) -> list[str]:
+    """What keeps the oldest-Triton record (docs/kernels_compiled_oldest.csv) from vouching
+    for the kernels as they are, found without compiling: it must come from OLDEST_TRITON,
+    hold exactly the launches the kernels make now (same kernels, phases, targets, dtypes,
+    configurations) from the same kernel source, each compiled without a problem."""
+    out = []
+    compilers = {r["compiler"] for r in record}
+    if not record or any(not c.startswith(f"Triton {OLDEST_TRITON},") for c in compilers):
+        out.append(f"the record was compiled with {sorted(compilers)}, not Triton {OLDEST_TRITON}")
+    now = {row_key(label(launch, job)) for launch, job in plan(list(TARGETS))}
+    held = {row_key(r) for r in record}
+    out += [f"not in the record: {' | '.join(k)}" for k in sorted(now - held)]
+    out += [f"in the record, no longer launched: {' | '.join(k)}" for k in sorted(held - now)]
+    sources = {r["kernel"]: r["source"] for r in record}
+    for kernel, recorded in sorted(sources.items()):
+        if kernel in kernels_defined() and source_hash(kernel) != recorded:
+            out.append(f"{kernel}: its source changed since the record was compiled")
+    out += [f"in the record: {p}" for p in problems(record)]
+    if out:
+        out.append(f"compile again under Triton {OLDEST_TRITON}: python tools/kernels_compiled.py "
+                   "--oldest (builds its virtual environment on first use)")  # fmt: skip
+    return out
+
+
+def build_venv(venv: str) -> float:
+    """A virtual environment with torch (this one's version) and OLDEST_TRITON only, nothing
+    shared with this Python's packages (two Tritons must not mix). Returns its seconds."""
+    import time
+
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", "--clear", venv], check=True)
+    torch_version = torch.__version__.split("+")[0]
+    subprocess.run([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "-q",
+                    f"torch=={torch_version}", f"triton=={OLDEST_TRITON}"], check=True)  # fmt: skip
+    return time.monotonic() - start
+
+
+def _shim(venv: str) -> str:
+    """A folder that makes this tree importable as moetrain (kernels/ as moetrain.kernels,
+    as pyproject maps it) without installing it: symlinks, as tools/gpu_suite.sh does."""
+    shim = os.path.join(venv, "shim")
+    pkg = os.path.join(shim, "moetrain")
+    os.makedirs(pkg, exist_ok=True)
+    for name in os.listdir(os.path.join(REPO, "moetrain")) + ["kernels"]:
+        link = os.path.join(pkg, name)
+        src = os.path.join(REPO, "kernels" if name == "kernels" else os.path.join("moetrain", name))
+        if os.path.lexists(link):
+            os.remove(link)
+        os.symlink(src, link)
+    return shim
+
+
+def run_oldest(argv: list[str], venv: str) -> int:
+    """Run this tool again under OLDEST_TRITON, in `venv` (built when it has no Python)."""
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        print(f"building {venv}: torch {torch.__version__.split('+')[0]} and Triton "
+              f"{OLDEST_TRITON}", file=sys.stderr)  # fmt: skip
+        print(f"built in {build_venv(venv):.0f} s", file=sys.stderr)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "PYTHONPATH")}
+    env["PYTHONPATH"] = _shim(venv)
+    env["PYTHONSAFEPATH"] = "1"  # not the repo root first: moetrain/ there lacks kernels
+    return subprocess.run([python, os.path.abspath(__file__), *argv], env=env).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
                         help="compare with the committed CSV instead of writing it; exit 1 on "
                         "a difference")  # fmt: skip
-    parser.add_argument("--csv", default=DEFAULT_CSV)
+    parser.add_argument("--csv", default=None, help=f"default {DEFAULT_CSV} (--oldest: "
+                        f"{OLDEST_CSV})")  # fmt: skip
     parser.add_argument("--md", default=DEFAULT_MD)
     parser.add_argument("--json", help="also write the rows, differences and problems here")
     parser.add_argument("--targets", help="compute capabilities, comma-separated (default: "
@@ -699,14 +859,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spot", action="store_true",
                         help="only the spot subset (sm_90; one configuration per kernel "
                         "and phase): the quick check")  # fmt: skip
+    parser.add_argument("--oldest", action="store_true",
+                        help=f"compile under Triton {OLDEST_TRITON} (the oldest supported) in "
+                        "its own virtual environment, into the oldest-Triton record")  # fmt: skip
+    parser.add_argument("--venv", default=OLDEST_VENV,
+                        help="--oldest's virtual environment (built if it has no "
+                        "Python)")  # fmt: skip
+    parser.add_argument("--check-record", action="store_true",
+                        help="check the oldest-Triton record against the kernels and every "
+                        "tl.dot tile against DOT_MIN_K, compiling nothing")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(os.cpu_count() or 1, 4),
                         help="compiles in parallel (processes)")  # fmt: skip
     args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if args.oldest and triton.__version__ != OLDEST_TRITON:
+        return run_oldest(argv, args.venv)
     if common.interpreter_enabled():  # run again without it (see kernel_modules)
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        argv = sys.argv[1:] if argv is None else argv
         return subprocess.run([sys.executable, os.path.abspath(__file__), *argv],
                               env=env).returncode  # fmt: skip
+    csv_path = args.csv or (OLDEST_CSV if args.oldest or args.check_record else DEFAULT_CSV)
+    if args.check_record:
+        found = record_problems(read_csv(csv_path))
+        found += dot_problems(dot_tiles(plan(list(TARGETS)))) + undeclared_dots()
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump({"problems": found, "versions": versions(),
+                           "tiles": dot_tiles(plan(list(TARGETS)))}, f, indent=1)  # fmt: skip
+        for line in found:
+            print("PROBLEM", line)
+        return 1 if found else 0
     targets = supported_targets()
     if args.targets:
         asked = [int(t) for t in args.targets.split(",")]
@@ -717,18 +901,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.spot and SPOT_TARGET not in targets:
         parser.error(f"--spot compiles for sm_{SPOT_TARGET}, which --targets leaves out")
     rows = build_rows(targets, args.jobs, spot=args.spot)
+    if args.oldest:
+        for r in rows:
+            r["source"] = source_hash(r["kernel"])
     found = problems(rows, every_kernel=not args.spot)
+    found += dot_problems(dot_tiles(plan(targets, args.spot))) + undeclared_dots()
     diffs = []
+    fields = FIELDS + (["source"] if args.oldest else [])
     if args.check or args.spot:
-        if os.path.exists(args.csv):
-            diffs = compare(rows, read_csv(args.csv), subset=args.spot)
+        if os.path.exists(csv_path):
+            diffs = compare(rows, read_csv(csv_path), subset=args.spot, fields=fields)
         else:
-            diffs = [f"no committed table at {args.csv}"]
+            diffs = [f"no committed table at {csv_path}"]
     else:
-        write_csv(rows, args.csv)
-        with open(args.md, "w") as f:
-            f.write(markdown(rows))
-        print(f"wrote {len(rows)} rows to {args.csv} and {args.md}")
+        write_csv(rows, csv_path, fields)
+        if not args.oldest:
+            with open(args.md, "w") as f:
+                f.write(markdown(rows))
+        print(f"wrote {len(rows)} rows to {csv_path}" + ("" if args.oldest else f" and {args.md}"))
     if args.json:
         import json
 
@@ -740,8 +930,9 @@ def main(argv: list[str] | None = None) -> int:
     for line in diffs:
         print("CHANGED", line)
     if diffs:
-        print(f"the compiled kernels differ from {args.csv} ({versions()}): if the change is "
-              "intended, run python tools/kernels_compiled.py and commit the table")  # fmt: skip
+        again = "python tools/kernels_compiled.py" + (" --oldest" if args.oldest else "")
+        print(f"the compiled kernels differ from {csv_path} ({versions()}): if the change is "
+              f"intended, run {again} and commit the table")  # fmt: skip
     return 1 if found or diffs else 0
 
 

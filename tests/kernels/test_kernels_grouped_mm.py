@@ -145,11 +145,21 @@ def _fma_tiles():
 
 @pytest.mark.parametrize("fwd,wgrad", _fma_tiles())
 def test_fp32_autotune_tiles_match_reference(fwd, wgrad, monkeypatch):
-    """The fp32 (FMA) autotune tiles, each at its own block sizes under the interpreter
-    (which otherwise runs one 64x64x64 tile): forward, dgrad, wgrad, with and without the
-    gather, K a multiple of the tile and not."""
+    """The fp32 (FMA) autotune tiles, each at its own block sizes: under the interpreter
+    (which otherwise runs one 64x64x64 tile) and, on a GPU, compiled as the only
+    configuration the autotuner has: forward, dgrad, wgrad, with and without the gather, K a
+    multiple of the tile and not. (The tiles' depth meets tl.dot's minimum of every supported
+    Triton: tests/tools/test_kernels_compiled.py.)"""
     from moetrain.kernels import grouped_gemm
 
+    if HAS_CUDA:  # every configuration anew (MOETRAIN_TEST_AUTOTUNE=first keeps one)
+        for launcher, every, tile in ((grouped_gemm._fwd_launch, grouped_gemm._fwd_configs, fwd),
+                                      (grouped_gemm._wgrad_launch, grouped_gemm._wgrad_configs,
+                                       wgrad)):  # fmt: skip
+            only = [c for c in every() if tuple(c.kwargs.values()) == tile[:3]
+                    and (c.num_warps, c.num_stages) == tile[3:]]  # fmt: skip
+            assert len(only) == 1, (tile, "not among the autotune configurations")
+            monkeypatch.setattr(launcher, "configs", only)
     monkeypatch.setattr(
         grouped_gemm,
         "_INTERP_BLOCKS",

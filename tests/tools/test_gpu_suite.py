@@ -159,6 +159,89 @@ def test_pytest_rows_count_outcomes_and_name_failures(tmp_path):
     assert all(r["status"] == "fail" for r in rows)
 
 
+def test_pytest_rows_read_xdist_and_live_lines(tmp_path):
+    """Under pytest-xdist `-v` prints "[gwN] [ p%] OUTCOME nodeid"; the live-failures plugin
+    prints one LIVE line per phase, which wins when present (a teardown error after a pass)."""
+    suite_mod = importlib.import_module("gpu_suite")
+    meta = bc.run_meta("suite", torch.device("cpu"))
+    log = tmp_path / "tests.log"
+    log.write_text(
+        "$ /usr/bin/python3 -m pytest -v -p no:cacheprovider -p pytest_live_failures "
+        "--tb=short --timeout=300 -n 8 tests/kernels\n"
+        "[gw0] [ 50%] PASSED tests/kernels/test_a.py::test_x[triton-bf16] \n"
+        "[gw1] [100%] FAILED tests/kernels/test_a.py::test_y \n"
+    )
+    rows = suite_mod.pytest_rows(str(log), meta)
+    counts = {r["op"]: r["value"] for r in rows if r["case"] == "pytest tests/kernels"}
+    assert counts == {"passed": "1", "failed": "1", "skipped": "0", "error": "0"}
+    with log.open("a") as f:
+        f.write("$ python -m pytest -v -p pytest_live_failures -m gpu tests\n"
+                "LIVE PASSED tests/a.py::test_p (call)\n"
+                "tests/a.py::test_p PASSED\n"
+                "LIVE ERROR tests/a.py::test_p (teardown)\n"
+                "LIVE SKIPPED tests/a.py::test_s (setup)\n")  # fmt: skip
+    rows = suite_mod.pytest_rows(str(log), meta)
+    counts = {r["op"]: r["value"] for r in rows if r["case"] == "pytest -m gpu tests"}
+    assert counts == {"passed": "0", "failed": "0", "skipped": "1", "error": "1"}
+
+
+def test_a_failure_message_is_logged_before_the_part_is_killed(tmp_path):
+    """The 2026-11-27 run lost every failure message when the tests part hit its budget:
+    pytest prints tracebacks at the end. The suite's pytest writes each one as it fails
+    (in parallel too, where pytest-xdist is installed)."""
+    suite_mod = importlib.import_module("gpu_suite")
+    (tmp_path / "test_cut_short.py").write_text(
+        "import time\n"
+        "def test_fails():\n"
+        "    assert 1 == 2, 'the-reason-it-failed'\n"
+        "def test_hangs():\n"
+        "    time.sleep(120)\n"
+    )
+    args = suite_mod.argparse.Namespace(out=str(tmp_path / "out"), work=str(tmp_path / "w"),
+                                        budget=60.0, budget_scale=1.0, dry=True)  # fmt: skip
+    suite = suite_mod.Suite(args)
+    workers = 2 if suite_mod.xdist_workers() else 0
+    cmd = suite_mod.pytest_command([str(tmp_path / "test_cut_short.py")], workers=workers)
+    log = tmp_path / "tests.log"
+    status = suite.run_command(cmd, suite.env("tests"), str(log), time.monotonic() + 25)
+    assert status == "timeout"
+    text = log.read_text()
+    assert "the-reason-it-failed" in text and "LIVE-FAILURE-BEGIN" in text, text[-3000:]
+    rows = suite_mod.pytest_rows(str(log), bc.run_meta("suite", torch.device("cpu")))
+    failing = [r["case"] for r in rows if r["unit"] == "test"]
+    assert len(failing) == 1 and failing[0].endswith("test_cut_short.py::test_fails"), failing
+
+
+def test_the_tests_part_runs_in_parallel_where_xdist_is_installed(monkeypatch):
+    suite_mod = importlib.import_module("gpu_suite")
+    found = {"xdist": None}
+    monkeypatch.setattr(suite_mod.importlib.util, "find_spec", lambda name: found.get(name, 1))
+    assert "-n" not in suite_mod.pytest_command(["tests/kernels"])
+    found["xdist"] = object()
+    monkeypatch.setattr(suite_mod.os, "cpu_count", lambda: 16)
+    cmd = suite_mod.pytest_command(["tests/kernels"])
+    assert cmd[cmd.index("-n") + 1] == "8"
+    args = suite_mod.argparse.Namespace(dry=False)
+    kernels, others = suite_mod._tests(args, "x.csv", "logs", 90)
+    assert "-n" in kernels and "pytest_live_failures" in kernels and "--tb=short" in kernels
+
+
+def test_default_part_budgets_fit_ten_minutes_on_one_gpu():
+    """Every default part at its own budget, set-up and packing included, in under ten
+    minutes (the first H100 run's parts took 1,400 s of budgets and were cut at 540 s);
+    the MegaBlocks build runs only when asked for."""
+    suite_mod = importlib.import_module("gpu_suite")
+    total = sum(p.budget for p in suite_mod.PARTS.values())
+    assert suite_mod.DEFAULT_BUDGET >= total and suite_mod.DEFAULT_BUDGET < 600
+    defaults = suite_mod.build_parser().parse_args(["--out", "x"])
+    assert defaults.budget == suite_mod.DEFAULT_BUDGET
+    assert defaults.parts.split(",") == list(suite_mod.PARTS)  # no "peer"
+    # Measured on the H100 (2026-11-27): a default budget under what a part took there
+    # would cut it every time.
+    measured = {"gemm": 85, "router": 17, "permute": 17}
+    assert all(suite_mod.PARTS[p].budget >= s for p, s in measured.items())
+
+
 def _gpu_row(**kw) -> dict:
     row = {k: "" for k in bc.CSV_FIELDS}
     row.update(timestamp="2026-01-01T00:00:00+00:00", device=H100, torch="2.11.0",
@@ -193,6 +276,20 @@ def test_report_judges_targets_from_gpu_rows():
     assert judged["5."][1] == "not measured"
     text = report.render(rows, png=None)
     assert "have not been measured yet" not in text and f"Latest figures on {H100}" in text
+
+
+def test_a_run_cut_short_after_its_ceiling_does_not_hide_the_run_before():
+    """The H100's second e2e part timed out after measuring only its dense ceiling; the page
+    reports the first run's MFU, not "not measured"."""
+    report = load_tool("bench_report")
+    first = _gpu_row(benchmark="e2e", case="gpu_1b/b16xs1024", op="mfu", impl="torch/eager",
+                     value="0.055", routing="-")  # fmt: skip
+    cut = _gpu_row(benchmark="e2e", case="gpu_1b/b16xs1024", op="dense_ceiling", impl="dense",
+                   tflops="790", routing="-", timestamp="2026-01-01T01:00:00+00:00")  # fmt: skip
+    runs = report.latest_runs([first, cut], include_cpu=False)
+    assert runs[("e2e", H100)] == [first]
+    judged = {t.split(" ")[0]: fig for t, fig, _ in report.target_rows(runs[("e2e", H100)])}
+    assert judged["6."] == "5.5% (torch/eager)"
 
 
 def test_docs_benchmarks_csv_has_the_current_schema():

@@ -91,3 +91,116 @@ def test_the_checks_catch_what_they_guard_against():
     assert any("registers" in d and "->" in d for d in caught["compare"]), caught["compare"]
     assert any(d.startswith("row gone") for d in caught["compare"]), caught["compare"]
     assert len(caught["compiler"]) == 1 and "this is Triton 0.0" in caught["compiler"][0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every supported Triton: tl.dot's minimum shapes, and the record of the oldest one's compile
+# ---------------------------------------------------------------------------------------------
+
+RECORD = ROOT / "docs" / "kernels_compiled_oldest.csv"
+
+
+@pytest.fixture(scope="module")
+def kc():
+    from conftest import load_tool
+
+    return load_tool("kernels_compiled")
+
+
+def _check_record(tmp_path: Path, csv_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    return _tool(tmp_path, "--check-record", "--csv", str(csv_path), timeout=900)
+
+
+def test_every_tile_meets_every_supported_tritons_dot_minimum_and_the_oldest_compiles(tmp_path):
+    """Triton 3.6 (what torch 2.11 brings) refuses a tl.dot under K=16 for 16- and 32-bit
+    operands, which 3.9 allows for fp32: the fp32 tiles once had K=8 and every fp32 Triton
+    GEMM died on the H100 (2026-11-27). Every tile the launchers launch (each autotune
+    configuration, both targets) meets every supported Triton's minimum; and
+    docs/kernels_compiled_oldest.csv, compiled under Triton 3.6.0 by `python
+    tools/kernels_compiled.py --oldest`, holds exactly today's launches from today's kernel
+    source, every one compiled for sm_90 and sm_100 without a problem."""
+    proc, result = _check_record(tmp_path, RECORD)
+    assert not result["problems"], "\n".join(result["problems"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    tiles = result["tiles"]
+    # Not vacuous: the fp32 (32-bit, FMA) and bf16 tiles of forward, dgrad and wgrad.
+    assert {(t["bits"], t["target"]) for t in tiles} == {(b, f"sm_{cc}") for b in (16, 32)
+                                                        for cc in (90, 100)}  # fmt: skip
+    phases = {p for t in tiles if t["bits"] == 32 for p in t["phase"].split(", ")}
+    assert {"fwd", "dgrad", "wgrad", "gather fwd", "gather wgrad"} <= phases
+    with open(RECORD) as f:
+        rows = list(csv.DictReader(f))
+    assert {r["target"] for r in rows} == {"sm_90", "sm_100"}
+    assert all(r["compiler"].startswith("Triton 3.6.0,") for r in rows)
+    with open(ROOT / "docs" / "kernels_compiled.csv") as f:
+        newest = {tuple(r[k] for k in ("kernel", "phase", "target", "dtype", "config"))
+                  for r in csv.DictReader(f)}  # fmt: skip
+    assert {tuple(r[k] for k in ("kernel", "phase", "target", "dtype", "config"))
+            for r in rows} == newest  # the same launches under both Tritons  # fmt: skip
+
+
+def test_the_record_check_catches_a_stale_record(tmp_path):
+    """A record from another Triton, missing a launch, or from an older kernel source does
+    not vouch for the kernels."""
+    with open(RECORD) as f:
+        rows = list(csv.DictReader(f))
+    fields = list(rows[0])
+    doctored = [dict(r) for r in rows[1:]]  # one launch gone
+    for r in doctored:
+        if r["kernel"] == "router._route_fwd_kernel":
+            r["source"] = "0" * 12  # compiled from another source
+        if r["kernel"] == "permutation._invert_kernel":
+            r["compiler"] = "Triton 3.9.0, ptxas 13.4"
+    path = tmp_path / "record.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(doctored)
+    proc, result = _check_record(tmp_path, path)
+    found = "\n".join(result["problems"])
+    assert proc.returncode == 1
+    assert "not Triton 3.6.0" in found and "not in the record" in found, found
+    assert "router._route_fwd_kernel: its source changed" in found, found
+
+
+def test_the_dot_check_knows_each_tritons_minimums(kc):
+    """DOT_MIN_K's row for the installed Triton is what its compiler enforces
+    (triton.backends.nvidia.compiler.min_dot_size; the oldest's row is checked by the record,
+    compiled under it), and the check names the Tritons an 8-deep fp32 tile fails."""
+    import types
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import min_dot_size
+
+    version = ".".join(triton.__version__.split(".")[:2])
+    assert version in kc.DOT_MIN_K, f"Triton {version}: add its tl.dot minimums to DOT_MIN_K"
+    for cc in (90, 100):
+        check = min_dot_size(GPUTarget("cuda", cc, 32))
+        for bits, k in kc.DOT_MIN_K[version].items():
+            t = types.SimpleNamespace(scalar=types.SimpleNamespace(primitive_bitwidth=bits))
+            assert check(t, t)[2] == k, (cc, bits)
+    assert kc.DOT_MIN_K[kc.OLDEST_TRITON.rsplit(".", 1)[0]] == {8: 32, 16: 16, 32: 16}
+    tile = {"kernel": "grouped_gemm._grouped_mm_kernel", "phase": "fwd", "target": "sm_90",
+            "dtype": "fp32", "config": "BLOCK_K=8", "bits": 32, "k": 8}  # fmt: skip
+    (problem,) = kc.dot_problems([tile])
+    assert "K >= 16 of Triton 3.6" in problem and "3.9" not in problem
+    assert kc.dot_problems([{**tile, "k": 16}]) == []
+    assert kc.dot_problems([{**tile, "bits": 8, "k": 16}])  # fp8 needs 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_the_oldest_triton_compiles_the_spot_check_when_its_venv_exists(tmp_path, kc):
+    """Under Triton 3.6 itself, where its virtual environment has been built (`python
+    tools/kernels_compiled.py --oldest` builds it: CI holds the record instead, see above):
+    one configuration of every kernel and phase compiles and matches the record."""
+    venv = Path(kc.OLDEST_VENV)
+    if not (venv / "bin" / "python").exists():
+        pytest.skip(f"no Triton {kc.OLDEST_TRITON} environment at {venv}: `python "
+                    "tools/kernels_compiled.py --oldest` builds it")  # fmt: skip
+    proc, result = _tool(tmp_path, "--oldest", "--spot", timeout=1100)
+    assert result["versions"].startswith(f"Triton {kc.OLDEST_TRITON},"), result["versions"]
+    assert not result["diffs"], "\n".join(result["diffs"])
+    assert not result["problems"], "\n".join(result["problems"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
