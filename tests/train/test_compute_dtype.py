@@ -1,0 +1,180 @@
+"""A bf16 step computes in bf16: what each matmul of one training step receives, counted at
+torch's dispatcher (``StepCensus``), and how often each weight is rounded to bf16.
+
+The compute-dtype policy (``moetrain.model.precision``, docs/kernels.md): every GEMM takes
+bf16 operands, forward and backward, through every kernel backend; what stays fp32 is
+named here, with its FLOPs computed by hand: the routers' gates (forward, input gradient,
+weight gradient) and the combine's weighted sum (the torch ``unpermute``'s fp32 einsum,
+forward and the router weights' gradient). Each weight the policy rounds is rounded once
+per micro-batch (autocast's cache, or one explicit cast); the gates and the token
+embeddings never are. The grouped GEMM's operands are replayed through torch's meta kernel
+for ``_grouped_mm``, which holds CUDA's rules (bf16 only, 16-byte aligned strides): the
+CPU run proves the GPU would take the same calls.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from multirank import micro_config
+
+from moetrain.kernels import torch_ops
+from moetrain.plan.census import StepCensus
+from moetrain.train.trainer import Trainer
+
+BF16 = torch.bfloat16
+# The micro MoE, smaller, with every kind of GEMM: a dense first layer, shared experts under
+# a sigmoid gate, routed experts with biases (gpt-oss), untied output head.
+OPTIONS = (
+    "model.dim=32",
+    "model.ffn_dim=64",
+    "moe.expert_ffn_dim=32",
+    "moe.dense_layers=[0]",
+    "moe.shared_expert_gate=true",
+    "moe.expert_ffn_bias=true",
+    "moe.router_bias=true",
+    "data.seq_len=16",
+    "train.dtype=bf16",
+)
+FP32_BY_POLICY = ("ffn.router.gate.", "tok_embeddings.")
+"""Parameters the policy keeps in fp32 (never rounded to bf16 for compute)."""
+
+
+def _step(*overrides: str, **census: Any) -> tuple[StepCensus, Trainer]:
+    """One bf16 training step of the micro MoE under a census (``census``: its options; the
+    model's parameters are passed as ``params``)."""
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(micro_config(out, "train.steps=1", *OPTIONS, *overrides))
+        params = [(n, p) for part in trainer.engine.parts for n, p in part.named_parameters()]
+        with StepCensus(params=params, **census) as c:
+            trainer.train_step()
+        trainer.close()
+    return c, trainer
+
+
+def _named_fp32_flops(trainer: Trainer) -> int:
+    """The fp32 matmul FLOPs the policy names, by hand: per MoE layer and micro-batch of T
+    tokens, the gate's 3 GEMMs of 2 T D E (forward, input and weight gradients) and the
+    combine's 2 einsums of 2 T K D (forward, gradient of the router weights)."""
+    cfg = trainer.cfg
+    T = cfg.train.micro_batch_size * cfg.data.seq_len
+    D, E, K = cfg.model.dim, cfg.moe.num_experts, cfg.moe.top_k
+    per_layer = 3 * 2 * T * D * E + 2 * 2 * T * K * D
+    return len(trainer.engine.moe_layer_ids) * trainer.engine.n_micro * per_layer
+
+
+def _not_bf16(c: StepCensus, allowed: tuple[torch.dtype, ...] = ()) -> str:
+    """The matmuls that took operands in another dtype than bf16 (or ``allowed``): op,
+    operand dtypes and shapes, counted."""
+    seen = Counter(
+        (op, dtypes, shapes)
+        for op, dtypes, shapes in c.operands
+        if any(d.is_floating_point and d not in (BF16, *allowed) for d in dtypes)
+    )
+    return "\n".join(f"  {n} x {op} {dtypes} {shapes}" for (op, dtypes, shapes), n in seen.items())
+
+
+def _assert_bf16_but_the_named(c: StepCensus, trainer: Trainer, other=()) -> None:
+    by_dtype = c.flops_by_dtype()
+    fp32, named = by_dtype.get(torch.float32, 0), _named_fp32_flops(trainer)
+    report = f"{c.report()}\nnot bf16:\n{_not_bf16(c, other)}"
+    assert set(by_dtype) <= {BF16, torch.float32, *other}, report
+    assert fp32 == named, f"fp32 matmul FLOPs {fp32:,}, the policy names {named:,}\n{report}"
+    assert not c.mismatched, report
+    assert by_dtype[BF16] > 10 * fp32, report
+
+
+@pytest.fixture(params=["grouped_mm", "per-expert", "triton"])
+def backend(request, monkeypatch) -> str:
+    """The routed experts' GEMMs: ``torch._grouped_mm``, the torch backend's per-expert
+    fallback (``out=`` matmuls), the Triton kernels (CPU interpreter)."""
+    if request.param == "per-expert":
+        monkeypatch.setattr(torch_ops, "_native_ok", lambda *a: False)
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        return "moe.kernels=triton"
+    return "moe.kernels=torch"
+
+
+def test_a_bf16_step_runs_every_matmul_in_bf16_but_the_gates_and_the_combine(backend) -> None:
+    """Forward and backward, every backend of the routed experts (the Triton launches are
+    counted by the dtypes they are handed: ``StepCensus(triton=True)``)."""
+    c, trainer = _step(backend, triton=True)
+    _assert_bf16_but_the_named(c, trainer)
+    routed = {op for (op, _dt) in c.matmul_flops if "grouped" in op}
+    if "triton" in backend:
+        assert routed == {"triton_grouped_mm", "triton_grouped_wgrad"}, c.report()
+    elif torch_ops._native_ok(torch.zeros(8, 8, dtype=BF16), torch.zeros(8, 8, dtype=BF16), 8):
+        assert routed == {"_grouped_mm"}, c.report()
+    else:
+        assert not routed, c.report()  # the per-expert mm's, in bf16 above
+
+
+def test_the_grouped_gemm_operands_pass_torchs_cuda_checks() -> None:
+    """Every ``_grouped_mm`` of the step (forward, input and weight gradients) replayed on
+    meta tensors through torch's meta kernel, which checks CUDA's rules: none refused."""
+    c, _ = _step("moe.kernels=torch", contracts=True)
+    assert c.contract_checks["_grouped_mm"] >= 3 * 3, c.report()  # 3 GEMMs, fwd + 2 bwd
+    assert not c.contract_failures, c.report()
+
+
+def test_the_census_sees_an_fp32_grouped_gemm_and_cudas_refusal() -> None:
+    """The checks above can fail: the experts' GEMMs forced to fp32 (what the code did before
+    the policy: weights cast to the fp32 rows' dtype) are fp32 FLOPs the policy does not
+    name, and CUDA's kernel refuses them."""
+    from moetrain.model import experts
+
+    real = experts.compute_dtype
+    experts.compute_dtype = lambda x: torch.float32
+    try:
+        c, trainer = _step("moe.kernels=torch", contracts=True)
+    finally:
+        experts.compute_dtype = real
+    assert c.flops_by_dtype()[torch.float32] > _named_fp32_flops(trainer)
+    assert ("_grouped_mm", torch.float32) in c.matmul_flops
+    assert any("BF16" in msg for _op, msg in c.contract_failures), c.contract_failures
+
+
+def test_fp8_high_precision_parts_run_in_bf16() -> None:
+    """FP8 on ``torch._scaled_mm`` (torch's CPU kernel): the FP8 GEMMs take float8 operands,
+    their weight gradients and every GEMM left out of FP8 bf16 ones; fp32 only where named."""
+    if not hasattr(torch, "_scaled_mm"):
+        pytest.skip("this torch has no _scaled_mm")
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    c, trainer = _step("train.fp8=rowwise", "train.fp8_backend=scaled_mm", "moe.kernels=torch")
+    _assert_bf16_but_the_named(c, trainer, other=fp8)
+    scaled = sum(f for (op, dt), f in c.matmul_flops.items() if dt in fp8)
+    assert scaled > 0, c.report()
+
+
+def test_each_weight_is_rounded_to_bf16_once_per_micro_batch() -> None:
+    """Every parameter the policy computes in bf16 is cast to it exactly once per micro-batch
+    (never zero: its GEMM would run in fp32; never twice), the gates and the embeddings
+    never; no parameter is cast to any other dtype."""
+    c, trainer = _step()
+    n = trainer.engine.n_micro
+    names = [name for name, _ in trainer.engine.parts[0].named_parameters()]
+    to_bf16 = {name: c.weight_casts[(name, torch.float32, BF16)] for name in names}
+    wrong = {
+        name: k
+        for name, k in to_bf16.items()
+        if k != (0 if any(s in name for s in FP32_BY_POLICY) else n)
+    }
+    assert not wrong, f"casts to bf16 in a step of {n} micro-batches: {wrong}"
+    other = {k: v for k, v in c.weight_casts.items() if k[1:] != (torch.float32, BF16)}
+    assert not other, other
+
+
+def test_under_full_activation_checkpointing_the_recompute_rounds_again() -> None:
+    """The documented exception: a recomputed block rounds its weights again in backward
+    (autocast's cache does not outlive the forward it served), twice per micro-batch; the
+    embeddings, the final norm and the head, outside the checkpointed blocks, once."""
+    c, trainer = _step("parallel.activation_checkpointing=full")
+    n = trainer.engine.n_micro
+    for (name, _src, _dst), k in c.weight_casts.items():
+        want = 2 * n if name.startswith("layers.") else n
+        assert k == want, (name, k, want)
