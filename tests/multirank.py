@@ -411,14 +411,19 @@ TOLERANCES: dict[str, dict[str, dict[str, float]]] = {
         "hist": {"moved": 5e-3},
     },
     "bf16 reordered fp8": {
-        # bf16 with FP8 GEMMs under a "bf16 reordered" layout: an FP8 rounding boundary turns
-        # a last-bit difference into 2^-3 of an element (the discontinuity of the "fp8" row),
-        # so the first step only, as there. Measured: BF16_REORDERED_FP8 below.
+        # bf16 with FP8 GEMMs under a "bf16 reordered" layout: a bf16 difference that lands
+        # an FP8 input on the other side of a rounding boundary moves it by 2^-3 of itself
+        # (the discontinuity of the "fp8" row), so the first step only, as there. Measured
+        # over 2, 4 and 8 ranks, both recipes: losses <= 6.1e-5 apart, the gradient norm
+        # <= 7.1e-4, z-losses <= 1.8e-4, gradients <= 7.1e-2 of their scale (tensorwise,
+        # cp2 x dp2 x tp2 SP), 2 scores in 512 in another bin. Under the "bf16" layouts FP8
+        # meets the "bf16" row (measured <= 3.8e-7; before the policy ZeRO-3's FP8 scales came
+        # from other weights than one process's: 3.6% of the drops differed).
         "steps": 1,
-        "value": {"atol": 5e-4, "rtol": 1e-4},
+        "value": {"atol": 2e-3, "rtol": 1e-4},
         "param": {"atol": 5e-3, "rtol": 0.0},  # not compared ("steps": 1)
         "grad": {"first": 0.1, "later": 0.1},  # later: not compared
-        "hist": {"moved": 5e-3},
+        "hist": {"moved": 1e-2},
     },
     "fp8": {
         # fp32 training with FP8 GEMMs (``train.fp8``), compared on the first step only

@@ -97,10 +97,11 @@ class GroupedExperts(nn.Module):
         (``moetrain.model.precision``)."""
         dtype = compute_dtype(x_ND)
         x_ND = x_ND.to(dtype)
-        w1, w3, w2 = (local_part(w).to(dtype) for w in (self.w1, self.w3, self.w2))
+        w1, w3, w2 = (local_part(w) for w in (self.w1, self.w3, self.w2))
         if self.fp8 is not None:
-            # FP8 grouped GEMMs cast from the weights in the compute dtype; F is split over
-            # expert-TP ranks: the M of w1/w3's GEMMs and the K of w2's (``amax_reduce``).
+            # FP8 grouped GEMMs quantize from the weights in the compute dtype themselves (and
+            # keep the parameters, not a copy, for backward); F is split over expert-TP
+            # ranks: the M of w1/w3's GEMMs and the K of w2's (``amax_reduce``).
             recipe, fp8_backend = self.fp8
             r = self.amax_reduce
 
@@ -110,6 +111,7 @@ class GroupedExperts(nn.Module):
             def down(h: torch.Tensor) -> torch.Tensor:
                 return fp8_grouped_mm(h, w2, offs_E, recipe, fp8_backend, reduce_k=r)
         else:
+            w1, w3, w2 = (w.to(dtype) for w in (w1, w3, w2))
 
             def up(w: torch.Tensor) -> torch.Tensor:
                 return grouped_mm(x_ND, w, offs_E, backend=backend)

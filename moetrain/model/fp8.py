@@ -26,7 +26,6 @@ from torch import nn
 
 from moetrain.kernels.fp8 import Recipe, fp8_linear, get_recipe
 from moetrain.model.experts import GroupedExperts
-from moetrain.model.precision import as_compute
 
 EXCLUDED = ("router.gate", "shared_expert_gate")
 """Linear layers of the blocks that stay in high precision (names end with these)."""
@@ -41,9 +40,7 @@ class Fp8Linear(nn.Linear):
     backend: str
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Scales from the weight in the compute dtype (rounded to bf16 under bf16 autocast,
-        # as FSDP2 gathers it): the same FP8 values in one process and every layout.
-        return fp8_linear(x, as_compute(self.weight), self.bias, self.recipe, self.backend)
+        return fp8_linear(x, self.weight, self.bias, self.recipe, self.backend)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.recipe.name}, backend={self.backend}"

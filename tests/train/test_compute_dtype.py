@@ -90,36 +90,41 @@ def _assert_bf16_but_the_named(c: StepCensus, trainer: Trainer, other=()) -> Non
     assert by_dtype[BF16] > 10 * fp32, report
 
 
-@pytest.fixture(params=["grouped_mm", "per-expert", "triton"])
-def backend(request, monkeypatch) -> str:
-    """The routed experts' GEMMs: ``torch._grouped_mm``, the torch backend's per-expert
-    fallback (``out=`` matmuls), the Triton kernels (CPU interpreter)."""
-    if request.param == "per-expert":
+@pytest.fixture(scope="module")
+def torch_step() -> tuple[StepCensus, Trainer]:
+    """One step on the torch backend (``torch._grouped_mm``), every census option on: the
+    FLOPs, CUDA-contract and weight-cast tests read it."""
+    return _step("moe.kernels=torch", contracts=True, triton=True)
+
+
+@pytest.mark.parametrize(
+    "backend", ["grouped_mm", "per-expert", pytest.param("triton", marks=pytest.mark.slow)]
+)
+def test_a_bf16_step_runs_every_matmul_in_bf16_but_the_gates_and_the_combine(
+    backend: str, torch_step, monkeypatch
+) -> None:
+    """Forward and backward, every backend of the routed experts: ``torch._grouped_mm``, the
+    torch backend's per-expert fallback (``out=`` matmuls), the Triton kernels (CPU
+    interpreter; their launches counted by the dtypes they are handed)."""
+    if backend == "grouped_mm":
+        c, trainer = torch_step
+    elif backend == "per-expert":
         monkeypatch.setattr(torch_ops, "_native_ok", lambda *a: False)
-    if request.param == "triton":
+        c, trainer = _step("moe.kernels=torch")
+    else:
         pytest.importorskip("triton")
-        return "moe.kernels=triton"
-    return "moe.kernels=torch"
-
-
-def test_a_bf16_step_runs_every_matmul_in_bf16_but_the_gates_and_the_combine(backend) -> None:
-    """Forward and backward, every backend of the routed experts (the Triton launches are
-    counted by the dtypes they are handed: ``StepCensus(triton=True)``)."""
-    c, trainer = _step(backend, triton=True)
+        c, trainer = _step("moe.kernels=triton", triton=True)
     _assert_bf16_but_the_named(c, trainer)
     routed = {op for (op, _dt) in c.matmul_flops if "grouped" in op}
-    if "triton" in backend:
-        assert routed == {"triton_grouped_mm", "triton_grouped_wgrad"}, c.report()
-    elif torch_ops._native_ok(torch.zeros(8, 8, dtype=BF16), torch.zeros(8, 8, dtype=BF16), 8):
-        assert routed == {"_grouped_mm"}, c.report()
-    else:
-        assert not routed, c.report()  # the per-expert mm's, in bf16 above
+    want = {"grouped_mm": {"_grouped_mm"}, "per-expert": set(),  # the per-expert mm's: above
+            "triton": {"triton_grouped_mm", "triton_grouped_wgrad"}}[backend]  # fmt: skip
+    assert routed == want, c.report()
 
 
-def test_the_grouped_gemm_operands_pass_torchs_cuda_checks() -> None:
+def test_the_grouped_gemm_operands_pass_torchs_cuda_checks(torch_step) -> None:
     """Every ``_grouped_mm`` of the step (forward, input and weight gradients) replayed on
     meta tensors through torch's meta kernel, which checks CUDA's rules: none refused."""
-    c, _ = _step("moe.kernels=torch", contracts=True)
+    c, _ = torch_step
     assert c.contract_checks["_grouped_mm"] >= 3 * 3, c.report()  # 3 GEMMs, fwd + 2 bwd
     assert not c.contract_failures, c.report()
 
@@ -153,11 +158,11 @@ def test_fp8_high_precision_parts_run_in_bf16() -> None:
     assert scaled > 0, c.report()
 
 
-def test_each_weight_is_rounded_to_bf16_once_per_micro_batch() -> None:
+def test_each_weight_is_rounded_to_bf16_once_per_micro_batch(torch_step) -> None:
     """Every parameter the policy computes in bf16 is cast to it exactly once per micro-batch
     (never zero: its GEMM would run in fp32; never twice), the gates and the embeddings
     never; no parameter is cast to any other dtype."""
-    c, trainer = _step()
+    c, trainer = torch_step
     n = trainer.engine.n_micro
     names = [name for name, _ in trainer.engine.parts[0].named_parameters()]
     to_bf16 = {name: c.weight_casts[(name, torch.float32, BF16)] for name in names}
