@@ -206,3 +206,28 @@ def test_the_gather_variant_keeps_bf16_operands(kernels: str) -> None:
     assert set(c.flops_by_dtype()) == {BF16}, c.report()
     assert c.total_flops() >= 3 * 2 * 16 * 32 * 16, c.report()  # forward, dgrad, wgrad
     assert not c.contract_failures, c.report()
+
+
+def _zero3_census(rank: int, world: int) -> dict[str, Any]:
+    """A rank's census of one ZeRO-3 step (FSDP2 mixed precision: blocks gathered in bf16)."""
+    c, trainer = _step("parallel.zero_stage=3", "moe.kernels=torch", contracts=True)
+    return {
+        "flops": c.flops_by_dtype(),
+        "named": _named_fp32_flops(trainer),
+        "mismatched": dict(c.mismatched),
+        "refused": c.contract_failures,
+        "report": c.report(),
+    }
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_under_fsdp2_mixed_precision_too() -> None:
+    """The same step under ZeRO-3 on 2 ranks: FSDP2 hands the blocks' weights over in bf16
+    and the root's and routers' in fp32; every rank's matmuls are bf16 but the named ones."""
+    from multirank import run_ranks
+
+    for rank, r in enumerate(run_ranks(_zero3_census, 2, timeout=280)):
+        assert set(r["flops"]) == {torch.float32, BF16}, (rank, r["report"])
+        assert r["flops"][torch.float32] == r["named"], (rank, r["report"])
+        assert not r["mismatched"] and not r["refused"], (rank, r["report"])
