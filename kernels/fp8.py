@@ -258,10 +258,13 @@ class Fp8LinearFunction(torch.autograd.Function):
         out_dtype = _out_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             xq = cast(x, E4M3, (-1,), recipe.pow2_scales)
-            wq = cast(w, E4M3, (1,) if recipe.weight_rows else None, recipe.pow2_scales)
+            # The weight in the compute dtype (bf16 under autocast: what FSDP2 gathers), so
+            # that one process and every layout quantize the same values; not saved.
+            w_hp = w.to(out_dtype)
+            wq = cast(w_hp, E4M3, (1,) if recipe.weight_rows else None, recipe.pow2_scales)
             wq_KN = Fp8(wq.data.t(), wq.inv_scale.t() if wq.inv_scale.dim() else wq.inv_scale)
             y = _matmul(xq, wq_KN, backend, out_dtype)
-        ctx.recipe, ctx.backend, ctx.x_dtype = recipe, backend, x.dtype
+        ctx.recipe, ctx.backend, ctx.x_dtype, ctx.out_dtype = recipe, backend, x.dtype, out_dtype
         ctx.save_for_backward(xq.data, xq.inv_scale, w)
         return y
 
@@ -274,14 +277,17 @@ class Fp8LinearFunction(torch.autograd.Function):
             gq = cast(dy, recipe.grad_dtype, (-1,), recipe.pow2_scales)
             if ctx.needs_input_grad[0]:
                 # dx = dy w: contraction over N, so the weight's scales run along N.
-                wq = cast(w, E4M3, (0,) if recipe.weight_rows else None, recipe.pow2_scales)
+                w_hp = w.to(ctx.out_dtype)
+                wq = cast(w_hp, E4M3, (0,) if recipe.weight_rows else None, recipe.pow2_scales)
                 dx = _matmul(gq, wq, backend, ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 hp = _wgrad_dtype(backend)
                 N, K = w.shape
                 g_TN = gq.dequantize().to(hp).reshape(-1, N)
                 x_TK = Fp8(x_data, x_inv).dequantize().to(hp).reshape(-1, K)
-                dw = torch.matmul(g_TN.t(), x_TK).to(w.dtype)
+                # Rounded to the compute dtype, as the gradient of the weight's bf16 rounding
+                # (what FSDP2 gathers under bf16) is: the same in one process and every layout.
+                dw = torch.matmul(g_TN.t(), x_TK).to(ctx.out_dtype).to(w.dtype)
         return dx, dw, None, None
 
 
@@ -388,9 +394,10 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
         out_dtype = _out_dtype(x_RK)
         with torch.autocast(x_RK.device.type, enabled=False):
             xq = cast(x_RK, E4M3, (1,), recipe.pow2_scales, reduce_k)
-            wq = _cast_grouped_weight(w_EKM, recipe, along=1, reduce_k=reduce_k, reduce_m=reduce_m)
+            w_hp = w_EKM.to(out_dtype)
+            wq = _cast_grouped_weight(w_hp, recipe, along=1, reduce_k=reduce_k, reduce_m=reduce_m)
             y = _grouped(xq, wq, offs_E, backend, out_dtype)
-        ctx.recipe, ctx.backend, ctx.x_dtype = recipe, backend, x_RK.dtype
+        ctx.recipe, ctx.backend, ctx.x_dtype, ctx.out_dtype = recipe, backend, x_RK.dtype, out_dtype
         ctx.reduce = (reduce_k, reduce_m)
         ctx.save_for_backward(xq.data, xq.inv_scale, w_EKM, offs_E)
         return y
@@ -404,14 +411,16 @@ class Fp8GroupedMMFunction(torch.autograd.Function):
         with torch.autocast(dy_RM.device.type, enabled=False):
             gq = cast(dy_RM, recipe.grouped_grad_dtype, (1,), recipe.pow2_scales, reduce_m)
             if ctx.needs_input_grad[0]:
-                wq = _cast_grouped_weight(w_EKM, recipe, along=2, reduce_k=reduce_k,
+                w_hp = w_EKM.to(ctx.out_dtype)
+                wq = _cast_grouped_weight(w_hp, recipe, along=2, reduce_k=reduce_k,
                                           reduce_m=reduce_m)  # fmt: skip
                 w_EMK = Fp8(wq.data.transpose(1, 2), wq.inv_scale.transpose(1, 2))
                 dx = _grouped(gq, w_EMK, offs_E, backend, ctx.x_dtype)
             if ctx.needs_input_grad[1]:
                 hp = _wgrad_dtype(backend)
                 x_RK = Fp8(x_data, x_inv).dequantize().to(hp)
-                dw = _gmm_wgrad(x_RK, gq.dequantize().to(hp), offs_E).to(w_EKM.dtype)
+                dw = _gmm_wgrad(x_RK, gq.dequantize().to(hp), offs_E)
+                dw = dw.to(ctx.out_dtype).to(w_EKM.dtype)  # as the linear's
         return dx, dw, None, None, None, None, None
 
 

@@ -6,6 +6,8 @@ the benchmarks compare the Triton kernels against. No host syncs on the native p
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from moetrain.kernels.common import RouteResult, group_mask
 
@@ -201,14 +203,27 @@ class PermuteFunction(torch.autograd.Function):
         return parts_TKD.sum(1).to(dout_ND.dtype), None, None
 
 
+def _fp32(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast off on ``t``'s device, so that einsums of ``.float()`` operands stay fp32
+    (meta tensors have no autocast to turn off)."""
+    dev = t.device.type
+    if torch.amp.is_autocast_available(dev):
+        return torch.autocast(dev, enabled=False)
+    return contextlib.nullcontext()
+
+
 class UnpermuteFunction(torch.autograd.Function):
+    """The combine: fp32 weights, fp32 accumulation (as the Triton kernel), also under
+    autocast, forward and backward."""
+
     @staticmethod
     def forward(ctx, y_ND, dest_TK, weights_TK):  # type: ignore[override]
         num_tokens, top_k = dest_TK.shape
         keep_TK = dest_TK >= 0
         w_TK = torch.where(keep_TK, weights_TK.float(), 0.0)
         y_TKD = y_ND.index_select(0, dest_TK.clamp_min(0).flatten()).view(num_tokens, top_k, -1)
-        out_TD = torch.einsum("tkd,tk->td", y_TKD.float(), w_TK).to(y_ND.dtype)
+        with _fp32(y_ND):
+            out_TD = torch.einsum("tkd,tk->td", y_TKD.float(), w_TK).to(y_ND.dtype)
         ctx.save_for_backward(
             y_ND if ctx.needs_input_grad[2] else None,
             dest_TK,
@@ -232,7 +247,8 @@ class UnpermuteFunction(torch.autograd.Function):
             dy_ND = dy_ND[: ctx.num_rows].to(dout_TD.dtype)
         if ctx.needs_input_grad[2]:
             y_TKD = y_ND.index_select(0, dest_TK.clamp_min(0).flatten()).view(num_tokens, top_k, -1)
-            dw_TK = torch.einsum("tkd,td->tk", y_TKD.float(), dout_TD.float())
+            with _fp32(y_ND):
+                dw_TK = torch.einsum("tkd,td->tk", y_TKD.float(), dout_TD.float())
             dw_TK = torch.where(keep_TK, dw_TK, 0.0).to(ctx.weights_dtype)
         return dy_ND, None, dw_TK
 

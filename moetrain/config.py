@@ -633,9 +633,12 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where to train. auto: CUDA when available, else CPU."""
     dtype: Literal["auto", "fp32", "bf16"] = "auto"
-    """Compute dtype: bf16 is autocast with fp32 master weights (and FSDP2 mixed precision
-    under ZeRO-2/3: bf16 all-gathers, fp32 gradient reduction), on CUDA or CPU; auto is bf16
-    on CUDA and fp32 on CPU. Parameters and optimizer state stay fp32."""
+    """Compute dtype: bf16 runs every GEMM on bf16 operands, forward and backward (autocast
+    around the forward, the routed experts cast at their grouped GEMMs), with fp32 master
+    weights, fp32 router gates and embeddings, and one policy under every layout (FSDP2
+    mixed precision under ZeRO-2/3: blocks gathered in bf16, fp32 gradient reduction;
+    docs/kernels.md), on CUDA or CPU; auto is bf16 on CUDA and fp32 on CPU. Parameters and
+    optimizer state stay fp32."""
     output_dir: str = "outputs/run"
     """Run directory: TensorBoard events in <output_dir>/tb, checkpoints in
     <output_dir>/checkpoints."""

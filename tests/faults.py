@@ -34,6 +34,13 @@ tests/multirank.py).
   first ones. Rank 0's shards are right; the model is not the single process's. Caught by
   the first loss and gradients (tests/parallel/test_oracle.py) and by the initial state
   compared bit for bit (tests/parallel/test_init_layouts.py).
+- ``fsdp_root_in_bf16``: FSDP2 gathers the root unit (token embeddings, final norm, output
+  head) in bf16 like the blocks, as ZeRO-2/3 did before the compute-dtype policy
+  (``moetrain.model.precision``): the embeddings are rounded and the residual stream of a
+  bf16 ZeRO-2/3 run is bf16 where one process's is fp32. Losses 8e-5 apart, first-step
+  gradients 1.3e-2 of their scale: inside the bf16 row before the policy (5e-3, 0.05),
+  caught by the row of layouts that round as one process does
+  (tests/parallel/test_bf16_layouts.py).
 - ``expert_layouts_ignored``: the materialisation treats the expert slices of expert
   parallelism as whole tensors (they are plain tensors, not DTensors: where they sit is on
   the EP mesh, ``expert_layouts``): every EP rank draws the blocks of experts 0, 1, ...
@@ -142,6 +149,24 @@ def _stage_layers_misassigned(setattr_: Callable[..., None]) -> None:
     setattr_(pipeline, "stage_layer_counts", reversed_counts)
 
 
+def _fsdp_root_in_bf16(setattr_: Callable[..., None]) -> None:
+    import dataclasses
+
+    import torch
+    import torch.distributed.fsdp as fsdp
+
+    real = fsdp.fully_shard
+
+    def fully_shard(module: Any, **kwargs: Any) -> Any:
+        mp = kwargs.get("mp_policy")
+        if hasattr(module, "tok_embeddings") and mp is not None and mp.param_dtype is not None:
+            kwargs["mp_policy"] = dataclasses.replace(mp, param_dtype=torch.bfloat16)
+        return real(module, **kwargs)
+
+    # apply_fsdp imports fully_shard when it runs: the module attribute is what it finds.
+    setattr_(fsdp, "fully_shard", fully_shard)
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "stage_layers_misassigned": _stage_layers_misassigned,
     "embedding_copies_unsynced": _embedding_copies_unsynced,
@@ -151,6 +176,7 @@ FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "fp8_local_amax": _fp8_local_amax,
     "init_offsets_forgotten": _init_offsets_forgotten,
     "expert_layouts_ignored": _expert_layouts_ignored,
+    "fsdp_root_in_bf16": _fsdp_root_in_bf16,
 }
 
 

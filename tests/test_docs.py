@@ -477,21 +477,24 @@ def _constant(path: str, name: str) -> Any:
 
 def _tolerance_rows() -> dict[str, list[float]]:
     """parallel.md's tolerance table, row by row, from ``TOLERANCES`` of tests/multirank.py
-    (the fp32 cell, then the bf16 one) and ``CLAMPED``."""
+    (the fp32 cell, the bf16 one, the "bf16 reordered" one) and ``CLAMPED``."""
     tol, clamped = (
         _constant("tests/multirank.py", "TOLERANCES"),
         _constant("tests/multirank.py", "CLAMPED"),
     )
-    f, b = tol["fp32"], tol["bf16"]
+    f, b, r = tol["fp32"], tol["bf16"], tol["bf16 reordered"]
     return {
         "losses, norms, MoE statistics": [f["value"]["atol"], f["value"]["rtol"],
-                                          b["value"]["atol"], b["value"]["rtol"]],
-        "first step's gradients": [f["grad"]["first"], b["grad"]["first"]],
+                                          b["value"]["atol"], b["value"]["rtol"],
+                                          r["value"]["atol"], r["value"]["rtol"]],
+        "first step's gradients": [f["grad"]["first"], b["grad"]["first"], r["grad"]["first"]],
         "later steps' gradients, AdamW moments": [
             f["grad"]["later"], clamped["grad_later"], clamped["param"]["atol"],
-            clamped["param"]["rtol"], b["grad"]["later"]],
-        "final parameters": [f["param"]["atol"], f["param"]["rtol"], b["param"]["atol"]],
-        "router scores in another histogram bin": [f["hist"]["moved"], b["hist"]["moved"]],
+            clamped["param"]["rtol"], b["grad"]["later"], r["grad"]["later"]],
+        "final parameters": [f["param"]["atol"], f["param"]["rtol"], b["param"]["atol"],
+                             b["param"]["rtol"], r["param"]["atol"]],
+        "router scores in another histogram bin": [f["hist"]["moved"], b["hist"]["moved"],
+                                                   r["hist"]["moved"]],
     }  # fmt: skip
 
 

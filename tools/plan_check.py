@@ -3,17 +3,18 @@
     python tools/plan_check.py              # docs/plan_check.csv from the kept censuses
     python tools/plan_check.py --check      # exit 1 when docs/plan_check.csv is not this
     python tools/plan_check.py --print      # the tables docs/plan.md shows
-    python tools/plan_check.py --census     # census this tree's step again first (the
-                                            # measured code's only while its experts are fp32)
+    python tools/plan_check.py --census     # census this tree's step again first (as the
+                                            # measured code while its experts are fp32, else
+                                            # as "bf16 experts")
 
 The censuses (``moetrain.plan.stepmix.census_step`` of configs/gpu_1b.yaml's proxy, bf16)
 are kept in docs/plan_census.json, each with the commit whose code it counted:
 
 - ``measured code``: the code of the measured run (commit 96e2259, unchanged in the model
   and kernels since): the routed experts' GEMMs in fp32 under bf16 autocast;
-- ``bf16 experts``: the same code with the expert GEMMs' operands cast to the compute dtype
-  at the call (the fix issue 33 asks of experts.py, emulated here by wrapping its
-  ``grouped_mm``): the figure the next GPU run checks.
+- ``bf16 experts``: the code since the compute-dtype policy (``moetrain.model.precision``):
+  the expert GEMMs' operands in bf16, each weight rounded once per micro-batch, the router
+  gates fp32 forward and backward: the figure the next GPU run checks.
 
 Each is priced by ``moetrain plan`` (h100, one rank, the measured rates of
 kernels/measured.py) and set beside the measured step of docs/benchmarks.csv (the newest
@@ -24,7 +25,6 @@ kernels/measured.py) and set beside the measured step of docs/benchmarks.csv (th
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import io
 import json
@@ -46,29 +46,10 @@ FIELDS = ["variant", "commit", "what", "planned_ms", *[p.replace(" ", "_") + "_m
           "measured_ms", "planned_over_measured", "measured_source"]  # fmt: skip
 
 
-@contextlib.contextmanager
-def bf16_experts():
-    """The routed experts' GEMM operands cast to autocast's dtype at the call: each weight
-    once per micro-batch, the GEMM and what follows it in bf16."""
-    import torch
-
-    from moetrain.model import experts
-
-    real = experts.grouped_mm
-
-    def cast(x, w, offs, *, backend):
-        dt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
-        return real(x.to(dt), w.to(dt), offs, backend=backend)
-
-    experts.grouped_mm = cast
-    try:
-        yield
-    finally:
-        experts.grouped_mm = real
-
-
 def census() -> dict:
-    """Census this tree's step of configs/gpu_1b.yaml's proxy, as is and with bf16 experts."""
+    """Census this tree's step of configs/gpu_1b.yaml's proxy (bf16): the "bf16 experts"
+    entry, and the "measured code" entry too while the tree's expert GEMMs run in fp32 (as
+    the measured commit's did)."""
     import torch
 
     from moetrain.config import load_config
@@ -77,16 +58,13 @@ def census() -> dict:
 
     cfg = load_config(CONFIG, ["model.vocab_size=4096"])
     commit = bc.git_head(bc.REPO) or "unknown"
-    out = {}
-    with contextlib.nullcontext():
-        mix = census_step(cfg, torch.bfloat16, build_optimizers)
-    out["measured code"] = {"commit": commit, "what": "the code as it is (fp32 expert GEMMs)",
-                            "mix": json.loads(mix.to_json())}  # fmt: skip
-    with bf16_experts():
-        mix = census_step(cfg, torch.bfloat16, build_optimizers)
-    out["bf16 experts"] = {"commit": commit, "what": "expert GEMM operands cast to bf16 at "
-                           "the call (emulated)", "mix": json.loads(mix.to_json())}  # fmt: skip
-    return out
+    mix = json.loads(census_step(cfg, torch.bfloat16, build_optimizers).to_json())
+    if set(mix["flops"]["experts"]) == {"float32"}:
+        return {"measured code": {"commit": commit, "what": "the code as it is (fp32 expert "
+                                  "GEMMs)", "mix": mix}}  # fmt: skip
+    return {"bf16 experts": {"commit": commit, "what": "the code with the compute-dtype policy "
+                             "(moetrain.model.precision): expert GEMMs on bf16 operands",
+                             "mix": mix}}  # fmt: skip
 
 
 def measured_step() -> dict:
@@ -198,13 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print", action="store_true", help="print the docs table")
     args = parser.parse_args(argv)
     if args.census:
-        fresh = census()
-        if set(fresh["measured code"]["mix"]["flops"]["experts"]) != {"float32"}:
-            # The tree no longer runs the measured code (its experts are not fp32): the
-            # measured run's census stays what it was; "bf16 experts" is this tree's.
-            with open(CENSUS) as f:
-                fresh["measured code"] = json.load(f)["measured code"]
-            print("this tree's experts are not fp32: the measured code's census is kept")
+        with open(CENSUS) as f:
+            kept = json.load(f)
+        fresh = census()  # this tree's entry; the other is kept as it was counted
+        print(
+            f"census of this tree: {', '.join(fresh)}; kept: "
+            f"{', '.join(k for k in kept if k not in fresh)}"
+        )
+        fresh = {**kept, **fresh}
         with open(CENSUS, "w") as f:
             json.dump(fresh, f, indent=1, sort_keys=True)
             f.write("\n")

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.kernels import grouped_mm
 from moetrain.kernels.fp8 import Recipe, Reduce, fp8_grouped_mm
+from moetrain.model.precision import as_compute, compute_dtype
 
 EXPERT_FFN_DIMS = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
 """Per-expert tensors (dim 0: the expert) and the dim of each that holds the FFN width, which
@@ -87,12 +88,21 @@ class GroupedExperts(nn.Module):
         (``moetrain.parallel.tensor_parallel``): this rank computes with its slice, and the
         dispatcher sums the partial outputs (``ExpertTPDispatcher``). The biases and the
         activation are element-wise torch ops between the grouped GEMMs, whichever kernel
-        backend (or FP8 recipe, ``train.fp8``) runs those."""
+        backend (or FP8 recipe, ``train.fp8``) runs those.
+
+        Under autocast (``train.dtype=bf16``) the rows and the weights are cast to its dtype
+        here, once per forward, whatever the backend: ``torch._grouped_mm`` has no autocast
+        kernel, the per-expert fallback writes through ``out=`` (which autocast never
+        touches) and the Triton and FP8 Functions take what they are given
+        (``moetrain.model.precision``)."""
+        dtype = compute_dtype(x_ND)
+        x_ND = x_ND.to(dtype)
+        w1, w3, w2 = (local_part(w) for w in (self.w1, self.w3, self.w2))
         if self.fp8 is not None:
-            # FP8 grouped GEMMs cast from the master weights; F is split over expert-TP ranks:
-            # the M of w1/w3's GEMMs and the K of w2's (``amax_reduce``).
+            # FP8 grouped GEMMs quantize from the weights in the compute dtype themselves (and
+            # keep the parameters, not a copy, for backward); F is split over expert-TP
+            # ranks: the M of w1/w3's GEMMs and the K of w2's (``amax_reduce``).
             recipe, fp8_backend = self.fp8
-            w1, w3, w2 = (local_part(w) for w in (self.w1, self.w3, self.w2))
             r = self.amax_reduce
 
             def up(w: torch.Tensor) -> torch.Tensor:
@@ -101,7 +111,7 @@ class GroupedExperts(nn.Module):
             def down(h: torch.Tensor) -> torch.Tensor:
                 return fp8_grouped_mm(h, w2, offs_E, recipe, fp8_backend, reduce_k=r)
         else:
-            w1, w3, w2 = (local_part(w).to(x_ND.dtype) for w in (self.w1, self.w3, self.w2))
+            w1, w3, w2 = (w.to(dtype) for w in (w1, w3, w2))
 
             def up(w: torch.Tensor) -> torch.Tensor:
                 return grouped_mm(x_ND, w, offs_E, backend=backend)
@@ -112,8 +122,8 @@ class GroupedExperts(nn.Module):
         g_NF, u_NF = up(w1), up(w3)
         if self.b1 is not None and self.b3 is not None:
             rows_N = _expert_of_rows(offs_E, x_ND.shape[0])
-            g_NF = g_NF + _with_zero_row(local_part(self.b1)).to(g_NF.dtype)[rows_N]
-            u_NF = u_NF + _with_zero_row(local_part(self.b3)).to(u_NF.dtype)[rows_N]
+            g_NF = g_NF + _with_zero_row(local_part(self.b1).to(dtype))[rows_N]
+            u_NF = u_NF + _with_zero_row(local_part(self.b3).to(dtype))[rows_N]
         if self.activation == "clamped_swiglu":
             h_NF = clamped_swiglu(g_NF, u_NF, self.alpha, self.limit)
         else:
@@ -126,12 +136,12 @@ class GroupedExperts(nn.Module):
         """sum_k w_tk * b2[e_tk] over each token's kept assignments (``dest_TK`` >= 0): what
         the down projection's bias adds to the combined output, (T, D). Computed where the
         combine's result is whole (after any expert-parallel or expert-TP reduction), from
-        the router's weights, once."""
+        the router's weights, once. ``b2`` is rounded to the compute dtype like every
+        expert parameter."""
         assert self.b2 is not None
         kept_TK = (dest_TK >= 0).to(weights_TK.dtype)
-        return torch.einsum(
-            "tk,tkd->td", weights_TK * kept_TK, self.b2[ids_TK].to(weights_TK.dtype)
-        )
+        b2_TKD = as_compute(self.b2)[ids_TK].to(weights_TK.dtype)
+        return torch.einsum("tk,tkd->td", weights_TK * kept_TK, b2_TKD)
 
 
 def _expert_of_rows(offs_E: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -45,6 +45,7 @@ from moetrain.model.losses import (
     token_weights,
     z_loss,
 )
+from moetrain.model.precision import compute_dtype
 from moetrain.model.sequence_shard import SequenceShard
 
 STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
@@ -327,20 +328,24 @@ class MoELayer(nn.Module):
             ids_BSK = self._whole_sequences(r.ids_TK.detach(), B)
             self.eval_record.append(ids_BSK.flatten(0, 1).to("cpu", torch.int16))
         ids_all_TK, plan = self._plan(r, B)
+        # The experts' GEMMs take their rows in the compute dtype (moetrain.model.precision):
+        # cast once, before the dispatch, so that an expert-parallel all-to-all carries them
+        # in it too. The router above read the fp32 rows.
+        xc_TD = x_TD.to(compute_dtype(x_TD))
         shared_TD = None
         if self.shared_experts is not None and self.overlap_shared:
             # The shared experts run while the routed tokens travel (same numbers).
             x_ND, offs_E, shared_TD = self.dispatcher.dispatch_overlapped(
-                x_TD, plan, backend, lambda: self._shared(x_TD))
+                xc_TD, plan, backend, lambda: self._shared(xc_TD))
         else:
-            x_ND, offs_E = self.dispatcher.dispatch(x_TD, plan, backend)
+            x_ND, offs_E = self.dispatcher.dispatch(xc_TD, plan, backend)
         y_ND = self.experts(x_ND, offs_E, backend)
         y_TD = self.dispatcher.combine(y_ND, plan, r.weights_TK, backend)
         if self.experts.b2 is not None:  # after the combine: every expert's, whole, once
             bias_TD = self.experts.output_bias(r.ids_TK, r.weights_TK, plan.dest_TK)
             y_TD = y_TD + bias_TD.to(y_TD.dtype)
         if self.shared_experts is not None:
-            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(x_TD))
+            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(xc_TD))
 
         counts_E = self._counted(r.ids_TK, plan, valid_T)
         if self.training:

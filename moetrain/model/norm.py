@@ -1,9 +1,11 @@
-"""RMSNorm, in fp32 whatever the input dtype."""
+"""RMSNorm, in fp32 whatever the input dtype; its weight in the compute dtype."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from moetrain.model.precision import as_compute
 
 
 class RMSNorm(nn.Module):
@@ -16,4 +18,6 @@ class RMSNorm(nn.Module):
         # Normalise in fp32: bf16 sums of squares lose too much precision.
         x32 = x.float()
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return out.type_as(x) * self.weight
+        # The weight rounded to the compute dtype, as FSDP2 gathers it under ZeRO-2/3: the
+        # same numbers in one process and every layout (moetrain.model.precision).
+        return out.type_as(x) * as_compute(self.weight)

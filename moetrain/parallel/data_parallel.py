@@ -44,15 +44,20 @@ def apply_fsdp(
 ) -> None:
     """ZeRO-2/3 with FSDP2: each block, then the root. ``dp_mesh`` is 1-D (dp_shard) or 2-D
     (dp_replicate, dp_shard) for hybrid sharding. ``param_dtype``: mixed precision (bf16):
-    parameters all-gathered in it, fp32 shards as master weights, gradients reduced in fp32.
+    fp32 shards as master weights, gradients reduced in fp32, and each unit all-gathered in
+    the dtype the compute-dtype policy gives its parameters (``moetrain.model.precision``).
     ``ignored``: parameters FSDP must leave alone (the expert parameters under expert
     parallelism: they differ per EP rank and are reduced over the expert-data-parallel
     group by the engine, ``reduce_expert_grads``).
 
-    Mixed precision keeps the numerics of bf16 autocast in one process: inputs are not cast
-    (``cast_forward_inputs=False``), so the residual stream stays as autocast leaves it, and
-    every MoE router is its own FSDP unit gathered in fp32 -- routing decisions hang on small
-    logit differences, which a bf16-rounded gate weight would change."""
+    Mixed precision computes what one bf16 process computes (autocast with fp32 master
+    weights): the blocks are gathered in bf16 (their weights are what autocast and
+    ``as_compute`` round to bf16 in one process, norm weights included); every MoE router
+    is its own unit gathered in fp32 (routing decisions hang on small logit differences);
+    the root (token embeddings, final norm, output head) is gathered in fp32 -- the
+    embeddings are looked up exactly, so the residual stream is fp32 as in one process,
+    and autocast rounds the head's weight and ``as_compute`` the final norm's after the
+    gather, as in one process. Inputs are not cast (``cast_forward_inputs=False``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from moetrain.model.moe import Router
@@ -63,16 +68,19 @@ def apply_fsdp(
     fp32 = MixedPrecisionPolicy(
         param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
     )
+    mixed = param_dtype is not None and param_dtype != torch.float32
     reshard = zero_stage == 3
     kw: dict[str, Any] = {"ignored_params": set(ignored)} if ignored else {}
     for block in model.layers.values():
-        if param_dtype is not None and param_dtype != torch.float32:
+        if mixed:
             for router in (m for m in block.modules() if isinstance(m, Router)):
                 fully_shard(router, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=fp32)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **kw)
     # The root (embedding, final norm, output) follows the stage too, so that ZeRO-3 sends
     # exactly its 3 Psi: gathered for forward and again for backward.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **kw)
+    fully_shard(
+        model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=fp32 if mixed else mp, **kw
+    )
 
 
 def apply_ddp(model: nn.Module, dp_mesh: Any, zero_stage: int) -> None:

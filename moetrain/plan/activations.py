@@ -6,8 +6,8 @@ for the tokens a rank holds (T = micro-batch x seq_len / cp; norms under sequenc
 parallelism 1/tp of them), its local heads and expert widths, with routing perfectly
 balanced (``moe.force_load_balancing``: every expert receives T K / E rows per micro-batch,
 under expert parallelism every rank T K). ``e`` is the bytes of a compute element (4 fp32,
-2 bf16), ``r`` of the residual stream (fp32 under autocast; bf16 when FSDP2 keeps bf16
-parameters, ZeRO-2/3 with train.dtype bf16). Per block:
+2 bf16), ``r`` of the residual stream (fp32 in every layout: the compute-dtype policy of
+``moetrain.model.precision`` looks the embeddings up in fp32). Per block:
 
     norm (x2)        its input in fp32 (4 T D), 1/rms (4 T), its output (r T D)
     GQA attention    input (e T D), q, k, v (k and v repeated to the query heads), output
@@ -66,7 +66,6 @@ def shapes(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype, device_type: 
     b, S, cp, tp = dims.micro_batch_size(cfg), cfg.data.seq_len, dims.cp, dims.tp
     s = S // cp
     e = torch.tensor([], dtype=dtype).element_size()
-    fsdp_bf16 = dtype != torch.float32 and cfg.parallel.zero_stage >= 2 and dims.dp_cp > 1
     m = cfg.model
     if m.attention == "mla":
         same_width = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0) == m.v_head_dim
@@ -80,7 +79,7 @@ def shapes(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype, device_type: 
         T_norm=b * s // tp if cfg.parallel.sequence_parallel else b * s,
         tp=tp,
         e=e,
-        r=2 if fsdp_bf16 else 4,
+        r=4,
         fused_attention=device_type == "cuda" or same_width,
         explicit_mask=cp > 1 or m.document_mask or m.sliding_window is not None,
     )

@@ -163,7 +163,9 @@ def _repad(parts: list[nn.Module]) -> int:
 
 
 def _fsdp_units(parts: list[nn.Module]) -> list[int]:
-    """Unsharded elements of each FSDP2 unit (what one all-gather brings)."""
+    """Unsharded bytes of each FSDP2 unit (what one all-gather brings), in the dtype the unit
+    gathers in (its mixed-precision policy: bf16 blocks, fp32 routers and root under
+    train.dtype bf16)."""
     from torch.distributed.fsdp import FSDPModule
 
     units = []
@@ -172,7 +174,13 @@ def _fsdp_units(parts: list[nn.Module]) -> list[int]:
             if isinstance(m, FSDPModule):
                 group = m._get_fsdp_state()._fsdp_param_group
                 if group is not None:
-                    units.append(sum(fp._orig_size.numel() for fp in group.fsdp_params))
+                    dtype = group.mp_policy.param_dtype
+                    units.append(
+                        sum(
+                            fp._orig_size.numel() * (dtype or fp.sharded_param.dtype).itemsize
+                            for fp in group.fsdp_params
+                        )
+                    )
     return units
 
 
@@ -295,7 +303,7 @@ def _read_state(
                 buffers += b.untyped_storage().nbytes()
     gathered, exact = 0, True
     if fsdp:
-        unit_bytes = [n * (fsdp_dtype or torch.float32).itemsize for n in _fsdp_units(parts)]
+        unit_bytes = _fsdp_units(parts)
         if cfg.parallel.zero_stage == 2:  # every unit stays gathered from forward to backward
             gathered = sum(unit_bytes)
         else:  # ZeRO-3: one unit in use, the next prefetched

@@ -33,13 +33,29 @@ What counts:
   CPU they cost nothing; on a GPU each one stalls the launch queue.
 - **casts**: ``_to_copy`` and ``copy_`` between floating dtypes, in elements per (from, to).
 - **norm reads**: bytes read by ``linalg_vector_norm``, ``norm`` and ``_foreach_norm``.
+
+Options, for tests that look closer:
+
+- ``params`` (a module, or (name, tensor) pairs): ``weight_casts[(name, from, to)]`` counts
+  the casts whose source is that parameter's storage (a DTensor's local shard, a view: the
+  same storage) -- how often each weight is rounded to the compute dtype.
+- ``contracts=True``: every ``_grouped_mm`` is replayed on meta tensors of the same shapes,
+  strides and dtypes through torch's meta kernel, which checks what the CUDA kernel
+  accepts (bf16 operands, 16-byte aligned strides, ...); ``contract_checks`` counts the
+  replays, ``contract_failures`` holds (op, message) of those CUDA would refuse. So a CPU
+  run proves CUDA eligibility (all but the base pointers' alignment, which the kernels'
+  own ``_aligned`` checks at run time).
+- ``triton=True``: the Triton grouped GEMM's launches (``moetrain.kernels.grouped_gemm``:
+  forward, dgrad, wgrad), which run no aten op, are counted like matmuls, keyed
+  ``("triton_grouped_mm", dtype)`` and ``("triton_grouped_wgrad", dtype)`` by the dtype of
+  the operands they are handed.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -152,13 +168,94 @@ class _HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _storage(t: torch.Tensor) -> int | None:
+    """The data pointer of the storage under ``t`` (a DTensor's local shard's); None for
+    tensors without one (meta, fake)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        ptr = local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return ptr or None
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+# op name -> replay on meta tensors (raises what the CUDA kernel would refuse)
+_CONTRACTS: dict[str, Callable[[tuple, dict], Any]] = {
+    "_grouped_mm": lambda a, kw: aten._grouped_mm(
+        *(_meta_like(t) if isinstance(t, torch.Tensor) else t for t in a),
+        **{k: _meta_like(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
+    ),
+}
+
+
+class _TritonLaunches:
+    """Counts the Triton grouped GEMM's launches as matmuls (they run no aten op) by
+    wrapping ``moetrain.kernels.grouped_gemm``'s launchers while the census is open; nothing
+    when triton does not import."""
+
+    def __init__(self, census: StepCensus) -> None:
+        self.census = census
+        self.saved: dict[str, Callable[..., Any]] = {}
+
+    def __enter__(self) -> None:
+        try:
+            from moetrain.kernels import grouped_gemm
+        except ImportError:
+            return
+        self.module = grouped_gemm
+        c = self.census
+        fwd, wgrad = grouped_gemm.launch_grouped_mm, grouped_gemm.launch_grouped_wgrad
+        self.saved = {"launch_grouped_mm": fwd, "launch_grouped_wgrad": wgrad}
+
+        def launch_grouped_mm(x, src_N, w_EKM, offs_E, num_rows, *args, **kwargs):
+            flops = 2 * num_rows * x.shape[1] * w_EKM.shape[2]
+            c._count("triton_grouped_mm", x, w_EKM, flops, (x, w_EKM))
+            return fwd(x, src_N, w_EKM, offs_E, num_rows, *args, **kwargs)
+
+        def launch_grouped_wgrad(x, src_N, dy_NM, offs_E, *args, **kwargs):
+            flops = 2 * dy_NM.shape[0] * x.shape[1] * dy_NM.shape[1]
+            c._count("triton_grouped_wgrad", x, dy_NM, flops, (x, dy_NM))
+            return wgrad(x, src_N, dy_NM, offs_E, *args, **kwargs)
+
+        grouped_gemm.launch_grouped_mm = launch_grouped_mm
+        grouped_gemm.launch_grouped_wgrad = launch_grouped_wgrad
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.module, name, fn)
+        self.saved = {}
+
+
 class StepCensus(TorchDispatchMode):
     """Counts matmul FLOPs by (op, dtype), host syncs, casts and norm reads of whatever runs
     inside it (see the module docstring). Re-entrant counts add up: enter it around one step
-    (forward, backward and optimizer) to census that step."""
+    (forward, backward and optimizer) to census that step. ``params``, ``contracts`` and
+    ``triton``: the options of the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
+        contracts: bool = False,
+        triton: bool = False,
+    ) -> None:
         super().__init__()
+        named = params.named_parameters() if isinstance(params, torch.nn.Module) else params
+        self._param_names: dict[int, str] = {}
+        for name, p in named or ():
+            ptr = _storage(p)
+            if ptr is not None:
+                self._param_names.setdefault(ptr, name)
+        self.weight_casts: Counter[tuple[str, torch.dtype, torch.dtype]] = Counter()
+        """(parameter name, from, to): casts of that parameter's storage (``params``)."""
+        self.contracts = contracts
+        self.contract_checks: Counter[str] = Counter()
+        self.contract_failures: list[tuple[str, str]] = []
+        """(op, torch's message) of every call CUDA's kernel would refuse (``contracts``)."""
+        self._triton = _TritonLaunches(self) if triton else None
         self.matmul_flops: Counter[tuple[str, torch.dtype]] = Counter()
         self.matmul_calls: Counter[tuple[str, torch.dtype]] = Counter()
         self.mismatched: Counter[tuple[str, torch.dtype, torch.dtype]] = Counter()
@@ -170,6 +267,8 @@ class StepCensus(TorchDispatchMode):
         self._host_reads = _HostReads(self.syncs)
 
     def __enter__(self) -> StepCensus:
+        if self._triton is not None:
+            self._triton.__enter__()
         self._host_reads.__enter__()
         return super().__enter__()
 
@@ -178,6 +277,8 @@ class StepCensus(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             self._host_reads.__exit__(*exc)
+            if self._triton is not None:
+                self._triton.__exit__(*exc)
 
     # ------------------------------------------------------------------ the dispatcher hook
 
@@ -186,6 +287,8 @@ class StepCensus(TorchDispatchMode):
         name = _name(func)
         if name in _MATMULS:
             self._matmul(name, args)
+            if self.contracts and name in _CONTRACTS:
+                self._check_contract(name, args, kwargs)
         elif name in _SYNC_OPS or self._value_shaped(name, args, kwargs):
             self.syncs[name] += 1
         elif name in ("_to_copy", "to", "_to_copy_"):
@@ -203,15 +306,24 @@ class StepCensus(TorchDispatchMode):
 
     def _matmul(self, name: str, args: tuple) -> None:
         flops, (i, j) = _MATMULS[name]
-        a, b = args[i], args[j]
-        self.matmul_flops[(name, a.dtype)] += flops(args)
+        tensors = [t for t in args if isinstance(t, torch.Tensor)]
+        self._count(name, args[i], args[j], flops(args), tensors)
+
+    def _count(self, name: str, a: torch.Tensor, b: torch.Tensor, flops: int, tensors) -> None:
+        self.matmul_flops[(name, a.dtype)] += flops
         self.matmul_calls[(name, a.dtype)] += 1
         if a.dtype != b.dtype and not name.startswith("_scaled"):
             self.mismatched[(name, a.dtype, b.dtype)] += 1
-        tensors = [t for t in args if isinstance(t, torch.Tensor)]
         self.operands.append(
             (name, tuple(t.dtype for t in tensors), tuple(tuple(t.shape) for t in tensors))
         )
+
+    def _check_contract(self, name: str, args: tuple, kwargs: dict) -> None:
+        self.contract_checks[name] += 1
+        try:
+            _CONTRACTS[name](args, kwargs)
+        except RuntimeError as e:
+            self.contract_failures.append((name, str(e).splitlines()[0]))
 
     @staticmethod
     def _value_shaped(name: str, args: tuple, kwargs: dict) -> bool:
@@ -234,6 +346,10 @@ class StepCensus(TorchDispatchMode):
             return
         if src.is_floating_point() and dtype.is_floating_point:
             self.cast_elements[(src.dtype, dtype)] += src.numel()
+            if self._param_names:
+                name = self._param_names.get(_storage(src) or 0)
+                if name is not None:
+                    self.weight_casts[(name, src.dtype, dtype)] += 1
 
     # ---------------------------------------------------------------------------- summaries
 
@@ -268,4 +384,9 @@ class StepCensus(TorchDispatchMode):
         lines.append(f"cast elements: {casts}")
         if self.norm_bytes:
             lines.append(f"norm reads (bytes): { {str(k): v for k, v in self.norm_bytes.items()} }")
+        if self.contract_checks:
+            lines.append(
+                f"CUDA contracts: {dict(self.contract_checks)} checked, "
+                f"{len(self.contract_failures)} refused {self.contract_failures[:3]}"
+            )
         return "\n".join(lines)

@@ -404,11 +404,10 @@ def census_step(
     torch.set_num_threads(1)  # small ops: one thread is fastest, and immune to a busy machine
     try:
         with census:
-            with autocast:
-                logits = model(inputs, **kwargs)
-                with torch.autocast("cpu", enabled=False):
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
-                loss.backward()
+            with autocast:  # the forward only, as the trainer does (engine.autocast_forward):
+                logits = model(inputs, **kwargs)  # the backward runs each op in its dtype
+            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            loss.backward()
             census.phase = "optimizer"
             for opt in optimizers:
                 opt.step()

@@ -107,6 +107,22 @@ def build_optimizers(
     return grad_sync, [build_optimizer(part, cfg.optim) for part in parts]
 
 
+def autocast_forward(part: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``part``'s forward, and only its forward, under autocast to ``dtype`` (the compute
+    dtype of ``moetrain.model.precision``): its backward then runs each op in the dtype its
+    forward chose -- the fp32 router gate's gradients in fp32 -- whoever calls
+    ``backward()``, the engine or a pipeline schedule, which runs forwards and backwards of
+    its micro-batches interleaved. Activation checkpointing's recompute restores the
+    autocast state of the forward it repeats."""
+    inner = part.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type=device_type, dtype=dtype):
+            return inner(*args, **kwargs)
+
+    part.forward = forward  # type: ignore[method-assign]
+
+
 class Engine(RoutingPasses, StateViews, FullStateGather):
     """Runs training steps of ``model`` under the layout ``dims`` (``meshes`` None: one
     process, no collectives).
@@ -173,6 +189,9 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             seq_len=cfg.data.seq_len,
         )
         self.parts: list[nn.Module] = pm.parts
+        if dtype != torch.float32:
+            for part in self.parts:
+                autocast_forward(part, device.type, dtype)
         self.stage_ids = pm.stage_ids
         self.schedule = pm.schedule
         self.eval_schedule = pm.eval_schedule  # forward-only passes (see ParallelModel)
@@ -257,13 +276,13 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
     # ------------------------------------------------------------------ loss
 
     def _loss_ctx(self) -> ExitStack:
+        """Around a loss and its backward: tensor parallelism's vocabulary-parallel loss.
+        Autocast is not here: it wraps the model parts' forwards (``autocast_forward``)."""
         stack = ExitStack()
         if self.tp_enabled:
             from torch.distributed.tensor.parallel import loss_parallel
 
             stack.enter_context(loss_parallel())
-        if self.dtype != torch.float32:
-            stack.enter_context(torch.autocast(device_type=self.device.type, dtype=self.dtype))
         return stack
 
     def _ce(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,14 @@ tests/multirank.py, per dtype, stated there once with what was measured.
 
 Every layout, crossed with every option of the model and the router, runs in the
 equivalence matrix (tests/parallel/test_matrix.py, docs/matrix.md). This file holds what the
-matrix does not: a checkpoint saved under one layout and resumed under another, and bf16.
+matrix does not: a checkpoint saved under one layout and resumed under another (bf16 under
+every layout: tests/parallel/test_bf16_layouts.py).
 """
 
 from __future__ import annotations
 
 import pytest
-from multirank import Case, check_cases, check_reshards
+from multirank import check_reshards
 
 STEPS = 3
 
@@ -71,31 +72,4 @@ def test_checkpoint_saved_under_one_layout_loads_under_another() -> None:
         ],
         STEPS,
         timeout=300,
-    )
-
-
-# ----------------------------------------------------------------------------- bf16
-
-# Dense routing (every token to all 4 experts, no capacity) for the bf16 layouts: with
-# top_k < E a 1-ulp bf16 difference flips near-tied expert choices, which changes those
-# tokens' expert gradients wholesale and would say nothing about precision. Top-k routing
-# itself is proven under every layout in fp32.
-BF16 = ("train.dtype=bf16", "moe.top_k=4", "moe.capacity_factor=null")
-
-
-@pytest.mark.multirank
-@pytest.mark.timeout(400)
-def test_bf16_under_zero3_and_tp_matches_one_bf16_process() -> None:
-    """bf16 autocast with fp32 master weights: dp=2 with ZeRO-3 (FSDP2 MixedPrecisionPolicy,
-    bf16 all-gathers, fp32 reduce-scatters) and tp=2 against one bf16 process, with the bf16
-    row of TOLERANCES."""
-    layouts = {
-        "bf16 dp=2 zero3": ["parallel.zero_stage=3"],
-        "bf16 tp=2 + SP": ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    }
-    check_cases(
-        2,
-        [Case(n, tuple(o), BF16) for n, o in layouts.items()],
-        STEPS,
-        timeout=380,
     )

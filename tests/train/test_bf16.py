@@ -1,7 +1,9 @@
 """bf16 training on CPU: autocast with fp32 master weights tracks the fp32 run.
 
-The layouts under bf16 (ZeRO-3 with FSDP2 mixed precision, tp + SP) are checked against one
-bf16 process in tests/parallel/test_layouts.py; this file checks bf16 against fp32 itself.
+Every layout under bf16 is checked against one bf16 process in
+tests/parallel/test_bf16_layouts.py, what a bf16 step computes (every GEMM in bf16, the
+router gates in fp32) in tests/train/test_compute_dtype.py; this file checks bf16 against
+fp32 itself.
 """
 
 from __future__ import annotations
