@@ -218,6 +218,6 @@ NO_NUMBERS: dict[str, str] = {
     "train.resume_allow_changes": "which config changes a resume accepts "
     "(tests/train/test_resume_honesty.py)",
     "model.allow_unused_tensors": "whether a start from a checkpoint may leave some of its tensors "
-    "unused (tests/interop/test_accounting.py)",
+    "unused (tests/interop/test_tensor_accounting.py)",
 }
 """Keys of ``SECTIONS`` that change no trained number, with why."""
