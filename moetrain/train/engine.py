@@ -49,6 +49,7 @@ from moetrain.parallel.expert_parallel import (
     expert_layouts,
     is_expert_param,
     reduce_expert_grads,
+    sum_of_squares,
 )
 from moetrain.parallel.materialize import materialize
 from moetrain.parallel.parallelize import parallelize
@@ -600,19 +601,21 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         norm_dims = tuple("dp_shard_cp" if d == "dp_shard" and self.dims.cp > 1 else d
                           for d in _NORM_DIMS)  # fmt: skip
         classes = [frozenset(c) for c in _subsets(norm_dims)]
-        sq = torch.zeros(len(classes), dtype=torch.float64, device=self.device)
+        pieces: list[list[torch.Tensor]] = [[] for _ in classes]
         for grad, dims in self._grad_pieces(norm=True):
-            sq[classes.index(dims)] += grad.detach().double().pow(2).sum()
+            pieces[classes.index(dims)].append(grad.detach())
+        sq = [sum_of_squares(p, self.device) for p in pieces]
         if self.meshes is not None:
             for name in norm_dims:
                 group = process_group(getattr(self.meshes, name))
                 if group is None:
                     continue
-                mask = torch.tensor([name in c for c in classes], device=self.device)
-                part = torch.where(mask, sq, torch.zeros_like(sq))
+                sharded = [i for i, c in enumerate(classes) if name in c]
+                part = torch.stack([sq[i] for i in sharded])
                 dist.all_reduce(part, group=group)
-                sq = torch.where(mask, part, sq)
-        total = sq.sum()
+                for j, i in enumerate(sharded):
+                    sq[i] = part[j]
+        total = torch.stack(sq).sum()
         if self.expert_params:
             # Every expert once: summed over the EP group (and the TP group under expert TP),
             # never over edp (identical replicas) nor over tp with replicated experts.
@@ -728,8 +731,9 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             dist.all_reduce(packed, group=self.pp_group)
         out: dict[int, dict[str, torch.Tensor]] = {}
         k = len(STAT_NAMES)
+        packed = packed.float().cpu()  # every layer's statistics in one read (a host sync)
         for row, i in enumerate(moe_ids):
-            v = packed[row].float().cpu()
+            v = packed[row]
             d = {n: v[j] for j, n in enumerate(STAT_NAMES)}
             d["tokens_per_expert"] = v[k : k + E]
             d["calls"], d["assignments"], d["dropped"], d["a2a_bytes"] = v[
@@ -745,7 +749,9 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         """Aux-loss-free balancing from the GLOBAL token counts: every rank moves the bias of
         the layers it holds identically."""
         for i, layer in self.moe.items():
-            layer.update_expert_bias(stats[i]["tokens_per_expert"].to(self.device))
+            # non_blocking: a copy from the host that does not wait for the device.
+            load_E = stats[i]["tokens_per_expert"].to(self.device, non_blocking=True)
+            layer.update_expert_bias(load_E)
 
 
 def _subsets(names: tuple[str, ...]) -> list[set[str]]:
