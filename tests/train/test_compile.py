@@ -1,0 +1,79 @@
+"""``train.compile=true`` stays compiled: each compiled frame is compiled once (at most a
+second time, static to dynamic), whatever the routing does to per-expert token counts, and
+the grouped GEMMs that CUDA runs natively are inside the graph.
+
+On the first GPU run the compiled blocks recompiled until dynamo gave up (the per-expert
+loop's ``offs_E.tolist()`` broke the graph and its slices were compiled in for every new
+set of offsets); on CPU the MoE forward recompiled for every step and every layer (the
+router jitter's step and layer were int attributes, compiled in as constants). The test
+compiles with a backend that runs dynamo's graphs as they are (what recompiles and where the
+graph breaks is dynamo's doing, whatever backend compiles the graphs), and takes CUDA's
+eligibility rules for ``torch._grouped_mm`` (``torch_ops.cuda_rules``: bf16 operands).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import pytest
+import torch
+import torch._dynamo
+from moetrain.kernels import torch_ops
+from multirank import micro_config
+from torch._dynamo.utils import counters
+from torch._guards import CompileContext
+
+from moetrain.train.trainer import Trainer
+
+STEPS = 4
+
+
+def _compiled_run(monkeypatch, dtype: torch.dtype) -> tuple[dict[int, set[int]], dict, list]:
+    """(compile indices of every compiled frame, dynamo's graph-break reasons, each step's
+    tokens per expert of layer 0) of ``STEPS`` dropless steps of the micro MoE compiled, its
+    weights in ``dtype``."""
+    compiles: dict[int, set[int]] = {}
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        compile_id = CompileContext.current_compile_id()
+        compiles.setdefault(compile_id.frame_id, set()).add(compile_id.frame_compile_id)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=backend))
+    torch._dynamo.reset()
+    counters.clear()
+    loads = []
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(micro_config(
+            out, "train.compile=true", "train.dtype=bf16", "moe.kernels=torch",
+            "moe.capacity_factor=null", "moe.jitter_eps=0.1", "model.n_layers=2",
+            "train.global_batch_size=4", "log.histogram_every=0",
+        ))  # fmt: skip
+        for part in trainer.engine.parts:
+            part.to(dtype)
+        with torch_ops.cuda_rules():
+            for _ in range(STEPS):
+                loads.append(trainer.train_step().moe[0]["tokens_per_expert"].tolist())
+        trainer.close()
+    return compiles, dict(counters["graph_break"]), loads
+
+
+def test_native_grouped_gemms_compile_once_without_a_graph_break(monkeypatch) -> None:
+    compiles, breaks, loads = _compiled_run(monkeypatch, torch.bfloat16)
+    assert len({tuple(x) for x in loads}) > 1, loads  # the routing moved tokens between experts
+    assert not breaks, breaks
+    assert compiles, "nothing was compiled"
+    recompiled = {frame: ids for frame, ids in compiles.items() if max(ids) > 1}
+    assert not recompiled, compiles
+
+
+@pytest.mark.slow  # 17 s on 2 cores
+def test_the_per_expert_loop_runs_eagerly_and_recompiles_nothing(monkeypatch) -> None:
+    """fp32 operands, which CUDA's ``torch._grouped_mm`` does not take: the per-expert loops
+    (host-read offsets) run outside the graph, and the frames around them still compile at
+    most twice."""
+    compiles, breaks, _ = _compiled_run(monkeypatch, torch.float32)
+    assert breaks and all("_loop" in reason for reason in breaks), breaks
+    recompiled = {frame: ids for frame, ids in compiles.items() if max(ids) > 1}
+    assert not recompiled, compiles
