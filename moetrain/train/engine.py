@@ -217,6 +217,8 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         )
         self.params_at_rest = params_before_dp(self.parts)
         self._record_inputs: torch.Tensor | None = None  # forward_backward(record=True)
+        # The last ``moe_stats`` result and its token counts on the device.
+        self._loads_on_device: tuple[Any, dict[int, torch.Tensor]] = (None, {})
         # Under document masking: the step's share of its mean over counted labels that a
         # micro-batch's summed cross-entropy is multiplied by (``_set_loss_scale``).
         self._loss_scale: float | None = None
@@ -731,7 +733,10 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             dist.all_reduce(packed, group=self.pp_group)
         out: dict[int, dict[str, torch.Tensor]] = {}
         k = len(STAT_NAMES)
+        # The expert-bias update reads the counts where they are (``update_expert_bias``).
+        loads = {i: packed[row, k : k + E].float() for row, i in enumerate(moe_ids)}
         packed = packed.float().cpu()  # every layer's statistics in one read (a host sync)
+        self._loads_on_device = (out, loads)
         for row, i in enumerate(moe_ids):
             v = packed[row]
             d = {n: v[j] for j, n in enumerate(STAT_NAMES)}
@@ -748,9 +753,11 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
     def update_expert_bias(self, stats: dict[int, dict[str, torch.Tensor]]) -> None:
         """Aux-loss-free balancing from the GLOBAL token counts: every rank moves the bias of
         the layers it holds identically."""
+        last, loads = self._loads_on_device
         for i, layer in self.moe.items():
-            # non_blocking: a copy from the host that does not wait for the device.
-            load_E = stats[i]["tokens_per_expert"].to(self.device, non_blocking=True)
+            # ``moe_stats``'s own result: its counts still on the device (a copy back from
+            # the host would wait for the device to finish).
+            load_E = loads[i] if stats is last else stats[i]["tokens_per_expert"].to(self.device)
             layer.update_expert_bias(load_E)
 
 
