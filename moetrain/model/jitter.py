@@ -61,7 +61,10 @@ def jitter_factors(
     and gcc's loop optimisations then break the whole fused loop."""
     seed, step, layer = key
     device = seq_T.device
-    h = torch.as_tensor(seed, dtype=torch.int64, device=device)
+    if isinstance(seed, torch.Tensor):
+        h = seed.to(device, torch.int64)
+    else:  # filled on the device: a tensor made from a host int would be copied over
+        h = torch.full((), seed, dtype=torch.int64, device=device)
     for v in (step, layer):
         h = _combine(h, v)
     h_T = _combine(_combine(h, seq_T.to(torch.int64)), pos_T.to(torch.int64))
