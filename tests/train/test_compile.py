@@ -14,7 +14,10 @@ eligibility rules for ``torch._grouped_mm`` (``torch_ops.cuda_rules``: bf16 oper
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -77,3 +80,45 @@ def test_the_per_expert_loop_runs_eagerly_and_recompiles_nothing(monkeypatch) ->
     assert breaks and all("_loop" in reason for reason in breaks), breaks
     recompiled = {frame: ids for frame, ids in compiles.items() if max(ids) > 1}
     assert not recompiled, compiles
+
+
+INDUCTOR_LAYER = textwrap.dedent("""
+    import torch
+    from moetrain.config import MoEConfig
+    from moetrain.model.moe import MoELayer
+
+    for capacity in (None, 1.0):
+        torch.manual_seed(0)
+        cfg = MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=64, capacity_factor=capacity,
+                        jitter_eps=0.3, kernels="torch", token_group_seqs=None)
+        layer = MoELayer(64, cfg)
+        layer.set_jitter_key(seed=3, step=5, seq_offset=2)
+        x = torch.randn(2, 32, 64, requires_grad=True)
+
+        def step(x_BSD):
+            layer.stat_rows.zero_()  # the same sequences each call, so the same jitter
+            return layer(x_BSD)
+
+        outs = []
+        for run in (step, torch.compile(step)):
+            y = run(x)
+            outs.append((y.detach(), *torch.autograd.grad(y.square().sum(), x)))
+        for got, want in zip(outs[1], outs[0]):
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
+    print("ok")
+""")
+
+
+@pytest.mark.slow
+def test_inductor_compiles_the_moe_layer_as_eager_computes_it() -> None:
+    """inductor's CPU code for an MoE layer with router jitter (dropless and with capacity),
+    forward and backward, equals eager. The jitter hashes with wrapping 64-bit products:
+    computed from loop indices in inductor's C++, they are signed overflows the compiler may
+    assume never happen (a fused kernel read out of bounds here while the key was ints and
+    the per-feature hashes computed in the graph; they are now inputs: ``jitter_key``,
+    ``jitter_hashes``). In a subprocess: a miscompiled kernel may take the interpreter
+    down with it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", INDUCTOR_LAYER], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr[-3000:]
