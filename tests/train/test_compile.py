@@ -32,10 +32,10 @@ from moetrain.train.trainer import Trainer
 STEPS = 4
 
 
-def _compiled_run(monkeypatch, dtype: torch.dtype) -> tuple[dict[int, set[int]], dict, list]:
+def _compiled_run(monkeypatch, dtype: str) -> tuple[dict[int, set[int]], dict, list]:
     """(compile indices of every compiled frame, dynamo's graph-break reasons, each step's
-    tokens per expert of layer 0) of ``STEPS`` dropless steps of the micro MoE compiled, its
-    weights in ``dtype``."""
+    tokens per expert of layer 0) of ``STEPS`` dropless steps of the micro MoE compiled,
+    ``train.dtype=dtype``."""
     compiles: dict[int, set[int]] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -49,12 +49,10 @@ def _compiled_run(monkeypatch, dtype: torch.dtype) -> tuple[dict[int, set[int]],
     loads = []
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(micro_config(
-            out, "train.compile=true", "train.dtype=bf16", "moe.kernels=torch",
+            out, "train.compile=true", f"train.dtype={dtype}", "moe.kernels=torch",
             "moe.capacity_factor=null", "moe.jitter_eps=0.1", "model.n_layers=2",
             "train.global_batch_size=4", "log.histogram_every=0",
         ))  # fmt: skip
-        for part in trainer.engine.parts:
-            part.to(dtype)
         with torch_ops.cuda_rules():
             for _ in range(STEPS):
                 loads.append(trainer.train_step().moe[0]["tokens_per_expert"].tolist())
@@ -63,7 +61,7 @@ def _compiled_run(monkeypatch, dtype: torch.dtype) -> tuple[dict[int, set[int]],
 
 
 def test_native_grouped_gemms_compile_once_without_a_graph_break(monkeypatch) -> None:
-    compiles, breaks, loads = _compiled_run(monkeypatch, torch.bfloat16)
+    compiles, breaks, loads = _compiled_run(monkeypatch, "bf16")
     assert len({tuple(x) for x in loads}) > 1, loads  # the routing moved tokens between experts
     assert not breaks, breaks
     assert compiles, "nothing was compiled"
@@ -76,7 +74,7 @@ def test_the_per_expert_loop_runs_eagerly_and_recompiles_nothing(monkeypatch) ->
     """fp32 operands, which CUDA's ``torch._grouped_mm`` does not take: the per-expert loops
     (host-read offsets) run outside the graph, and the frames around them still compile at
     most twice."""
-    compiles, breaks, _ = _compiled_run(monkeypatch, torch.float32)
+    compiles, breaks, _ = _compiled_run(monkeypatch, "fp32")
     assert breaks and all("_loop" in reason for reason in breaks), breaks
     recompiled = {frame: ids for frame, ids in compiles.items() if max(ids) > 1}
     assert not recompiled, compiles
