@@ -90,6 +90,23 @@ def check_gather(op: str, x_TK: torch.Tensor, src_N: torch.Tensor) -> None:
         _fail(op, f"src must be on x's device {x_TK.device}, got {src_N.device}")
 
 
+def bin_counts(ids: torch.Tensor, bins: int, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 (bins,): how many entries of ``ids`` (int64 values in [0, bins), any shape) hold
+    each value, each counted ``weights`` times (an integer or bool tensor of ``ids``' shape)
+    when given. ``torch.bincount(ids, minlength=bins)`` without its host sync: CUDA's
+    bincount reads the largest id to size its output. Integer adds: exact and deterministic."""
+    ids = ids.reshape(-1)
+    ones = torch.ones_like(ids) if weights is None else weights.reshape(-1).to(torch.int64)
+    return torch.zeros(bins, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, ones)
+
+
+def sorted_bin_ends(sorted_ids: torch.Tensor, bins: int) -> torch.Tensor:
+    """int64 (bins,): for ids sorted ascending (values in [0, bins)), the end of each value's
+    run, i.e. the cumulative counts: binary searches, no atomics and no host sync."""
+    values = torch.arange(1, bins + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, values)
+
+
 GROUP_SCORES = ("top2", "max")
 """How group-limited routing scores a group: the sum of its two best entries (DeepSeek-V3's
 noaux_tc) or its best one (DeepSeek-V2's group_limited_greedy)."""

@@ -1,15 +1,18 @@
 """The torch backend: torch._grouped_mm where it applies, small autograd Functions elsewhere.
 
 This is both the fallback when Triton is unavailable and the "unfused torch" peer
-the benchmarks compare the Triton kernels against. No host syncs on the native path.
+the benchmarks compare the Triton kernels against. No host syncs on the native path (nor
+anywhere but the per-expert loops that stand in for torch._grouped_mm where its kernel does
+not apply).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
-from moetrain.kernels.common import RouteResult, group_mask
+from moetrain.kernels.common import RouteResult, bin_counts, group_mask
 
 # ---------------------------------------------------------------------------------------------
 # Grouped GEMM
@@ -19,7 +22,9 @@ from moetrain.kernels.common import RouteResult, group_mask
 def _aligned(t: torch.Tensor) -> bool:
     """torch._grouped_mm needs 16-byte aligned base pointers and non-unit strides."""
     nbytes = t.element_size()
-    if t.data_ptr() % 16:
+    # A traced tensor has no address (torch.compile): the operands here are whole
+    # buffers or their transposes, which every allocator aligns to at least 64 bytes.
+    if not torch.compiler.is_compiling() and t.data_ptr() % 16:
         return False
     return (
         all(
@@ -30,15 +35,38 @@ def _aligned(t: torch.Tensor) -> bool:
     )
 
 
+_CUDA_RULES: tuple[int, int] | None = None
+"""Set by ``cuda_rules``: the compute capability whose CUDA rules every device follows."""
+
+
+@contextlib.contextmanager
+def cuda_rules(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Decide ``torch._grouped_mm``'s eligibility by CUDA's rules on a GPU of
+    ``capability``, whatever the tensors' device: a CPU test then takes the path that GPU
+    takes (CPU's kernel accepts fp32 too, CUDA's only bf16 on sm90+)."""
+    global _CUDA_RULES
+    before, _CUDA_RULES = _CUDA_RULES, capability
+    try:
+        yield
+    finally:
+        _CUDA_RULES = before
+
+
 def _native_ok(a: torch.Tensor, b: torch.Tensor, out_cols: int) -> bool:
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if a.device.type == "cpu":
-        # fp16 works on torch 2.13's CPU kernel but not on every version we support.
-        dtype_ok = a.dtype in (torch.float32, torch.bfloat16)
-    elif a.device.type == "cuda":
+    device_type = a.device.type if _CUDA_RULES is None else "cuda"
+    if device_type == "cpu":
+        # fp16 works on torch 2.13's CPU kernel but not on every version we support; fp32
+        # does too, except under torch.compile, which traces the op through its meta
+        # kernel: that one takes bf16 only (CUDA's rule).
+        dtype_ok = a.dtype == torch.bfloat16 or (
+            a.dtype == torch.float32 and not torch.compiler.is_compiling()
+        )
+    elif device_type == "cuda":
         # The CUDA kernel is the sm90+ bf16 CUTLASS path.
-        dtype_ok = a.dtype == torch.bfloat16 and torch.cuda.get_device_capability(a.device)[0] >= 9
+        capability = _CUDA_RULES or torch.cuda.get_device_capability(a.device)
+        dtype_ok = a.dtype == torch.bfloat16 and capability[0] >= 9
     else:
         dtype_ok = False
     return dtype_ok and (out_cols * a.element_size()) % 16 == 0 and _aligned(a) and _aligned(b)
@@ -57,7 +85,15 @@ def _gmm(x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch
         y_NM = torch._grouped_mm(x_NK, w_EKM, offs=offs_E)
         # torch._grouped_mm leaves rows past the last offset unwritten (garbage).
         return y_NM.masked_fill_(_row_mask(offs_E, num_rows), 0)
-    y_NM = x_NK.new_zeros(num_rows, out_cols)
+    return _gmm_loop(x_NK, w_EKM, offs_E)
+
+
+# The loops below read the offsets on the host (a sync) and slice by them: under
+# torch.compile they would break the graph and recompile for every new set of offsets, so
+# they always run eagerly. torch._grouped_mm's path above has neither.
+@torch.compiler.disable
+def _gmm_loop(x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    y_NM = x_NK.new_zeros(x_NK.shape[0], w_EKM.shape[2])
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         if end > start:
@@ -68,11 +104,15 @@ def _gmm(x_NK: torch.Tensor, w_EKM: torch.Tensor, offs_E: torch.Tensor) -> torch
 
 def _gmm_wgrad(x_NK: torch.Tensor, dy_NM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     """dw[e] = x[rows e]^T @ dy[rows e]; zero for empty groups; rows past offs[-1] ignored."""
-    num_experts = offs_E.shape[0]
     x_KN = x_NK.t()
     if _native_ok(x_KN, dy_NM, dy_NM.shape[1]):
         return torch._grouped_mm(x_KN, dy_NM, offs=offs_E)
-    dw_EKM = x_NK.new_zeros(num_experts, x_NK.shape[1], dy_NM.shape[1])
+    return _gmm_wgrad_loop(x_KN, dy_NM, offs_E)
+
+
+@torch.compiler.disable
+def _gmm_wgrad_loop(x_KN: torch.Tensor, dy_NM: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    dw_EKM = x_KN.new_zeros(offs_E.shape[0], x_KN.shape[0], dy_NM.shape[1])
     start = 0
     for e, end in enumerate(offs_E.tolist()):
         if end > start:
@@ -149,7 +189,7 @@ def route_torch(
     ids_TK = torch.topk(select_TE, top_k, dim=-1, sorted=True).indices
     weights_TK = combine_weights(scores_TE, ids_TK, renormalize, score_func)
     lse_T = torch.logsumexp(logits_TE, dim=-1)
-    counts_E = torch.bincount(ids_TK.flatten(), minlength=logits_TE.shape[1])
+    counts_E = bin_counts(ids_TK, logits_TE.shape[1])
     return RouteResult(weights_TK, ids_TK, scores_TE, lse_T, counts_E)
 
 

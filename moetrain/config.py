@@ -660,7 +660,9 @@ class TrainConfig:
     what the model computes (``resume_allow_changes``; docs/checkpoints.md). A refused start
     exits with status 2 and writes nothing."""
     compile: bool = False
-    """Wrap the model in torch.compile."""
+    """Compile each transformer block with torch.compile (inductor). Blocks of one shape
+    share a compiled graph (one more for evaluation), with no graph break on
+    ``torch._grouped_mm``'s path (docs/architecture.md)."""
     nonfinite_policy: Literal["skip", "halt"] = "skip"
     """A step whose loss or gradient norm is not finite: "skip" leaves the parameters and
     optimizer untouched, counts the step (``train/skipped_steps``) and goes on; "halt" stops

@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from moetrain.kernels import permute, unpermute
+from moetrain.kernels.common import bin_counts, sorted_bin_ends
 
 
 @dataclass
@@ -68,15 +69,17 @@ def plan_dispatch(
     device = ids_TK.device
     ids_A = ids_TK.reshape(-1)
     group_A = torch.arange(T, device=device).repeat_interleave(K) // (T // G)
-    tokens_per_expert_E = torch.bincount(ids_A, minlength=E)
 
     if capacity_factor is None:
         # Dropless: any order within an expert is fine; a stable sort by expert keeps tokens
-        # in position order, which is also what the padded/capacity paths produce.
+        # in position order, which is also what the padded/capacity paths produce. The sorted
+        # ids give every count (no bincount: it syncs on CUDA).
         order_A = torch.argsort(ids_A, stable=True)
         dest_A = torch.empty_like(order_A)
         dest_A[order_A] = torch.arange(order_A.numel(), device=device)
-        offs_E = torch.cumsum(tokens_per_expert_E, 0).to(torch.int32)
+        ends_E = sorted_bin_ends(ids_A[order_A], E)
+        tokens_per_expert_E = torch.diff(ends_E, prepend=ends_E.new_zeros(1))
+        offs_E = ends_E.to(torch.int32)
         return DispatchPlan(
             dest_A.view(T, K),
             offs_E,
@@ -98,8 +101,10 @@ def plan_dispatch(
     segment_A = ids_A * G + group_A
     order_A = prio_order[torch.argsort(segment_A[prio_order], stable=True)]
     seg_sorted = segment_A[order_A]
-    seg_counts = torch.bincount(seg_sorted, minlength=E * G)
-    seg_start = torch.cumsum(seg_counts, 0) - seg_counts
+    seg_end = sorted_bin_ends(seg_sorted, E * G)
+    seg_counts = torch.diff(seg_end, prepend=seg_end.new_zeros(1))
+    seg_start = seg_end - seg_counts
+    tokens_per_expert_E = seg_counts.view(E, G).sum(1)
     pos_sorted = torch.arange(T * K, device=device) - seg_start[seg_sorted]
     keep_sorted = pos_sorted < cap
     if pad_to_capacity:
@@ -108,7 +113,7 @@ def plan_dispatch(
         num_rows = E * G * cap
     else:
         dest_sorted = torch.where(keep_sorted, torch.cumsum(keep_sorted, 0) - 1, -1)
-        kept_E = torch.minimum(seg_counts, torch.tensor(cap, device=device)).view(E, G).sum(1)
+        kept_E = seg_counts.clamp(max=cap).view(E, G).sum(1)
         offs_E = torch.cumsum(kept_E, 0).to(torch.int32)
         num_rows = T * K
     dest_A = torch.empty_like(dest_sorted)
@@ -175,22 +180,22 @@ def plan_kept(
     device = ids_TK.device
     ids_A, keep_A = ids_TK.reshape(-1), keep_TK.reshape(-1)
     group_A = torch.arange(T, device=device).repeat_interleave(K) // (T // G)
-    tokens_per_expert_E = torch.bincount(ids_A, minlength=E)
+    tokens_per_expert_E = bin_counts(ids_A, E)
     # Kept assignments by (expert, group) segment in position order; dropped ones last.
     segment_A = torch.where(keep_A, ids_A * G + group_A, E * G)
     order_A = torch.argsort(segment_A, stable=True)
     seg_sorted = segment_A[order_A]
     kept_sorted = seg_sorted < E * G
-    seg_counts = torch.bincount(seg_sorted, minlength=E * G + 1)
+    seg_end = sorted_bin_ends(seg_sorted, E * G + 1)
+    seg_counts = torch.diff(seg_end, prepend=seg_end.new_zeros(1))
     if pad_to_capacity:
-        seg_start = torch.cumsum(seg_counts, 0) - seg_counts
-        pos_sorted = torch.arange(T * K, device=device) - seg_start[seg_sorted]
+        pos_sorted = torch.arange(T * K, device=device) - (seg_end - seg_counts)[seg_sorted]
         dest_sorted = torch.where(kept_sorted, seg_sorted * capacity + pos_sorted, -1)
         offs_E = torch.arange(1, E + 1, device=device, dtype=torch.int32) * (G * capacity)
         num_rows = E * G * capacity
     else:
         dest_sorted = torch.where(kept_sorted, torch.arange(T * K, device=device), -1)
-        offs_E = torch.cumsum(seg_counts[: E * G].view(E, G).sum(1), 0).to(torch.int32)
+        offs_E = seg_end[G - 1 : E * G : G].to(torch.int32)  # each expert's last segment
         num_rows = T * K
     dest_A = torch.empty_like(dest_sorted)
     dest_A[order_A] = dest_sorted

@@ -26,6 +26,7 @@ from torch import nn
 
 from moetrain.config import MoEConfig
 from moetrain.kernels import RouteResult, combine_weights, route, select_kernels
+from moetrain.kernels.common import bin_counts
 from moetrain.model.dispatch import (
     Dispatcher,
     DispatchPlan,
@@ -34,7 +35,7 @@ from moetrain.model.dispatch import (
     plan_dispatch_sharded,
 )
 from moetrain.model.experts import FeedForward, GroupedExperts
-from moetrain.model.jitter import jitter_factors
+from moetrain.model.jitter import feature_hashes, jitter_factors
 from moetrain.model.losses import (
     AuxLossInjector,
     DeferredBalanceLoss,
@@ -85,7 +86,7 @@ class RoutingOverride:
             zero_E = torch.zeros(r.scores_TE.shape[1], dtype=torch.bool, device=ids_TK.device)
             zero_E[list(self.zero_experts)] = True
             weights_TK = weights_TK.masked_fill(zero_E[ids_TK], 0.0)
-        counts_E = torch.bincount(ids_TK.flatten(), minlength=r.scores_TE.shape[1])
+        counts_E = bin_counts(ids_TK, r.scores_TE.shape[1])
         return RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
 
 
@@ -100,18 +101,24 @@ class Router(nn.Module):
         # Aux-loss-free balancing: added to the scores for selection only, never to the
         # combine weights. A persistent buffer (saved in checkpoints), not a parameter.
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts))
+        # The jitter's hash of each feature index (``feature_hashes``), computed once: a
+        # compiled router reads it instead of computing it in its graph (see
+        # ``jitter_factors``).
+        self.register_buffer("jitter_hashes", feature_hashes(dim), persistent=False)
         # Eval-only routing change for offline ablation; always None in training.
         self.routing_override: RoutingOverride | None = None
 
     def init_buffers(self) -> None:
-        """The expert bias starts at zero (``moetrain.model.init.init_buffers``)."""
+        """The expert bias starts at zero; the feature hashes are recomputed
+        (``moetrain.model.init.init_buffers``)."""
         self.expert_bias.zero_()
+        self.jitter_hashes.copy_(feature_hashes(self.jitter_hashes.numel(), "cpu"))
 
     def forward(
         self,
         x_TD: torch.Tensor,
         backend: str,
-        jitter_at: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None,
+        jitter_at: tuple[tuple[int | torch.Tensor, ...], torch.Tensor, torch.Tensor] | None = None,
         replay_ids_TK: torch.Tensor | None = None,
     ) -> RouteResult:
         """``jitter_at``: (key, seq_T, pos_T) of ``jitter_factors`` -- where these tokens are
@@ -126,7 +133,9 @@ class Router(nn.Module):
                 rows_T = torch.arange(x_TD.shape[0], device=x_TD.device)
                 jitter_at = ((0, 0, 0), rows_T, torch.zeros_like(rows_T))
             key, seq_T, pos_T = jitter_at
-            factors_TD = jitter_factors(self.cfg.jitter_eps, key, seq_T, pos_T, x_TD.shape[1])
+            factors_TD = jitter_factors(
+                self.cfg.jitter_eps, key, seq_T, pos_T, x_TD.shape[1], self.jitter_hashes
+            )
             x_TD = x_TD * factors_TD.to(x_TD.dtype)
         # The gate runs in fp32 even under bf16 autocast: routing decisions are sensitive
         # to small logit differences.
@@ -144,7 +153,7 @@ class Router(nn.Module):
         if replay_ids_TK is not None:
             ids_TK = replay_ids_TK.to(r.ids_TK.device, torch.int64)
             weights_TK = combine_weights(r.scores_TE, ids_TK, cfg.renormalize, cfg.score_func)
-            counts_E = torch.bincount(ids_TK.flatten(), minlength=cfg.num_experts)
+            counts_E = bin_counts(ids_TK, cfg.num_experts)
             r = RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
         if self.routing_override is not None:
             if self.training:
@@ -184,9 +193,11 @@ class MoELayer(nn.Module):
         self.seq_shard: SequenceShard | None = None
         self.aux_loss_scale = 1.0
         # Where this step's tokens are in the run, for layout-independent router jitter
-        # (``set_jitter_key``): (seed, optimizer step) and the global index of this rank's
-        # first sequence of the step.
-        self.jitter_seed, self.jitter_step, self.jitter_seq_offset = 0, 0, 0
+        # (``set_jitter_key``): (seed, optimizer step, this layer, the global index of this
+        # rank's first sequence of the step). A tensor, not ints: a compiled layer reads it
+        # as an input, where ints would be compiled in as constants and recompiled for every
+        # step and every layer.
+        self.register_buffer("jitter_key", torch.tensor([0, 0, layer_id, 0]), persistent=False)
         # Sequences this layer saw in training forwards of the current step: the next
         # micro-batch's offset (a stat_ buffer, so activation checkpointing's recompute
         # restores it and draws the same jitter).
@@ -228,12 +239,15 @@ class MoELayer(nn.Module):
         for b in self._buffers.values():
             if b is not None:
                 b.zero_()
+        self.jitter_key[2] = self.layer_id
         self.global_counts_ready = False
 
     def set_jitter_key(self, seed: int, step: int, seq_offset: int) -> None:
         """Before a step's forwards: the run's seed, the optimizer step, and the global index
         (in the step's global batch) of this rank's first sequence."""
-        self.jitter_seed, self.jitter_step, self.jitter_seq_offset = seed, step, seq_offset
+        # Filled from host scalars: a copy from a host tensor would wait for the device.
+        for i, value in enumerate((seed, step, self.layer_id, seq_offset)):
+            self.jitter_key[i] = value
         self.stat_rows.zero_()
 
     def begin_step(self) -> None:
@@ -257,7 +271,7 @@ class MoELayer(nn.Module):
 
     def _first_row(self, device: torch.device) -> torch.Tensor:
         """Global index, in the step's global batch, of this forward's first sequence."""
-        return self.jitter_seq_offset + self.stat_rows.to(device)
+        return (self.jitter_key[3] + self.stat_rows).to(device)
 
     def _token_coords(self, B: int, S: int, device: torch.device):
         """(sequence index in the step's global batch, position) of each of this forward's
@@ -274,7 +288,7 @@ class MoELayer(nn.Module):
         if not (self.training and self.cfg.jitter_eps > 0):
             return None
         seq_T, pos_T = self._token_coords(B, S, device)
-        return (self.jitter_seed, self.jitter_step, self.layer_id), seq_T, pos_T
+        return tuple(self.jitter_key[:3].unbind()), seq_T, pos_T
 
     def _balanced_ids(self, B: int, S: int, device: torch.device) -> torch.Tensor:
         """``moe.force_load_balancing``: token t of the step's global batch (sequence x
@@ -376,7 +390,7 @@ class MoELayer(nn.Module):
         """Assignments per expert of the tokens that count (before dropping)."""
         if valid_T is None:
             return plan.tokens_per_expert_E
-        return torch.bincount(ids_TK[valid_T].flatten(), minlength=self.num_experts)
+        return bin_counts(ids_TK, self.num_experts, valid_T[:, None].expand_as(ids_TK))
 
     def _whole_sequences(self, ids_TK: torch.Tensor, batch: int) -> torch.Tensor:
         """(batch, S, K) expert ids of the whole sequences: gathered over the processes that
@@ -461,16 +475,18 @@ class MoELayer(nn.Module):
                 self.stat_rows += batch
                 self.stat_sums += torch.stack(stats)
                 self.stat_tokens_per_expert += counts_E.float()
-                scores_TE, dropped = r.scores_TE, plan.dropped
-                assignments = torch.tensor(float(r.ids_TK.numel()), device=y_TD.device)
+                scores_TE, dropped = r.scores_TE.detach(), plan.dropped
+                assignments = torch.full((), float(r.ids_TK.numel()), device=y_TD.device)
                 if valid_T is not None:
-                    scores_TE = scores_TE[valid_T]
+                    # Left out of the histogram below by a value outside its range (boolean
+                    # indexing would size its output on the host).
+                    scores_TE = scores_TE.masked_fill(~valid_T[:, None], -1.0)
                     dropped = ((plan.dest_TK < 0) & valid_T[:, None]).sum()
                     assignments = valid_T.sum() * r.ids_TK.shape[1]
                 self.stat_counts += torch.stack([
                     torch.ones((), device=y_TD.device), assignments.float(), dropped.float()])
                 # All T*E router scores, binned: the TensorBoard score histograms.
-                self.stat_score_hist += torch.histc(scores_TE.detach().float(),
+                self.stat_score_hist += torch.histc(scores_TE.float(),
                                                     bins=SCORE_HIST_BINS, min=0.0, max=1.0)
                 self.stat_probs_sum += mean_probs_E.detach().float()
         return y_TD
@@ -487,8 +503,8 @@ class MoELayer(nn.Module):
         out["calls"], out["assignments"], out["dropped"] = self.stat_counts.clone().unbind()
         out["expert_bias"] = self.router.expert_bias.clone()
         # Expert-parallel telemetry: token bytes this rank sent to other EP ranks (0 locally).
-        out["a2a_bytes"] = torch.tensor(self.dispatcher.pop_comm_bytes(),
-                                        device=self.stat_sums.device)
+        out["a2a_bytes"] = torch.full((), self.dispatcher.pop_comm_bytes(),
+                                      device=self.stat_sums.device)
         out["score_hist"] = self.stat_score_hist.clone()
         out["probs_sum"] = self.stat_probs_sum.clone()
         self.stat_probs_sum.zero_()

@@ -26,9 +26,9 @@ What counts:
   Composite ops (``linear``, ``matmul``, ``einsum``, SDPA's math path) are counted as the mm /
   bmm they decompose into.
 - **host syncs**: ops whose result the host must read before it can go on: ``.item()`` /
-  ``bool(t)`` (``_local_scalar_dense``, ``is_nonzero``), ``.tolist()`` / ``.numpy()`` (seen
-  at the Python level: on a CPU tensor they run no aten op), and ops whose output
-  shape depends on tensor values (``nonzero``, ``masked_select``, ``unique``,
+  ``bool(t)`` (``_local_scalar_dense``, ``is_nonzero``), ``.tolist()`` / ``.numpy()`` /
+  ``.cpu()`` (seen at the Python level: on a CPU tensor they run no aten op), and ops whose
+  output shape depends on tensor values (``nonzero``, ``masked_select``, ``unique``,
   ``repeat_interleave`` without ``output_size``, ``bincount``, boolean-mask indexing). On
   CPU they cost nothing; on a GPU each one stalls the launch queue.
 - **casts**: ``_to_copy`` and ``copy_`` between floating dtypes, in elements per (from, to).
@@ -49,6 +49,9 @@ Options, for tests that look closer:
   forward, dgrad, wgrad), which run no aten op, are counted like matmuls, keyed
   ``("triton_grouped_mm", dtype)`` and ``("triton_grouped_wgrad", dtype)`` by the dtype of
   the operands they are handed.
+- ``host_tensors``: tensors that stay on the host on every device (the step counts torch's
+  AdamW keeps on the CPU unless fused or capturable): reading them is no sync, and is left
+  out of ``syncs``.
 """
 
 from __future__ import annotations
@@ -149,7 +152,7 @@ def _name(func: Any) -> str:
 
 # Tensor methods that read a tensor's values on the host without an aten op on a CPU tensor
 # (on a GPU tensor they copy it to the host first, and wait for it).
-_HOST_READS = {"tolist", "numpy", "__array__"}
+_HOST_READS = {"tolist", "numpy", "__array__", "cpu"}
 
 
 class _HostReads(TorchFunctionMode):
@@ -157,13 +160,19 @@ class _HostReads(TorchFunctionMode):
     so the dispatcher never sees them; on a GPU tensor each is a device-to-host copy and a
     wait."""
 
-    def __init__(self, syncs: Counter[str]) -> None:
+    def __init__(self, syncs: Counter[str], host: set[int]) -> None:
         super().__init__()
         self.syncs = syncs
+        self.host = host
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         name = getattr(func, "__name__", "")
-        if name in _HOST_READS and args and isinstance(args[0], torch.Tensor):
+        if (
+            name in _HOST_READS
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and id(args[0]) not in self.host
+        ):
             self.syncs[name] += 1
         return func(*args, **(kwargs or {}))
 
@@ -233,16 +242,18 @@ class _TritonLaunches:
 class StepCensus(TorchDispatchMode):
     """Counts matmul FLOPs by (op, dtype), host syncs, casts and norm reads of whatever runs
     inside it (see the module docstring). Re-entrant counts add up: enter it around one step
-    (forward, backward and optimizer) to census that step. ``params``, ``contracts`` and
-    ``triton``: the options of the module docstring."""
+    (forward, backward and optimizer) to census that step. ``params``, ``contracts``,
+    ``triton`` and ``host_tensors``: the options of the module docstring."""
 
     def __init__(
         self,
         params: torch.nn.Module | Iterable[tuple[str, torch.Tensor]] | None = None,
         contracts: bool = False,
         triton: bool = False,
+        host_tensors: Iterable[torch.Tensor] = (),
     ) -> None:
         super().__init__()
+        self._host = {id(t) for t in host_tensors}
         named = params.named_parameters() if isinstance(params, torch.nn.Module) else params
         self._param_names: dict[int, str] = {}
         for name, p in named or ():
@@ -264,7 +275,7 @@ class StepCensus(TorchDispatchMode):
         self.norm_bytes: Counter[torch.dtype] = Counter()
         self.operands: list[tuple[str, tuple[torch.dtype, ...], tuple[tuple[int, ...], ...]]] = []
         """(op, operand dtypes, operand shapes) of every matmul, in call order."""
-        self._host_reads = _HostReads(self.syncs)
+        self._host_reads = _HostReads(self.syncs, self._host)
 
     def __enter__(self) -> StepCensus:
         if self._triton is not None:
@@ -290,7 +301,8 @@ class StepCensus(TorchDispatchMode):
             if self.contracts and name in _CONTRACTS:
                 self._check_contract(name, args, kwargs)
         elif name in _SYNC_OPS or self._value_shaped(name, args, kwargs):
-            self.syncs[name] += 1
+            if not (args and id(args[0]) in self._host):
+                self.syncs[name] += 1
         elif name in ("_to_copy", "to", "_to_copy_"):
             self._cast(args[0], kwargs.get("dtype"))
         elif name == "copy_":

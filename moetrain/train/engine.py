@@ -49,6 +49,7 @@ from moetrain.parallel.expert_parallel import (
     expert_layouts,
     is_expert_param,
     reduce_expert_grads,
+    sum_of_squares,
 )
 from moetrain.parallel.materialize import materialize
 from moetrain.parallel.parallelize import parallelize
@@ -216,6 +217,8 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         )
         self.params_at_rest = params_before_dp(self.parts)
         self._record_inputs: torch.Tensor | None = None  # forward_backward(record=True)
+        # The last ``moe_stats`` result and its token counts on the device.
+        self._loads_on_device: tuple[Any, dict[int, torch.Tensor]] = (None, {})
         # Under document masking: the step's share of its mean over counted labels that a
         # micro-batch's summed cross-entropy is multiplied by (``_set_loss_scale``).
         self._loss_scale: float | None = None
@@ -600,19 +603,21 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         norm_dims = tuple("dp_shard_cp" if d == "dp_shard" and self.dims.cp > 1 else d
                           for d in _NORM_DIMS)  # fmt: skip
         classes = [frozenset(c) for c in _subsets(norm_dims)]
-        sq = torch.zeros(len(classes), dtype=torch.float64, device=self.device)
+        pieces: list[list[torch.Tensor]] = [[] for _ in classes]
         for grad, dims in self._grad_pieces(norm=True):
-            sq[classes.index(dims)] += grad.detach().double().pow(2).sum()
+            pieces[classes.index(dims)].append(grad.detach())
+        sq = [sum_of_squares(p, self.device) for p in pieces]
         if self.meshes is not None:
             for name in norm_dims:
                 group = process_group(getattr(self.meshes, name))
                 if group is None:
                     continue
-                mask = torch.tensor([name in c for c in classes], device=self.device)
-                part = torch.where(mask, sq, torch.zeros_like(sq))
+                sharded = [i for i, c in enumerate(classes) if name in c]
+                part = torch.stack([sq[i] for i in sharded])
                 dist.all_reduce(part, group=group)
-                sq = torch.where(mask, part, sq)
-        total = sq.sum()
+                for j, i in enumerate(sharded):
+                    sq[i] = part[j]
+        total = torch.stack(sq).sum()
         if self.expert_params:
             # Every expert once: summed over the EP group (and the TP group under expert TP),
             # never over edp (identical replicas) nor over tp with replicated experts.
@@ -728,8 +733,12 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             dist.all_reduce(packed, group=self.pp_group)
         out: dict[int, dict[str, torch.Tensor]] = {}
         k = len(STAT_NAMES)
+        # The expert-bias update reads the counts where they are (``update_expert_bias``).
+        loads = {i: packed[row, k : k + E].float() for row, i in enumerate(moe_ids)}
+        packed = packed.float().cpu()  # every layer's statistics in one read (a host sync)
+        self._loads_on_device = (out, loads)
         for row, i in enumerate(moe_ids):
-            v = packed[row].float().cpu()
+            v = packed[row]
             d = {n: v[j] for j, n in enumerate(STAT_NAMES)}
             d["tokens_per_expert"] = v[k : k + E]
             d["calls"], d["assignments"], d["dropped"], d["a2a_bytes"] = v[
@@ -744,8 +753,12 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
     def update_expert_bias(self, stats: dict[int, dict[str, torch.Tensor]]) -> None:
         """Aux-loss-free balancing from the GLOBAL token counts: every rank moves the bias of
         the layers it holds identically."""
+        last, loads = self._loads_on_device
         for i, layer in self.moe.items():
-            layer.update_expert_bias(stats[i]["tokens_per_expert"].to(self.device))
+            # ``moe_stats``'s own result: its counts still on the device (a copy back from
+            # the host would wait for the device to finish).
+            load_E = loads[i] if stats is last else stats[i]["tokens_per_expert"].to(self.device)
+            layer.update_expert_bias(load_E)
 
 
 def _subsets(names: tuple[str, ...]) -> list[set[str]]:

@@ -468,12 +468,13 @@ class Trainer:
         """Model FLOPs per token of this rank's sequences; records their document pieces
         for the document-length histogram. Under document masking each piece attends within
         itself, so the attention costs the sum of its pieces' squares, not the sequences'."""
-        if "doc_ends" not in micro_batches[0]:
+        histograms, document_mask = self.cfg.log.histogram_every, self.cfg.model.document_mask
+        if "doc_ends" not in micro_batches[0] or not (histograms or document_mask):
             return self.flops_per_token
         lengths = document_lengths(torch.cat([b["doc_ends"] for b in micro_batches]))
-        if self.cfg.log.histogram_every:
+        if histograms:
             self._doc_lengths.append(lengths.numpy())
-        if not self.cfg.model.document_mask:
+        if not document_mask:
             return self.flops_per_token
         return self._dense_flops + self._attention_flops(lengths) / float(lengths.sum())
 

@@ -106,3 +106,17 @@ def test_public_api_surface():
     }  # fmt: skip
     assert kernels.RouteResult._fields == ("weights_TK", "ids_TK", "scores_TE", "lse_T",
                                            "counts_E")  # fmt: skip
+
+
+def test_bin_counts_and_sorted_bin_ends_are_bincount_without_its_sync():
+    """The sync-free counts equal torch.bincount (weighted by a mask too), and the ends of
+    sorted ids its cumulative sum; empty bins at both ends included."""
+    from moetrain.kernels.common import bin_counts, sorted_bin_ends
+
+    ids = torch.tensor([[3, 1], [1, 4], [3, 3], [6, 1]])
+    keep = torch.tensor([[True, False], [True, True], [False, True], [True, True]])
+    assert bin_counts(ids, 8).tolist() == torch.bincount(ids.flatten(), minlength=8).tolist()
+    want = torch.bincount(ids[keep], minlength=8)
+    assert bin_counts(ids, 8, keep).tolist() == want.tolist()
+    ends = sorted_bin_ends(ids.flatten().sort().values, 8)
+    assert ends.tolist() == torch.bincount(ids.flatten(), minlength=8).cumsum(0).tolist()

@@ -74,3 +74,16 @@ def test_casts_and_norm_reads() -> None:
     assert c.cast_bytes() == 64 * (4 + 2) + 32 * (4 + 8)
     assert c.norm_bytes[torch.float32] == (32 + 32 + 8) * 4
     assert "host syncs: 0" in c.report()
+
+
+def test_host_reads_and_the_tensors_that_stay_on_the_host() -> None:
+    """``.cpu()`` counts (on a CPU tensor it runs no aten op); reads of ``host_tensors``
+    (AdamW's step counts stay on the host on every device) do not."""
+    step, v = torch.tensor(3.0), torch.tensor([2.0, 1.0])
+    with StepCensus(host_tensors=[step]) as census:
+        torch.bincount(torch.tensor([0, 1, 1]))
+        step.item(), step.tolist(), v.cpu(), v[0].item(), float(v.sum())
+    assert census.syncs == {"bincount": 1, "cpu": 1, "_local_scalar_dense": 2}, census.syncs
+    with StepCensus() as census:
+        step.item()
+    assert census.syncs == {"_local_scalar_dense": 1}, census.syncs
