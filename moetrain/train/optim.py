@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -30,9 +30,11 @@ __all__ = [
     "BF16MomentsAdamW",
     "WarmupCosine",
     "adamw",
+    "build_from_groups",
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm_",
+    "optimizer_groups",
     "param_groups",
 ]
 
@@ -57,19 +59,52 @@ def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters with two groups, always in this order:
-
-    group 0: >= 2-D parameters, ``weight_decay = cfg.weight_decay``;
-    group 1: 1-D parameters, ``weight_decay = 0``.
-
-    Both groups exist even when one is empty, so group indices (and checkpointed optimizer
-    state) do not depend on the model. ``fused``/``foreach`` are left to torch's defaults.
-    """
+def optimizer_groups(model: nn.Module, cfg: OptimConfig) -> list[list[nn.Parameter]]:
+    """The parameter groups of ``build_optimizer``, in its order: AdamW's (decayed, not
+    decayed), then under ``optim.name=muon`` Muon's matrices (``muon_matrices``), which leave
+    AdamW's groups."""
     decay, no_decay = param_groups(model)
-    if not decay and not no_decay:
+    if cfg.name != "muon":
+        return [decay, no_decay]
+    from moetrain.train.muon import muon_matrices  # muon builds on this module's AdamW
+
+    chosen = muon_matrices(model, cfg)
+    return [
+        [p for p in decay if id(p) not in chosen],
+        [p for p in no_decay if id(p) not in chosen],
+        [p for p in decay if id(p) in chosen],
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig, **muon: Any) -> torch.optim.Optimizer:
+    """The optimizer of ``model``'s trainable parameters, with its groups always in this
+    order:
+
+    group 0: >= 2-D parameters, ``weight_decay = cfg.weight_decay`` (AdamW);
+    group 1: 1-D parameters, ``weight_decay = 0`` (AdamW);
+    group 2: under ``optim.name=muon`` only, the matrices Muon updates (taken out of group 0).
+
+    Every group exists even when it is empty, so group indices (and checkpointed optimizer
+    state) do not depend on the model. ``fused``/``foreach`` are left to torch's defaults.
+    ``muon``: keyword arguments of ``moetrain.train.muon.build_muon`` (how sharded matrices
+    are made whole).
+    """
+    groups = optimizer_groups(model, cfg)
+    if not any(groups):
         raise ValueError("build_optimizer: the model has no trainable parameters")
-    return adamw(decay, no_decay, cfg)
+    return build_from_groups(groups, cfg, **muon)
+
+
+def build_from_groups(
+    groups: list[list[torch.Tensor]], cfg: OptimConfig, **muon: Any
+) -> torch.optim.Optimizer:
+    """``build_optimizer``'s optimizer over any tensors grouped as ``optimizer_groups``
+    groups them (model parameters, or ZeRO-1's flat slices of them)."""
+    if cfg.name != "muon":
+        return adamw(*groups, cfg)
+    from moetrain.train.muon import build_muon
+
+    return build_muon(*groups, cfg, **muon)
 
 
 def adamw(
