@@ -236,6 +236,10 @@ class _MuonSteps:
             if "momentum_buffer" not in st:
                 kind = self.moments_dtype or p.grad.dtype  # type: ignore[attr-defined]
                 st["momentum_buffer"] = torch.zeros_like(p.grad, dtype=kind)
+                # A step count as AdamW keeps one (torch's Adam expects it in every state
+                # it loads); Muon's arithmetic does not read it.
+                st["step"] = torch.zeros((), dtype=torch.float32)
+            st["step"] += 1
             bufs.append(st["momentum_buffer"])
         lr, wd = group["lr"], group["weight_decay"]
         dtype = NS_DTYPES[group["ns_dtype"]]

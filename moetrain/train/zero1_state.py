@@ -116,7 +116,7 @@ def zero1_shadow(
                 owner[id(p)] = shadow
     step = None
     for v in (v for s in grad_sync.shards for v in s.views):
-        if "step" in sharded.state.get(v, {}):  # AdamW's count (Muon keeps none)
+        if v in sharded.state:
             step = sharded.state[v]["step"]
             break
     dtype = getattr(sharded, "moments_dtype", None) or torch.float32
@@ -134,10 +134,9 @@ def zero1_shadow(
                 st = owner[id(p)].state.setdefault(p, {})
                 st[key] = torch.zeros_like(p, dtype=dtype)
                 local(st[key]).view(-1).copy_(piece)
-                if keys == ADAM_MOMENTS:
-                    st["step"] = (
-                        step.clone() if step is not None else torch.zeros((), dtype=torch.float32)
-                    )
+                st["step"] = (
+                    step.clone() if step is not None else torch.zeros((), dtype=torch.float32)
+                )
     return shadows
 
 
@@ -165,6 +164,6 @@ def zero1_restore(
             p = shard.params[i]
             st = owner[id(p)].state[p]
             sharded.state[v] = {
-                **({"step": st["step"].clone()} if "step" in st else {}),
+                "step": st["step"].clone(),
                 **{k: local(st[k]).reshape(-1)[start : start + length].clone() for k in keys},
             }

@@ -35,7 +35,8 @@ EQUAL = 1e-6
 rounding; measured 0: the same bits)."""
 PLANTED_MIN = 0.3
 """The planted fault's worst difference from one process, relative to the largest move of
-that parameter in one process's two steps, at least (measured 0.67 under tp2 SP, 0.69 under ZeRO-3)."""
+that parameter in one process's two steps, at least (measured 0.67 under tp2 SP, 0.69
+under ZeRO-3)."""
 
 TWO_RANKS = {
     "dp2 zero0": ("parallel.zero_stage=0",),
@@ -214,3 +215,26 @@ def test_each_ranks_slice_orthogonalized_alone_is_caught() -> None:
             err, where = update_error(got, ref)
             print(f"planted, {name}, rank {rank}: {where} off by {err:.3g} of its update")
             assert err >= PLANTED_MIN, (name, rank, err, where)
+
+
+@pytest.mark.multirank
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_muon_state_reshards_across_layouts() -> None:
+    """Muon's momentum buffers saved under one layout and loaded under another (DCP
+    reshards them like AdamW's moments): ZeRO-1's flat slices resumed under tp2 SP with
+    expert TP, EP's expert slices resumed under ZeRO-3; the resumed step reproduces three
+    uninterrupted single-process steps (fp32 Newton-Schulz: the whole run is compared)."""
+    from multirank import check_reshards
+
+    check_reshards(
+        2,
+        [
+            ("dp2 zero1 -> tp2 SP", ["parallel.zero_stage=1"],
+             ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+            ("ep2 -> dp2 zero3", ["parallel.ep=2"], ["parallel.zero_stage=3"]),
+        ],
+        3,
+        timeout=560,
+        options=("optim.name=muon", "optim.muon_ns_dtype=fp32"),
+    )  # fmt: skip

@@ -102,3 +102,32 @@ def test_bf16_moments_resume_exactly(tmp_path: Path) -> None:
         for k in want:
             assert torch.equal(got[k], want[k]), k
     second.close()
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_muon_state_resumes_exactly(tmp_path: Path, moments: str) -> None:
+    """``optim.name=muon``: a run cut after a step and resumed takes the next step exactly as
+    the uninterrupted run does -- parameters, Muon's momentum buffers (in their dtype) and
+    AdamW's moments -- and the checkpoint holds one buffer per Muon matrix."""
+    opts = ("optim.name=muon", f"optim.moments_dtype={moments}")
+    whole = _trainer(tmp_path / "whole", 2, *opts)
+    losses = [whole.train_step().loss for _ in range(2)]
+    end = _state(whole)
+    whole.close()
+    first = _trainer(tmp_path / "cut", 2, *opts)
+    cut = [first.train_step().loss]
+    path = first.save_checkpoint()
+    first.close()
+    saved = _checkpoint_tensors(path)
+    buffers = {k: v.properties.dtype for k, v in saved.items() if k.endswith("momentum_buffer")}
+    assert "optim.state.layers.0.ffn.experts.w1.momentum_buffer" in buffers, sorted(buffers)
+    assert set(buffers.values()) == {getattr(torch, {"fp32": "float32"}.get(moments, "bfloat16"))}
+    assert not any(k.endswith("layers.0.ffn.experts.w1.exp_avg") for k in saved)
+    second = _trainer(tmp_path / "cut", 2, *opts)
+    cut.append(second.train_step().loss)
+    assert cut == losses
+    for got, want in zip(_state(second), end, strict=True):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k], want[k]), k
+    second.close()
