@@ -1104,7 +1104,6 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
                           "state the checkpoint does not hold"),
     "optim.muon_router": ("optimizer", "moves the router gates to another optimizer, whose "
                           "state the checkpoint does not hold"),
-    "optim.muon_ns_dtype": ("free", "precision of the orthogonalization"),
     "train.steps": ("free", "run length"),
     "train.global_batch_size": ("function", "the saved data position counts steps of this "
                                 "many sequences"),

@@ -15,9 +15,11 @@ stated, docs/plan.md).
               schedule's makespan; bubble = makespan / this rank's busy time - 1. Planning
               one rank alone (the others' communication unknown), every stage's time is its
               FLOPs stretched by this rank's ratio of (compute + exposed) to compute.
-    optimizer reading and writing the model state once in HBM
+    optimizer reading and writing the model state once in HBM, plus Muon's Newton-Schulz
+              FLOPs at the matmul rate (``optim.name=muon``)
 
-    step = (compute + exposed tp, cp, ep, pp) x (1 + bubble) + exposed dp + optimizer
+    step = (compute + exposed tp, cp, ep, pp) x (1 + bubble) + exposed dp, edp, muon
+           + optimizer
     MFU  = model FLOPs (no recomputation) / (step x bf16 peak)
 
 Unequal stages (``parallel.pp_stage_layers``; the head's work on the last stage; experts'
@@ -37,6 +39,10 @@ from moetrain.parallel.dims import ParallelDims
 from moetrain.plan.build import RankState
 from moetrain.plan.hardware import GPU, OVERLAP
 from moetrain.plan.traffic import Axis
+
+AFTER_PASSES = ("dp", "edp", "muon")
+"""Axes whose traffic comes after the pipeline passes: the gradient reduction and Muon's
+gathers in the optimizer step."""
 
 
 @dataclass
@@ -58,7 +64,7 @@ class Estimate:
     def busy_s(self) -> float:
         """Seconds of the rank's pipelined work per step: compute and the exposed tp, cp,
         ep and pp communication (dp's comes after the passes)."""
-        exposed = sum(v for k, v in self.exposed_s.items() if k not in ("dp", "edp"))
+        exposed = sum(v for k, v in self.exposed_s.items() if k not in AFTER_PASSES)
         return self.compute_s + exposed
 
     @property
@@ -151,6 +157,8 @@ def rank_times(
             hidden = max(hidden, 0.5)
         exposed[a.name] = t * (1 - hidden)
     opt_s = 2 * state.model_state / (hw.hbm_tbs * 1e12)
+    # Muon's Newton-Schulz: matmuls at the dense rate (bf16; fp32 runs slower: an estimate)
+    opt_s += state.muon_flops / (peak * hw.matmul_efficiency)
     e = Estimate(
         gpu=hw.name,
         step_s=0.0,
@@ -167,7 +175,7 @@ def rank_times(
 
 def with_pipeline(e: Estimate, pipeline_s: float, hw: GPU) -> Estimate:
     """``e`` with its passes taking ``pipeline_s`` seconds (busy + idle): step, bubble, MFU."""
-    e.step_s = pipeline_s + e.exposed_s.get("dp", 0.0) + e.exposed_s.get("edp", 0.0)
+    e.step_s = pipeline_s + sum(e.exposed_s.get(k, 0.0) for k in AFTER_PASSES)
     e.step_s += e.optimizer_s
     e.bubble = pipeline_s / e.busy_s - 1 if e.busy_s > 0 else math.inf
     e.mfu = e.model_flops / (e.step_s * hw.bf16_tflops * 1e12)

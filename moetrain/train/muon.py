@@ -29,10 +29,10 @@ Layouts. Newton-Schulz needs the whole matrix; a rank may hold a slice of it:
 
 That is Moonlight's "distributed Muon": gather, orthogonalize redundantly, keep one's slice.
 Traffic per step: each sharded Muon matrix once, in the Newton-Schulz dtype (bf16: 2 bytes
-an element), (n - 1) / n of it sent by each of its n holders -- about a third of ZeRO-3's own
-parameter all-gathers (fp32 in fp32 training). FLOPs: ``ns_flops`` per matrix, on every
-rank that holds a piece of it. Assigning whole matrices to ranks and broadcasting the
-results would divide the FLOPs by n and double the bytes (a gather in, a broadcast out).
+an element), (n - 1) / n of it sent by each of its n holders -- at most a sixth of ZeRO-3's
+own traffic in fp32 training. FLOPs: ``ns_flops`` per matrix, on every rank that holds a
+piece of it. Assigning whole matrices to ranks and scattering the results back would divide
+the FLOPs by n at about twice the bytes (docs/optim.md).
 """
 
 from __future__ import annotations
@@ -152,6 +152,34 @@ def whole(
     return gathered.to_local(), back
 
 
+def gather_costs(
+    p: torch.Tensor, layout: Layout | None, itemsize: int
+) -> tuple[int, tuple[int, ...]]:
+    """What ``whole`` costs for the parameter ``p``: (bytes this rank sends, the shape
+    Newton-Schulz then runs on). Each gathered mesh dim is an all-gather of equal (padded)
+    chunks; gathering n of them, the ring sends (n - 1) chunk-sized pieces, whether in one
+    collective or one per mesh dim (local x (n1 - 1) + local n1 x (n2 - 1) = local x
+    (n1 n2 - 1))."""
+    if isinstance(p, DTensor):
+        mesh, placements = p.device_mesh, p.placements
+    elif layout is not None:
+        mesh, placements = layout
+    else:
+        return 0, tuple(p.shape)
+    shape = list(global_shape(p, layout))
+    splits = [1] * len(shape)  # how many ways each dim is split
+    gathered = 1
+    for size, placement in zip(mesh.shape, placements, strict=True):
+        if isinstance(placement, Shard):  # _StridedShard included
+            splits[placement.dim] *= size
+            if not _keeps(placement, len(shape)):
+                gathered *= size
+    chunk = math.prod(-(-d // n) for d, n in zip(shape, splits, strict=True))
+    if any(_keeps(placement, len(shape)) for placement in placements):  # this rank's experts
+        shape[0] = (p.to_local() if isinstance(p, DTensor) else p).shape[0]
+    return chunk * (gathered - 1) * itemsize, tuple(shape)
+
+
 def global_shape(p: torch.Tensor, layout: Layout | None) -> tuple[int, ...]:
     """The full shape of the tensor ``p`` is (a slice of)."""
     if isinstance(p, DTensor) or layout is None:
@@ -182,6 +210,15 @@ class WholeMatrices:
             w, back = whole(u, self.layouts.get(p), dtype)
             out.append(back(newton_schulz(w, steps, dtype)))
         return out
+
+    def costs(self, params: list[torch.Tensor], steps: int, dtype) -> tuple[int, int]:
+        """(bytes this rank sends, Newton-Schulz FLOPs) of one step over ``params``."""
+        sent = flops = 0
+        for p in params:
+            b, shape = gather_costs(p, self.layouts.get(p), dtype.itemsize)
+            sent += b
+            flops += ns_flops(shape, steps)
+        return sent, flops
 
 
 def expert_matrices(parts: list[nn.Module], meshes: Any, cfg: Any) -> WholeMatrices:
@@ -258,6 +295,20 @@ class _MuonSteps:
             mine = p.to_local() if isinstance(p, DTensor) else p
             mine.mul_(1 - lr * wd)
             mine.add_(o.to_local() if isinstance(o, DTensor) else o, alpha=-(lr * scale))
+
+    def step_costs(self) -> dict[str, int]:
+        """What one step of the Muon group costs this rank, from the parameters' layouts
+        (``moetrain plan`` reads it; tests/plan/test_exact.py measures it): the bytes its
+        gathers send (ring convention, as ``moetrain.parallel.accounting.CommCounter``
+        counts them) and the Newton-Schulz FLOPs."""
+        sent = flops = 0
+        for group in self.param_groups:  # type: ignore[attr-defined]
+            if group.get("muon") and group["params"]:
+                b, f = self.whole.costs(
+                    group["params"], group["ns_steps"], NS_DTYPES[group["ns_dtype"]]
+                )
+                sent, flops = sent + b, flops + f
+        return {"sent": sent, "ns_flops": flops}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch casts every floating state tensor to its parameter's dtype: bf16 momentum
@@ -355,6 +406,7 @@ __all__ = [
     "WholeMatrices",
     "build_muon",
     "expert_matrices",
+    "gather_costs",
     "momentum_update",
     "muon_directions",
     "muon_matrices",

@@ -15,13 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.config import OptimConfig
 from moetrain.parallel.data_parallel import GradientSync
 from moetrain.parallel.expert_parallel import is_expert_param
-from moetrain.train.muon import newton_schulz, whole
+from moetrain.train.muon import gather_costs, newton_schulz, ns_flops, whole
 from moetrain.train.optim import build_from_groups, build_optimizer
 from moetrain.train.tensors import ADAM_MOMENTS, MUON_MOMENTS, local
 
@@ -66,6 +67,17 @@ class Zero1Matrices:
 
     def shapes(self, views: list[torch.Tensor]) -> list[tuple[int, ...]]:
         return [tuple(p.shape) for p in self._owners(views)]
+
+    def costs(self, views: list[torch.Tensor], steps: int, dtype) -> tuple[int, int]:
+        """(bytes this rank sends, Newton-Schulz FLOPs) of one step: the flat all-gather of
+        the group, then each touched matrix made whole over tp."""
+        n = dist.get_world_size(self.group) if self.group is not None else 1
+        sent, flops = self.shard.size * (n - 1) * dtype.itemsize, 0
+        for p in self._owners(views):
+            layout = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+            b, shape = gather_costs(p, layout, dtype.itemsize)
+            sent, flops = sent + b, flops + ns_flops(shape, steps)
+        return sent, flops
 
     def __call__(
         self, views: list[torch.Tensor], updates: list[torch.Tensor], steps: int, dtype
