@@ -48,7 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from moetrain.config import OptimConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.moe import MoELayer, Router
-from moetrain.train.optim import AdamW, BF16MomentsAdamW
+from moetrain.train.adamw import AdamW, BF16MomentsAdamW
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic of the reference implementation (Keller Jordan's; torch.optim.Muon's)."""
