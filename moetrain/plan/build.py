@@ -323,15 +323,23 @@ def _read_state(
 
 
 def _optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[int, dict[str, int]]:
-    """Step every optimizer once on zero gradients (meta tensors: nothing is computed) and
-    read the states it created: bytes of their distinct storages, and by dtype."""
+    """Step every optimizer once on zero gradients at a learning rate of 0 (meta tensors:
+    nothing is computed; at lr 0 Muon gathers and orthogonalizes nothing, which the fake
+    process group could not run) and read the states it created: bytes of their distinct
+    storages, and by dtype."""
     for opt in optimizers:
+        lrs = [group["lr"] for group in opt.param_groups]
         for group in opt.param_groups:
+            group["lr"] = 0.0
             for p in group["params"]:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        with SkipInPlace():
-            opt.step()
+        try:
+            with SkipInPlace():
+                opt.step()
+        finally:
+            for group, lr in zip(opt.param_groups, lrs, strict=True):
+                group["lr"] = lr
     seen: set[int] = set()
     total, by_dtype = 0, {}
     for opt in optimizers:

@@ -47,7 +47,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.config import OptimConfig
 from moetrain.model.experts import GroupedExperts
+from moetrain.model.init import fqn
 from moetrain.model.moe import MoELayer, Router
+from moetrain.parallel.expert_parallel import expert_layouts
 from moetrain.train.adamw import AdamW, BF16MomentsAdamW
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -224,9 +226,6 @@ class WholeMatrices:
 def expert_matrices(parts: list[nn.Module], meshes: Any, cfg: Any) -> WholeMatrices:
     """``WholeMatrices`` knowing where this rank's expert slices sit under expert parallelism
     (``expert_layouts``; none without it). ``cfg``: the job's config."""
-    from moetrain.model.init import fqn
-    from moetrain.parallel.expert_parallel import expert_layouts
-
     found = expert_layouts(parts, meshes, cfg.parallel)
     layouts = {}
     for part in parts:
