@@ -121,6 +121,14 @@ def muon_directions(
 # ----------------------------------------------------------------------------- whole matrices
 
 
+def _split_dim(placement: Any) -> int | None:
+    """The tensor dim a placement splits (``Shard``, or FSDP2's ``_StridedShard`` over a TP
+    shard, which is no ``Shard`` subclass in every torch), or None."""
+    if placement.is_replicate() or placement.is_partial():
+        return None
+    return placement.dim
+
+
 def _keeps(placement: Any, ndim: int) -> bool:
     """A placement Newton-Schulz can run under: the batch dim of a stack of matrices."""
     return type(placement) is Shard and ndim == 3 and placement.dim == 0
@@ -172,8 +180,9 @@ def gather_costs(
     splits = [1] * len(shape)  # how many ways each dim is split
     gathered = 1
     for size, placement in zip(mesh.shape, placements, strict=True):
-        if isinstance(placement, Shard):  # _StridedShard included
-            splits[placement.dim] *= size
+        dim = _split_dim(placement)
+        if dim is not None:
+            splits[dim] *= size
             if not _keeps(placement, len(shape)):
                 gathered *= size
     chunk = math.prod(-(-d // n) for d, n in zip(shape, splits, strict=True))
@@ -189,8 +198,9 @@ def global_shape(p: torch.Tensor, layout: Layout | None) -> tuple[int, ...]:
     mesh, placements = layout
     shape = list(p.shape)
     for size, placement in zip(mesh.shape, placements, strict=True):
-        if isinstance(placement, Shard):
-            shape[placement.dim] *= size
+        dim = _split_dim(placement)
+        if dim is not None:
+            shape[dim] *= size
     return tuple(shape)
 
 
