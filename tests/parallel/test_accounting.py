@@ -297,8 +297,8 @@ def render_page(
         "| model state bytes / parameter | model state / formula |",
         "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {n} | {o:.2f} | {m:.2f} | {r:.2f} | {b:.2f} | {f:.4f} |"
-              for n, o, m, r, b, f in muon]  # fmt: skip
+    lines += [f"| {n} | {o:.2f} | {f'{m:.2f}' if 'Muon' in n else '-'} | {r:.2f} | {b:.2f} "
+              f"| {f:.4f} |" for n, o, m, r, b, f in muon]  # fmt: skip
     lines += [
         "",
         "Saved activations (`SavedActivations`, rank 0, parameters left out) of one bf16",
