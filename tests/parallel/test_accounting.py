@@ -39,8 +39,8 @@ LEAN_LAYOUTS = {
 MUON_LAYOUTS = {
     f"ZeRO-{z}, dp=2, Muon{extra}": [
         f"parallel.zero_stage={z}", "train.global_batch_size=4", "optim.name=muon", *over]
-    for z in (0, 3)
-    for extra, over in (("", []), (" + bf16 moments", ["optim.moments_dtype=bf16"]))
+    for z, extra, over in ((0, "", []), (0, " + bf16 moments", ["optim.moments_dtype=bf16"]),
+                           (3, "", []))
 }  # fmt: skip
 FP8_LAYOUTS = {
     "bf16, dp=2": ["train.dtype=bf16", "train.global_batch_size=4"],

@@ -12,8 +12,8 @@ Newton-Schulz FLOPs EQUAL what the real optimizer step sent (``CommCounter``) an
 (torch's ``FlopCounterMode``).
 
 One spawned job per world size runs all its layouts (2 ranks: ZeRO-1/2/3, tp + SP, pp
-interleaved, ZB-V, cp; 4 ranks: ep with expert tp and ZeRO-3, with AdamW and with Muon, and
-ZeRO-1 x tp with Muon; under ``-m exhaustive`` 8 ranks: pp x dp x tp); the plans are made
+interleaved, ZB-V, cp, ZeRO-1 with Muon; 4 ranks: ep with expert tp and ZeRO-3, with AdamW
+and with Muon; under ``-m exhaustive`` 8 ranks: pp x dp x tp); the plans are made
 here, in the test process, for every rank. A plan that forgets a shard is caught
 (``test_a_plan_that_forgets_a_shard_is_caught``), and so is one that prices Muon's matrices
 as if no rank held a slice of them.
@@ -40,6 +40,9 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
                              "parallel.pp_virtual_stages=2"],
         "pp=2 ZB-V": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
         "cp=2": ["parallel.cp=2", "train.global_batch_size=2"],
+        # Muon: ZeRO-1's flat slices gathered once, in fp32 (optim.muon_ns_dtype)
+        "ZeRO-1, Muon": ["parallel.zero_stage=1", "train.global_batch_size=4",
+                         "optim.name=muon", "optim.muon_ns_dtype=fp32"],
     },
     4: {
         "ep=2 x expert tp=2 + SP, ZeRO-3": [
@@ -49,10 +52,6 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "ep=2 x expert tp=2 + SP, ZeRO-3, Muon": [
             "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
             "parallel.zero_stage=3", "train.global_batch_size=4", "optim.name=muon"],
-        # ZeRO-1's flat slices gathered once, tp blocks gathered whole, fp32 Newton-Schulz
-        "dp=2 (ZeRO-1) x tp=2, Muon": [
-            "parallel.tp=2", "parallel.zero_stage=1", "train.global_batch_size=4",
-            "optim.name=muon", "optim.muon_ns_dtype=fp32"],
     },
 }  # fmt: skip
 EIGHT_RANKS = {
