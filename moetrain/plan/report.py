@@ -171,7 +171,7 @@ def _muon_line(r: RankPlan) -> list[str]:
     if not s.muon_flops:
         return []
     return [
-        f"  Muon: {s.muon_sent / GB:.2f} GB gathered (exact), {s.muon_flops / 1e9:,.1f} GFLOP "
+        f"  Muon: {s.muon_sent / 1e6:,.1f} MB gathered (exact), {s.muon_flops / 1e9:,.1f} GFLOP "
         "of Newton-Schulz per step on this rank (exact), in the optimizer time"
     ]
 
