@@ -14,11 +14,15 @@ updates.
   to bf16 after every step.
 - Which parameters Muon takes in the real model, and the FLOPs ``ns_flops`` states against
   torch's FLOP counter.
+- The AdamW-vs-Muon sweep docs/optim.md quotes compares equal tokens, and its summary is its
+  runs' own.
 """
 
 from __future__ import annotations
 
+import csv
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +91,11 @@ def _reference(steps: int, seed: int = 0, round_buffers: bool = False) -> dict[s
     slices = {n: [nn.Parameter(e.detach().clone()) for e in params[n]] for n in EXPERTS}
     matrices = [params[n] for n in MATRICES] + [e for n in EXPERTS for e in slices[n]]
     muon = torch.optim.Muon(
-        matrices, lr=LR, weight_decay=WD, momentum=MOMENTUM, ns_coefficients=NS_COEFFICIENTS,
+        matrices,
+        lr=LR,
+        weight_decay=WD,
+        momentum=MOMENTUM,
+        ns_coefficients=NS_COEFFICIENTS,
         adjust_lr_fn="match_rms_adamw",
     )
     adam = torch.optim.AdamW(
@@ -305,3 +313,37 @@ def test_update_rms_is_about_the_key() -> None:
     rms = float(p.detach().pow(2).mean().sqrt()) / LR
     assert 0.15 < rms < 0.25, rms
     assert math.isclose(opt.param_groups[2]["update_rms"], 0.2)
+
+
+SWEEP = Path(__file__).resolve().parents[2] / "docs" / "sweeps"
+SWEEP_VARIANTS = ("adamw", "muon-lr-3e-3", "muon-lr-1e-2", "muon-lr-1e-3")
+
+
+def _sweep_rows(name: str) -> list[dict[str, str]]:
+    with (SWEEP / name).open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_the_sweep_compares_equal_tokens_and_its_summary_is_its_runs_own() -> None:
+    """configs/sweeps/optim.yaml's committed outputs (docs/sweeps/optim_*.csv, the sweep's
+    ``summary.csv``, ``results.csv`` and ``curves.csv``, which docs/optim.md quotes): every
+    variant trained 3 seeds of the same 300 steps and tokens, and the summary's paired
+    differences from AdamW are the runs' own."""
+    from moetrain.ablation.stats import difference_interval
+
+    summary = {r["run"]: r for r in _sweep_rows("optim_summary.csv")}
+    runs = _sweep_rows("optim_runs.csv")
+    assert tuple(summary) == SWEEP_VARIANTS and summary["adamw"]["baseline"] == "true"
+    assert len(runs) == 12 and {int(r["steps"]) for r in runs} == {300}
+    assert {int(float(r["tokens"])) for r in summary.values()} == {300 * 8 * 128}
+    eval_loss = {(r["run"], int(r["seed"])): float(r["eval_loss"]) for r in runs}
+    for run in SWEEP_VARIANTS[1:]:
+        row = summary[run]
+        assert row["n"] == "3" and row["optim.name"] == "muon"
+        d = difference_interval({s: eval_loss[run, s] for s in range(3)},
+                                {s: eval_loss["adamw", s] for s in range(3)})  # fmt: skip
+        assert float(row["eval_loss_diff_mean"]) == pytest.approx(d.mean, abs=1e-12)
+        assert (float(row["eval_loss_diff_lo"]), float(row["eval_loss_diff_hi"])) == (
+            pytest.approx(d.lo, abs=1e-12), pytest.approx(d.hi, abs=1e-12))  # fmt: skip
+    curves = _sweep_rows("optim_curves.csv")
+    assert {r["run"] for r in curves} == set(SWEEP_VARIANTS)
