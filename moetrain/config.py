@@ -566,10 +566,23 @@ BF16_MOMENT_MAX_BETA = 0.99
 half-ulp (2^-9 .. 2^-8), so that a decaying moment still moves."""
 
 
+MUON_ONLY_KEYS = ("muon_momentum", "muon_ns_steps", "muon_ns_dtype", "muon_update_rms",
+                  "muon_embedding", "muon_output", "muon_router")
+"""The ``optim`` keys that only ``optim.name=muon`` reads."""
+
+
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"
+    """The optimizer. adamw: AdamW on every parameter. muon: Muon (docs/optim.md) on every
+    hidden weight matrix -- attention and dense-FFN projections, shared experts, the
+    multi-token-prediction projection, and each routed expert's matrices, orthogonalized one
+    expert at a time -- and AdamW on the rest: embeddings, the output head and the router
+    gates (``muon_embedding``, ``muon_output``, ``muon_router``), norms and biases. Both share
+    ``lr``, the schedule and ``weight_decay``: Muon's update is scaled to AdamW's update RMS
+    (``muon_update_rms``), as Moonlight does, so AdamW's values transfer."""
     lr: float = 3e-3
-    """Peak learning rate of AdamW."""
+    """Peak learning rate (of AdamW, and of Muon through ``muon_update_rms``)."""
     min_lr_ratio: float = 0.1
     """Final learning rate of the cosine schedule as a fraction of ``lr``."""
     warmup_steps: int = 20
@@ -578,7 +591,8 @@ class OptimConfig:
     schedule: Literal["cosine", "constant"] = "cosine"
     """Decay after warm-up."""
     weight_decay: float = 0.1
-    """AdamW weight decay (not applied to norms, biases and the router's expert bias)."""
+    """Decoupled weight decay, p -= lr x weight_decay x p each step, of AdamW and Muon alike
+    (not applied to norms, 1-D biases and the router's expert bias)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95
@@ -593,10 +607,44 @@ class OptimConfig:
     the update computed in fp32, each moment rounded to nearest once a step; needs beta1
     and beta2 <= 0.99, or a decaying moment would round back to itself). Master weights
     stay fp32 either way (docs/fp8.md). Checkpoints hold the moments in this dtype; a run
-    resumes from a checkpoint of either dtype."""
+    resumes from a checkpoint of either dtype. Under ``name=muon`` Muon's one momentum buffer
+    takes this dtype too."""
+    muon_momentum: float = 0.95
+    """Muon: momentum of the Nesterov update (the buffer is an exponential average of the
+    gradients with this decay, as torch.optim.Muon keeps it)."""
+    muon_ns_steps: int = 5
+    """Muon: Newton-Schulz iterations of the quintic (3.4445, -4.7750, 2.0315) that
+    orthogonalizes each update matrix."""
+    muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Muon: the dtype Newton-Schulz runs in: bf16 as the reference implementations
+    (Keller Jordan's, Moonlight's, torch.optim.Muon) do, or fp32. A matrix split over ranks
+    is gathered in this dtype."""
+    muon_update_rms: float = 0.2
+    """Muon: the update of an A x B matrix is scaled by this x sqrt(max(A, B)), which gives
+    it about this RMS -- AdamW's typical update RMS (Moonlight's 0.2), so that ``lr`` and
+    ``weight_decay`` tuned for AdamW transfer."""
+    muon_embedding: bool = False
+    """Muon: update the token embedding with Muon too (false: AdamW, as Moonlight does; a
+    tied embedding counts as the embedding)."""
+    muon_output: bool = False
+    """Muon: update the output head with Muon too (false: AdamW, as Moonlight does)."""
+    muon_router: bool = False
+    """Muon: update the router gates (each MoE layer's expert router and the shared
+    experts' gate) with Muon too (false: AdamW). Router biases and the expert-selection bias
+    are never Muon's: one is a bias, the other a buffer the balancing rule moves."""
 
     def validate(self) -> None:
         _positive("optim", self, "lr", "eps", "grad_clip")
+        if self.name not in ("adamw", "muon"):
+            _fail("optim.name", f"expected adamw or muon, got {self.name!r}")
+        if self.name == "adamw":
+            default = OptimConfig(name="muon")
+            for key in MUON_ONLY_KEYS:
+                if getattr(self, key) != getattr(default, key):
+                    _fail(f"optim.{key}", f"{getattr(self, key)!r} is a Muon setting, but "
+                          "optim.name is adamw; set optim.name=muon or leave it out")
+        else:
+            self._validate_muon()
         if self.moments_dtype not in ("fp32", "bf16"):
             _fail("optim.moments_dtype", f"expected fp32 or bf16, got {self.moments_dtype!r}")
         if self.moments_dtype == "bf16":
@@ -615,6 +663,19 @@ class OptimConfig:
                 _fail(f"optim.{name}", f"must be in [0, 1), got {getattr(self, name)}")
         if self.weight_decay < 0:
             _fail("optim.weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+    def _validate_muon(self) -> None:
+        if not 0 <= self.muon_momentum < 1:
+            _fail("optim.muon_momentum", f"must be in [0, 1), got {self.muon_momentum}")
+        if self.moments_dtype == "bf16" and self.muon_momentum > BF16_MOMENT_MAX_BETA:
+            _fail("optim.muon_momentum", f"{self.muon_momentum} with optim.moments_dtype=bf16: "
+                  f"must be <= {BF16_MOMENT_MAX_BETA} (a bf16 buffer that decays by "
+                  "1 - momentum < 2^-8 a step rounds back to itself)")
+        if not 1 <= self.muon_ns_steps < 100:
+            _fail("optim.muon_ns_steps", f"must be in [1, 99], got {self.muon_ns_steps}")
+        if self.muon_ns_dtype not in ("bf16", "fp32"):
+            _fail("optim.muon_ns_dtype", f"expected bf16 or fp32, got {self.muon_ns_dtype!r}")
+        _positive("optim", self, "muon_update_rms")
 
 
 @dataclass
@@ -1009,7 +1070,7 @@ class JobConfig:
 
 # ----------------------------------------------------------------------------- resuming
 
-ResumeKind = Literal["free", "saved", "function"]
+ResumeKind = Literal["free", "saved", "function", "optimizer"]
 
 RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
     # What changing a key does to a resumed run: the one table of it. A key, or "section.*"
@@ -1021,6 +1082,10 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
     #   function  the model would compute something else from the same weights, or read
     #             another data stream than the one its saved position belongs to: refused,
     #             naming the keys, unless train.resume_allow_changes lists them.
+    #   optimizer the checkpoint's optimizer state does not fit the optimizer the run
+    #             builds (another optimizer, or parameters moved between Muon and AdamW):
+    #             refused, naming the keys, even when train.resume_allow_changes lists them
+    #             (a new run can start from the weights: docs/checkpoints.md).
     # A key this table does not name is "function": a new key is refused on resume until it
     # is classified here, and tests/test_config.py fails for any key the table leaves out.
     "model.*": ("function", "architecture, attention and positions"),
@@ -1051,6 +1116,13 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
     "optim.grad_clip": ("free", "applied at every step from the config"),
     "optim.moments_dtype": ("free", "precision: the saved moments are loaded and rounded to "
                             "this dtype"),
+    "optim.name": ("optimizer", "the checkpoint's optimizer state is another optimizer's"),
+    "optim.muon_embedding": ("optimizer", "moves the embedding to another optimizer, whose "
+                             "state the checkpoint does not hold"),
+    "optim.muon_output": ("optimizer", "moves the output head to another optimizer, whose "
+                          "state the checkpoint does not hold"),
+    "optim.muon_router": ("optimizer", "moves the router gates to another optimizer, whose "
+                          "state the checkpoint does not hold"),
     "train.steps": ("free", "run length"),
     "train.global_batch_size": ("function", "the saved data position counts steps of this "
                                 "many sequences"),

@@ -45,6 +45,10 @@ tests/multirank.py).
   parallelism as whole tensors (they are plain tensors, not DTensors: where they sit is on
   the EP mesh, ``expert_layouts``): every EP rank draws the blocks of experts 0, 1, ...
   instead of its own. Caught as the one above (tests/parallel/test_oracle.py).
+- ``muon_local_shard``: Muon orthogonalizes each rank's own slice of a sharded matrix (a
+  ZeRO-2/3 or HSDP shard, a tensor-parallel column or row block, an expert-TP slice of the
+  FFN width) instead of the whole matrix (the single process has no slices). Caught by the
+  parameters after an optimizer step (tests/parallel/test_muon_layouts.py).
 """
 
 from __future__ import annotations
@@ -165,6 +169,17 @@ def _fsdp_root_in_bf16(setattr_: Callable[..., None]) -> None:
 
     # apply_fsdp imports fully_shard when it runs: the module attribute is what it finds.
     setattr_(fsdp, "fully_shard", fully_shard)
+def _muon_local_shard(setattr_: Callable[..., None]) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from moetrain.train import muon, zero1_state
+
+    def mine(u: Any, layout: Any, dtype: Any) -> tuple[Any, Callable[[Any], Any]]:
+        local = u.to_local() if isinstance(u, DTensor) else u
+        return local.to(dtype), lambda o: o
+
+    setattr_(muon, "whole", mine)
+    setattr_(zero1_state, "whole", mine)
 
 
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
@@ -177,6 +192,7 @@ FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "init_offsets_forgotten": _init_offsets_forgotten,
     "expert_layouts_ignored": _expert_layouts_ignored,
     "fsdp_root_in_bf16": _fsdp_root_in_bf16,
+    "muon_local_shard": _muon_local_shard,
 }
 
 

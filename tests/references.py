@@ -57,6 +57,10 @@ TESTS = {
     "heldout": "tests/data/test_corpus.py::test_eval_split_is_held_out_two_percent_of_each_domain",
     "schedule": "tests/train/test_optim.py::test_warmup_cosine_values",
     "adamw": "tests/train/test_optim.py::test_param_groups_membership",
+    "muon": "tests/train/test_muon.py"
+    "::test_matrices_equal_torch_muon_and_each_expert_equals_it_on_its_slice",
+    "muon_params": "tests/train/test_muon.py"
+    "::test_muon_takes_the_hidden_matrices_and_each_choice_is_a_key",
     "resume": "tests/train/test_trainer.py::test_trains_logs_every_metric_and_resumes_exactly",
     "replay": "tests/train/test_routing_replay.py"
     "::test_replaying_the_runs_own_routing_reproduces_it_exactly",
@@ -177,6 +181,14 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "optim.eps": ("torch.optim.AdamW (the values reach its groups)", "adamw"),
     "optim.grad_clip": ("torch.nn.utils.clip_grad_norm_", "tests/train/test_optim.py::test_clip_grad_norm"),
     "optim.moments_dtype": ("torch.optim.AdamW with its moments rounded to bf16 after every step", "tests/train/test_optim.py::test_bf16_moments_are_torch_adamw_rounded_each_step"),
+    "optim.name": ("torch.optim.Muon (adjust_lr_fn match_rms_adamw) on 2-D parameters, bit for bit, and on each expert's slice of a 3-D tensor; torch.optim.AdamW on the rest", "muon"),
+    "optim.muon_momentum": ("torch.optim.Muon with the same momentum", "muon"),
+    "optim.muon_ns_steps": ("the quintic Newton-Schulz iteration written out in float64 per matrix", "tests/train/test_muon.py::test_fp32_newton_schulz_is_the_iteration_and_orthogonalizes"),
+    "optim.muon_ns_dtype": ("bf16: torch.optim.Muon (which runs it in bf16); fp32: the iteration written out in float64", "tests/train/test_muon.py::test_fp32_newton_schulz_is_the_iteration_and_orthogonalizes"),
+    "optim.muon_update_rms": ("torch.optim.Muon's match_rms_adamw scaling (0.2); the update's RMS measured against the key", "tests/train/test_muon.py::test_update_rms_is_about_the_key"),
+    "optim.muon_embedding": ("the parameters each choice moves to Muon, by name", "muon_params"),
+    "optim.muon_output": ("the parameters each choice moves to Muon, by name", "muon_params"),
+    "optim.muon_router": ("the parameters each choice moves to Muon, by name", "muon_params"),
     # training
     "train.steps": ("the schedule's length by hand; golden curves", "schedule"),
     "train.global_batch_size": ("the global batch whatever the layout", "tests/data/test_batches.py::test_global_batch_does_not_depend_on_the_layout"),

@@ -726,6 +726,37 @@ def _plan_check_quotes() -> list[Quote]:
             choices,
         ),
     ]
+OPTIM_FIGURES = ("eval_loss", "dropped_fraction", "max_over_mean", "router_entropy")
+
+
+def _optim_best() -> str:
+    """The Muon variant of configs/sweeps/optim.yaml with the lowest mean final eval loss."""
+    muon = {run: v for run, v in _sweep("optim").items() if run.startswith("muon")}
+    return min(muon, key=lambda run: muon[run]["eval_loss_mean"])
+
+
+def _optim_table() -> str:
+    """optim.md's sweep table: tools/sweep_table.py on the sweep's summary, the best Muon lr
+    in bold."""
+    tool = _load_tool(REPO / "tools" / "sweep_table.py")
+    return tool.render(REPO / "docs" / "sweeps" / "optim_summary.csv", None,
+                       bold=_optim_best(), figures=OPTIM_FIGURES)  # fmt: skip
+
+
+def _optim_prose() -> list[float]:
+    """The figures optim.md's prose quotes, in its order, rounded as it writes them: the best
+    Muon lr, its eval loss minus AdamW's (mean and interval), then its dropped-token points,
+    max/mean and router-entropy differences (mean and interval each)."""
+    s = _sweep("optim")
+    best = s[_optim_best()]
+
+    def diff(fig: str, scale: float, digits: int) -> list[float]:
+        return [round(scale * best[f"{fig}_diff_{k}"], digits) for k in ("mean", "lo", "hi")]
+
+    return [
+        best["optim.lr"], *diff("eval_loss", 1, 3), *diff("dropped_fraction", 100, 2),
+        *diff("max_over_mean", 1, 3), *diff("router_entropy", 1, 3),
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -787,6 +818,12 @@ QUOTES = [
     Quote("docs/moe.md", "docs/sweeps/balancing_warnings.json (sweep_table --log)",
           r"(?s)routes each batch to one expert: at steps (\S+)-(\S+) of the runs with a peak lr "
           r"of 3e-3, at steps\s+(\S+) and (\S+) with a peak lr", _balancing_warning_steps),
+    Quote("docs/optim.md", "docs/sweeps/optim_summary.csv (moetrain ablate's summary, sweep_table)",
+          r"(?s)renders it from the summary\.\n\n(\| variant .*?\n)\n", _optim_table),
+    Quote("docs/optim.md", "docs/sweeps/optim_summary.csv (moetrain ablate's summary)",
+          r"(?s)Muon at its best lr \((\S+)\) ends (\S+ \[\S+ \S+\]) nats from AdamW.*?"
+          r"dropped tokens (\S+ \[\S+ \S+\]) points, max/mean (\S+ \[\S+ \S+\]), router "
+          r"entropy (\S+ \[\S+ \S+\])", _optim_prose),
     Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
           r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
           lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),

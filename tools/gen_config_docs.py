@@ -57,10 +57,13 @@ config (`RESUME_KEYS` in `moetrain/config.py`; [checkpoints.md](checkpoints.md#r
 *free* changes are accepted and logged; *saved* keys are restored from the checkpoint, so a
 new value is not used (and the log says so); *refused* keys change what the model computes or
 the data stream its position belongs to, and the resume stops, naming them, unless
-`train.resume_allow_changes` lists them.
+`train.resume_allow_changes` lists them; *another optimizer* keys make the checkpoint's
+optimizer state another optimizer's, and the resume stops, naming them, whatever
+`train.resume_allow_changes` says.
 """
 
-RESUME = {"free": "free", "saved": "saved", "function": "refused"}
+RESUME = {"free": "free", "saved": "saved", "function": "refused",
+          "optimizer": "another optimizer"}  # fmt: skip
 
 
 def field_docs(cls: type) -> dict[str, str]:

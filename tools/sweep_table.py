@@ -27,7 +27,9 @@ FIGURES = {
     "eval_loss": ("eval loss", 1.0, 3),
     "max_over_mean": ("max/mean", 1.0, 2),
     "dropped_fraction": ("dropped %", 100.0, 1),
+    "router_entropy": ("router entropy", 1.0, 3),
 }
+DEFAULT_FIGURES = ("eval_loss", "max_over_mean", "dropped_fraction")
 _RUN = re.compile(r"sweep: run (?P<key>[^ ]+) ")
 _FIRST = re.compile(r"WARNING (router collapse in moe layer|moe layer \d+ routes each batch)")
 _REPEAT = re.compile(r"WARNING moe layer \d+: (?:router collapse|one expert per batch): "
@@ -58,7 +60,7 @@ def _cell(mean: float, lo: float, hi: float, scale: float, digits: int, sign: bo
 
 
 def render(summary: Path, warnings: dict[str, dict] | None, bold: str | None = None,
-           figures: tuple[str, ...] = tuple(FIGURES)) -> str:  # fmt: skip
+           figures: tuple[str, ...] = DEFAULT_FIGURES) -> str:  # fmt: skip
     with open(summary, newline="") as f:
         rows = list(csv.DictReader(f))
     base = next(r["run"] for r in rows if r["baseline"] == "true")
@@ -95,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warnings-out", help="write the warning counts (JSON) here")
     parser.add_argument("--warnings", help="warning counts written by --warnings-out")
     parser.add_argument("--bold", help="the variant to show in bold (the one chosen)")
+    parser.add_argument("--figures", nargs="+", choices=list(FIGURES),
+                        default=list(DEFAULT_FIGURES),
+                        help="the figures to show, in this order")  # fmt: skip
     args = parser.parse_args(argv)
     warnings = None
     if args.log:
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.warnings_out).write_text(json.dumps(warnings, indent=1) + "\n")
     elif args.warnings:
         warnings = json.loads(Path(args.warnings).read_text())
-    print(render(Path(args.summary), warnings, args.bold), end="")
+    print(render(Path(args.summary), warnings, args.bold, tuple(args.figures)), end="")
     return 0
 
 

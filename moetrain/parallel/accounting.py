@@ -331,16 +331,21 @@ def model_state_bytes(parts: list[torch.nn.Module], optimizers: list[Any]) -> Me
     return sample
 
 
-def optimizer_state_bytes_per_param(optimizers: list[Any]) -> float:
+def optimizer_state_bytes_per_param(optimizers: list[Any], muon: bool | None = None) -> float:
     """Bytes of optimizer state per parameter element, read from the optimizers' real state:
-    the state tensors of each parameter shaped like it (AdamW's two moments; the step count
-    is a scalar), in their own dtypes -- 8 for fp32 moments, 4 for bf16 ones. Before the
-    first step, when no state exists yet, from the dtype the optimizer declares for its
-    moments (``moments_dtype``; None: each parameter's own)."""
+    the state tensors of each parameter shaped like it (AdamW's two moments, Muon's one
+    momentum buffer; step counts are scalars), in their own dtypes -- 8 for fp32 moments,
+    4 for bf16 ones, 4 and 2 for Muon's matrices. Before the first step, when no state
+    exists yet, from the dtype the optimizer declares for its moments (``moments_dtype``;
+    None: each parameter's own) and the tensors its group keeps (Muon's group, flagged
+    ``muon``: one). ``muon``: only Muon's matrices (True) or only the rest (False)."""
     state_bytes = elements = 0
     for opt in optimizers:
         declared = getattr(opt, "moments_dtype", None)
         for group in opt.param_groups:
+            if muon is not None and bool(group.get("muon")) != muon:
+                continue
+            slots = 1 if group.get("muon") else 2
             for p in group["params"]:
                 n = _local(p).numel()
                 if n == 0:
@@ -354,7 +359,7 @@ def optimizer_state_bytes_per_param(optimizers: list[Any]) -> float:
                     state_bytes += sum(t.numel() * t.element_size() for t in tensors)
                 else:
                     itemsize = (declared or p.dtype).itemsize
-                    state_bytes += 2 * n * itemsize
+                    state_bytes += slots * n * itemsize
     return state_bytes / elements if elements else 0.0
 
 
@@ -699,6 +704,9 @@ def step_figures(trainer: Any, report: StepReport) -> dict[str, Any]:
         "params": params,
         "memory": report.peak.total,
         "optim_bytes": optim_bytes,
+        # Muon's matrices and the rest apart (optim.name=muon; the rest is all under AdamW)
+        "optim_bytes_muon": optimizer_state_bytes_per_param(engine.optimizers, muon=True),
+        "optim_bytes_rest": optimizer_state_bytes_per_param(engine.optimizers, muon=False),
         "formula": zero_bytes_per_param(zero, d.dp_shard * d.cp, optim_bytes=optim_bytes) * params,
         "zero": zero,
         "sent": report.sent,

@@ -16,6 +16,8 @@ bytes off the tensors that produced:
   in the parameter's dtype);
 - optimizer states: every optimizer is stepped once on meta gradients and the states it
   created are read (their shapes and dtypes are the optimizer's choice, not a formula);
+  Muon's per-step gather bytes and Newton-Schulz FLOPs are what its optimizer states for
+  the parameters it holds (``step_costs``);
 - gathered parameters: what FSDP2 holds unsharded -- under ZeRO-2 every unit between
   forward and backward (exact), under ZeRO-3 the two largest units (one in use, one
   prefetched: an estimate);
@@ -103,6 +105,11 @@ class RankState:
     repad: int = 0
     """Bytes of the largest FSDP2 shard copied into its padded buffer when the shards get
     their storage (an uneven last shard; none on data-parallel rank 0)."""
+    muon_sent: int = 0
+    """Bytes this rank's Muon gathers send per step (``optim.name=muon``: sharded matrices
+    made whole, in the Newton-Schulz dtype), from the optimizers' ``step_costs``."""
+    muon_flops: int = 0
+    """Newton-Schulz FLOPs this rank computes per step (every matrix it holds a piece of)."""
 
     @property
     def model_state(self) -> int:
@@ -242,6 +249,9 @@ def build_rank(
         whole["repad"] = _repad(parts)
         _, optimizers = build_optimizers(cfg, dims, meshes, parts, pm.expert_params)
         state = _read_state(parts, optimizers, cfg, fsdp_dtype)
+        costs = [opt.step_costs() for opt in optimizers if hasattr(opt, "step_costs")]
+        whole["muon_sent"] = sum(c["sent"] for c in costs)
+        whole["muon_flops"] = sum(c["ns_flops"] for c in costs)
         chunks = _chunks(parts, pm.stage_ids, dims.num_stages)
     from moetrain.parallel.accounting import params_before_dp
 
@@ -321,15 +331,23 @@ def _read_state(
 
 
 def _optimizer_state(optimizers: list[torch.optim.Optimizer]) -> tuple[int, dict[str, int]]:
-    """Step every optimizer once on zero gradients (meta tensors: nothing is computed) and
-    read the states it created: bytes of their distinct storages, and by dtype."""
+    """Step every optimizer once on zero gradients at a learning rate of 0 (meta tensors:
+    nothing is computed; at lr 0 Muon gathers and orthogonalizes nothing, which the fake
+    process group could not run) and read the states it created: bytes of their distinct
+    storages, and by dtype."""
     for opt in optimizers:
+        lrs = [group["lr"] for group in opt.param_groups]
         for group in opt.param_groups:
+            group["lr"] = 0.0
             for p in group["params"]:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        with SkipInPlace():
-            opt.step()
+        try:
+            with SkipInPlace():
+                opt.step()
+        finally:
+            for group, lr in zip(opt.param_groups, lrs, strict=True):
+                group["lr"] = lr
     seen: set[int] = set()
     total, by_dtype = 0, {}
     for opt in optimizers:

@@ -20,13 +20,16 @@ stated, docs/plan.md).
     pipeline  the schedule's action list (``moetrain.parallel.pipeline.simulate_schedule``)
               run with every stage's own time: its rank's compute and exposed tp / cp / ep /
               pp communication, shared among the rank's stages by their FLOPs
-              (``stage_flops_per_token``). Every rank's passes end with the schedule's
-              makespan; bubble = makespan / this rank's busy time - 1. Planning one rank
-              alone (the others' communication unknown), every stage's time is its FLOPs
-              stretched by this rank's ratio of (compute + exposed) to compute.
-    optimizer the optimizer step's bytes at the copy bandwidth
+              (``stage_flops_per_token``: the layers, and on the last stage the output head
+              and the multi-token-prediction modules). Every rank's passes end with the
+              schedule's makespan; bubble = makespan / this rank's busy time - 1. Planning
+              one rank alone (the others' communication unknown), every stage's time is its
+              FLOPs stretched by this rank's ratio of (compute + exposed) to compute.
+    optimizer the optimizer step's bytes at the copy bandwidth, plus Muon's Newton-Schulz
+              FLOPs at the matmul rate of its dtype (``optim.name=muon``)
 
-    step = (compute + exposed tp, cp, ep, pp) x (1 + bubble) + exposed dp + optimizer
+    step = (compute + exposed tp, cp, ep, pp) x (1 + bubble) + exposed dp, edp, muon
+           + optimizer
     MFU  = model FLOPs (no recomputation) / (step x bf16 peak)
 
 Unequal stages (``parallel.pp_stage_layers``; the head's work on the last stage; experts'
@@ -63,6 +66,10 @@ PARTS = ("expert GEMMs", "attention", "other matmuls", "elementwise and copies")
 optimizer, a part of the step of its own)."""
 _PART = {"experts": "expert GEMMs", "attention": "attention", "matmul": "other matmuls"}
 
+AFTER_PASSES = ("dp", "edp", "muon")
+"""Axes whose traffic comes after the pipeline passes: the gradient reduction and Muon's
+gathers in the optimizer step."""
+
 
 @dataclass
 class Estimate:
@@ -91,7 +98,7 @@ class Estimate:
     def busy_s(self) -> float:
         """Seconds of the rank's pipelined work per step: compute and the exposed tp, cp,
         ep and pp communication (dp's comes after the passes)."""
-        exposed = sum(v for k, v in self.exposed_s.items() if k not in ("dp", "edp"))
+        exposed = sum(v for k, v in self.exposed_s.items() if k not in AFTER_PASSES)
         return self.compute_s + exposed
 
     @property
@@ -183,6 +190,11 @@ def rank_times(
         if a.name == "ep" and cfg.parallel.overlap_shared_experts:
             hidden = max(hidden, 0.5)
         exposed[a.name] = t * (1 - hidden)
+    optimizer_s = moved["optimizer"] / copy_bps
+    if state.muon_flops:  # Muon's Newton-Schulz: matmuls at the dense rate of its dtype
+        ns_dtype = "bfloat16" if cfg.optim.muon_ns_dtype == "bf16" else "float32"
+        r = used[f"muon/{ns_dtype}"] = rate_of(table, "matmul", ns_dtype)
+        optimizer_s += state.muon_flops / (r.value * 1e12)
     e = Estimate(
         gpu=hw.name,
         step_s=0.0,
@@ -190,7 +202,7 @@ def rank_times(
         model_flops=model_flops,
         mfu=0.0,
         bubble=0.0,
-        optimizer_s=moved["optimizer"] / copy_bps,
+        optimizer_s=optimizer_s,
         comm_s=comm,
         exposed_s=exposed,
         parts=parts,
@@ -216,7 +228,7 @@ def moe_shape(cfg: JobConfig, dims: ParallelDims) -> Any:
 
 def with_pipeline(e: Estimate, pipeline_s: float, hw: GPU) -> Estimate:
     """``e`` with its passes taking ``pipeline_s`` seconds (busy + idle): step, bubble, MFU."""
-    e.step_s = pipeline_s + e.exposed_s.get("dp", 0.0) + e.exposed_s.get("edp", 0.0)
+    e.step_s = pipeline_s + sum(e.exposed_s.get(k, 0.0) for k in AFTER_PASSES)
     e.step_s += e.optimizer_s
     e.bubble = pipeline_s / e.busy_s - 1 if e.busy_s > 0 else math.inf
     e.mfu = e.model_flops / (e.step_s * hw.bf16_tflops * 1e12)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from moetrain.plan.estimate import AFTER_PASSES
 from moetrain.plan.planner import Plan, RankPlan
 
 GB = 1e9
@@ -135,14 +136,16 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
         worst = max((r for r in plan.ranks if r.estimate), key=lambda r: r.estimate.step_s)
         e = worst.estimate
         tokens = cfg.train.global_batch_size * cfg.data.seq_len
-        per_mb = sum(v for k, v in e.exposed_s.items() if k not in ("dp", "edp"))
+        per_mb = sum(v for k, v in e.exposed_s.items() if k not in AFTER_PASSES)
         dp = e.exposed_s.get("dp", 0.0) + e.exposed_s.get("edp", 0.0)
+        dp += e.exposed_s.get("muon", 0.0)
         lines += [
             "",
             f"estimate on {e.gpu} (slowest rank {worst.state.rank}): step {e.step_s:.3f} s = "
             f"(compute {e.compute_s:.3f} s + exposed tp/cp/ep/pp {per_mb:.3f} s) x "
             f"(1 + bubble {e.bubble:.3f}) + exposed dp {dp:.3f} s + optimizer "
             f"{e.optimizer_s:.3f} s",
+            *_muon_line(worst),
             f"  {plan.tflops_per_gpu:.0f} model TFLOP/s per GPU (MFU "
             f"{plan.tflops_per_gpu / plan.gpu.bf16_tflops:.1%} of {plan.gpu.bf16_tflops:g}), "
             f"{tokens / e.step_s / d.world_size:,.0f} tokens/s per GPU",
@@ -189,6 +192,15 @@ def estimate_lines(e: Any) -> list[str]:
         out.append(f"    {key} {r.value:.0f} {'GB/s' if key == 'copy' else 'TFLOP/s'}: "
                    f"{r.source}")  # fmt: skip
     return out
+def _muon_line(r: RankPlan) -> list[str]:
+    """Muon's share of the step (``optim.name=muon``): its gathers and Newton-Schulz."""
+    s = r.state
+    if not s.muon_flops:
+        return []
+    return [
+        f"  Muon: {s.muon_sent / 1e6:,.1f} MB gathered (exact), {s.muon_flops / 1e9:,.1f} GFLOP "
+        "of Newton-Schulz per step on this rank (exact), in the optimizer time"
+    ]
 
 
 def _is_moe(cfg: Any, i: int) -> bool:
@@ -256,6 +268,8 @@ def as_dict(plan: Plan, memory_gb: float | None) -> dict[str, Any]:
                 "steady": r.steady,
                 "start_up": plan.start_up_of(r),
                 "traffic": {a.name: a.bytes for a in r.axes},
+                "muon_sent": s.muon_sent,
+                "muon_flops": s.muon_flops,
                 "step_s": r.estimate.step_s if r.estimate else None,
                 "step_parts_s": (
                     {**r.estimate.parts, "optimizer": r.estimate.optimizer_s}

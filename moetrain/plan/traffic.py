@@ -11,6 +11,8 @@ function leaves out added here:
     ep   per MoE layer and micro-batch: T K rows of D out and back in forward, the same
          again in backward, (ep-1)/ep of them to other ranks; again for a recomputed forward
     tp   and under activation checkpointing the recomputed forward's collectives again
+    muon the optimizer step's gathers of sharded matrices (``optim.name=muon``: the bytes its
+         optimizer states, ``RankState.muon_sent``), on the data-parallel group's link
 
 Links. The rank order is tp fastest, then cp, dp_shard, dp_replicate, pp
 (``moetrain.parallel.dims``); an axis group of n ranks at stride st spans st x n consecutive
@@ -104,6 +106,14 @@ def traffic(
         if r > 1 and zero > 0:
             dp += 2 * (psi_n / n) * (r - 1) / r
         add("dp", dp, n if zero > 0 else d, st_cp if cp > 1 else st_shard)
+    # Muon: sharded matrices gathered whole for Newton-Schulz in the optimizer step, over
+    # the data-parallel shards (ZeRO-1/2/3) and tp: priced on the data-parallel group's link
+    # when the matrices are sharded over it (the wider of the two), else tp's
+    if state.muon_sent:
+        if zero > 0 and n > 1:
+            add("muon", state.muon_sent, n, st_cp if cp > 1 else st_shard)
+        else:
+            add("muon", state.muon_sent, tp, 1)
     # expert-data parallel: the experts' gradients, all-reduced over edp
     if dims.ep > 1 and state.expert_elements:
         edp = dims.dp_cp // dims.ep

@@ -1,4 +1,6 @@
-"""AdamW with decay/no-decay parameter groups, the warm-up + cosine schedule, gradient clipping.
+"""The optimizer of a model chunk -- AdamW (``moetrain.train.adamw``) or Muon with AdamW
+(``moetrain.train.muon``), ``optim.name`` -- with its parameter groups, the warm-up + cosine
+schedule, gradient clipping.
 
 Schedule convention: the learning rate used by optimizer step ``s`` (0-based, i.e. the number of
 steps already taken, which is ``scheduler.last_epoch`` while that step runs) is
@@ -18,21 +20,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from moetrain.config import OptimConfig
+from moetrain.train.adamw import AdamW, BF16MomentsAdamW, adamw
+from moetrain.train.muon import build_muon, muon_matrices
 
 __all__ = [
     "AdamW",
     "BF16MomentsAdamW",
     "WarmupCosine",
     "adamw",
+    "build_from_groups",
     "build_optimizer",
     "build_scheduler",
     "clip_grad_norm_",
+    "optimizer_groups",
     "param_groups",
 ]
 
@@ -57,88 +63,48 @@ def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters with two groups, always in this order:
-
-    group 0: >= 2-D parameters, ``weight_decay = cfg.weight_decay``;
-    group 1: 1-D parameters, ``weight_decay = 0``.
-
-    Both groups exist even when one is empty, so group indices (and checkpointed optimizer
-    state) do not depend on the model. ``fused``/``foreach`` are left to torch's defaults.
-    """
+def optimizer_groups(model: nn.Module, cfg: OptimConfig) -> list[list[nn.Parameter]]:
+    """The parameter groups of ``build_optimizer``, in its order: AdamW's (decayed, not
+    decayed), then under ``optim.name=muon`` Muon's matrices (``muon_matrices``), which leave
+    AdamW's groups."""
     decay, no_decay = param_groups(model)
-    if not decay and not no_decay:
-        raise ValueError("build_optimizer: the model has no trainable parameters")
-    return adamw(decay, no_decay, cfg)
-
-
-def adamw(
-    decay: list[torch.Tensor], no_decay: list[torch.Tensor], cfg: OptimConfig
-) -> torch.optim.AdamW:
-    """AdamW with the two groups of ``build_optimizer`` over any tensors (model parameters, or
-    ZeRO-1's flat slices of them)."""
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
+    if cfg.name != "muon":
+        return [decay, no_decay]
+    chosen = muon_matrices(model, cfg)
+    return [
+        [p for p in decay if id(p) not in chosen],
+        [p for p in no_decay if id(p) not in chosen],
+        [p for p in decay if id(p) in chosen],
     ]
-    cls = AdamW if cfg.moments_dtype == "fp32" else BF16MomentsAdamW
-    return cls(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
 
 
-class AdamW(torch.optim.AdamW):
-    """torch's AdamW; ``moments_dtype`` None: its moments take each parameter's dtype."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, **muon: Any) -> torch.optim.Optimizer:
+    """The optimizer of ``model``'s trainable parameters, with its groups always in this
+    order:
 
-    moments_dtype: torch.dtype | None = None
+    group 0: >= 2-D parameters, ``weight_decay = cfg.weight_decay`` (AdamW);
+    group 1: 1-D parameters, ``weight_decay = 0`` (AdamW);
+    group 2: under ``optim.name=muon`` only, the matrices Muon updates (taken out of group 0).
+
+    Every group exists even when it is empty, so group indices (and checkpointed optimizer
+    state) do not depend on the model. ``fused``/``foreach`` are left to torch's defaults.
+    ``muon``: keyword arguments of ``moetrain.train.muon.build_muon`` (how sharded matrices
+    are made whole).
+    """
+    groups = optimizer_groups(model, cfg)
+    if not any(groups):
+        raise ValueError("build_optimizer: the model has no trainable parameters")
+    return build_from_groups(groups, cfg, **muon)
 
 
-class BF16MomentsAdamW(torch.optim.AdamW):
-    """AdamW whose moments are stored in bf16 (``optim.moments_dtype=bf16``): each step reads
-    them into fp32, updates them and the parameter exactly as torch's AdamW does (decoupled
-    weight decay, bias corrections), and rounds them back to nearest. The parameters (the
-    master weights) keep their dtype. The state dict has torch's keys and layout, so
-    checkpoints, ZeRO-1's shadows and DCP's resharding treat it like torch's."""
-
-    moments_dtype: torch.dtype | None = torch.bfloat16
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's loading casts every floating state tensor to its parameter's dtype (fp32):
-        the moments are cast back (a checkpoint of fp32 moments is rounded to nearest)."""
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in state and state[key].dtype != self.moments_dtype:
-                    state[key] = state[key].to(self.moments_dtype)
-
-    @torch.no_grad()
-    def step(self, closure=None):  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self.moments_dtype)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments_dtype)
-                state["step"] += 1
-                step = float(state["step"])
-                grad = p.grad.float()
-                m = state["exp_avg"].float().lerp_(grad, 1 - beta1)
-                v = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                p.mul_(1 - lr * wd)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-                p.addcdiv_(m.to(p.dtype), denom.to(p.dtype), value=-lr / (1 - beta1**step))
-                state["exp_avg"].copy_(m)
-                state["exp_avg_sq"].copy_(v)
-        return loss
+def build_from_groups(
+    groups: list[list[torch.Tensor]], cfg: OptimConfig, **muon: Any
+) -> torch.optim.Optimizer:
+    """``build_optimizer``'s optimizer over any tensors grouped as ``optimizer_groups``
+    groups them (model parameters, or ZeRO-1's flat slices of them)."""
+    if cfg.name != "muon":
+        return adamw(*groups, cfg)
+    return build_muon(*groups, cfg, **muon)
 
 
 class WarmupCosine:

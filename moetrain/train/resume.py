@@ -24,6 +24,15 @@ def check_resume_config(path: Path, saved: dict[str, Any], cfg: JobConfig) -> No
     if not isinstance(saved.get("config"), dict):
         return  # a checkpoint written without its config: nothing to compare
     changes = resume_changes(saved["config"], cfg)
+    other = [c for c in changes if c.kind == "optimizer"]
+    if other:
+        raise ConfigError(
+            f"train.resume: {path} was trained with another optimizer setup: "
+            f"{'; '.join(map(str, other))} (checkpoint -> this run): {other[0].why}. Resume "
+            f"with the checkpoint's values, or start a new run from its weights in another "
+            f"train.output_dir (moetrain export-hf, then model.init_from); "
+            f"train.resume_allow_changes cannot accept this"
+        )
     allowed = set(cfg.train.resume_allow_changes)
     refused = [c for c in changes if c.kind == "function" and c.key not in allowed]
     if refused:

@@ -12,7 +12,11 @@ from torch.distributed.tensor import DTensor
 from moetrain.model.init import fqn  # noqa: F401 (re-exported: the engine and tests use it)
 
 # AdamW's two moments: the optimizer state every checkpoint and oracle reads.
-MOMENTS = ("exp_avg", "exp_avg_sq")
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+# Muon's one state tensor (moetrain.train.muon).
+MUON_MOMENTS = ("momentum_buffer",)
+# Every optimizer state tensor shaped like its parameter.
+MOMENTS = ADAM_MOMENTS + MUON_MOMENTS
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

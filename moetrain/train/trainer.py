@@ -503,12 +503,19 @@ class Trainer:
         """A training step under the accounting probes (``moetrain.parallel.accounting``):
         this rank's model-state bytes beside the ZeRO formula and its bytes sent per
         collective kind, to TensorBoard and the log."""
-        from moetrain.parallel.accounting import measure_step, zero_bytes_per_param
+        from moetrain.parallel.accounting import (
+            measure_step,
+            optimizer_state_bytes_per_param,
+            zero_bytes_per_param,
+        )
 
         report = measure_step(self)
         d = self.dims
         zero = self.cfg.parallel.zero_stage if d.dp_cp > 1 else 0
-        formula = zero_bytes_per_param(zero, d.dp_shard * d.cp) * report.params_per_rank
+        # The formula's optimizer term read from the state (bf16 moments, Muon's one buffer)
+        optim_bytes = optimizer_state_bytes_per_param(self.engine.optimizers)
+        formula = zero_bytes_per_param(zero, d.dp_shard * d.cp, optim_bytes=optim_bytes)
+        formula *= report.params_per_rank
         scalars = report.as_scalars()
         scalars["memory/model_state_over_zero_formula"] = report.peak.total / formula
         self.writer.scalars(scalars, self.step)

@@ -1,39 +1,104 @@
 """ZeRO-1's optimizers and their checkpoint shadows.
 
-Under ZeRO-1 each data-parallel rank steps an AdamW over its flat slices of the non-expert
-parameters (``GradientSync``'s shards) and, with expert parallelism, a second AdamW over its
+Under ZeRO-1 each data-parallel rank steps an optimizer over its flat slices of the non-expert
+parameters (``GradientSync``'s shards) and, with expert parallelism, a second one over its
 whole experts (they already hold 1 / ep of the experts; their state is not sharded over dp).
-Checkpoints must not depend on that layout, so saving builds *shadows*: full-size AdamW
+Muon's matrices need whole matrices: ``Zero1Matrices`` all-gathers the Muon group's flat
+update and orthogonalizes the matrices this rank's slice touches (Moonlight's distributed
+Muon). Checkpoints must not depend on that layout, so saving builds *shadows*: full-size
 optimizers per model chunk holding the gathered state, which DCP saves exactly like every
 other stage's; loading fills the shadows and slices them back.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetrain.config import OptimConfig
 from moetrain.parallel.data_parallel import GradientSync
 from moetrain.parallel.expert_parallel import is_expert_param
-from moetrain.train.optim import adamw, build_optimizer
-from moetrain.train.tensors import MOMENTS, local
+from moetrain.train.muon import gather_costs, newton_schulz, ns_flops, whole
+from moetrain.train.optim import build_from_groups, build_optimizer
+from moetrain.train.tensors import ADAM_MOMENTS, MUON_MOMENTS, local
 
 
 def build_zero1_optimizers(
-    grad_sync: GradientSync, expert_params: list[nn.Parameter], cfg: OptimConfig
+    grad_sync: GradientSync,
+    expert_groups: list[list[nn.Parameter]],
+    cfg: OptimConfig,
+    whole_matrices: Any = None,
 ) -> list[torch.optim.Optimizer]:
-    """One AdamW over this rank's slices (decay, no-decay views), and a second one over the
-    expert parameters whole, with the same two groups, when there are any."""
-    groups = [grad_sync.optimizer_groups()]
-    if expert_params:
-        groups.append(
-            (
-                [p for p in expert_params if p.ndim >= 2],
-                [p for p in expert_params if p.ndim < 2],
-            )
-        )
-    return [adamw(decay, no_decay, cfg) for decay, no_decay in groups]
+    """One optimizer over this rank's slices (the views of ``GradientSync``'s groups), and a
+    second one over the expert parameters whole (``expert_groups``: the same groups), when
+    there are any. ``whole_matrices``: Muon's for the experts (their EP layouts)."""
+    flat: dict[str, Any] = {}
+    if cfg.name == "muon":
+        flat["whole_matrices"] = Zero1Matrices(grad_sync.shards[-1], grad_sync.shard_group)
+    out = [build_from_groups(grad_sync.optimizer_groups(), cfg, **flat)]
+    if any(expert_groups):
+        muon = {"whole_matrices": whole_matrices} if cfg.name == "muon" else {}
+        out.append(build_from_groups(expert_groups, cfg, **muon))
+    return out
+
+
+def _state_keys(optimizer: torch.optim.Optimizer, index: int) -> tuple[str, ...]:
+    """The state tensors of group ``index``'s parameters."""
+    return MUON_MOMENTS if optimizer.param_groups[index].get("muon") else ADAM_MOMENTS
+
+
+class Zero1Matrices:
+    """Muon's whole matrices from ZeRO-1's flat slices (``moetrain.train.muon``): the Muon
+    group's updates all-gathered flat over the shard group once, in the Newton-Schulz dtype
+    (``_FlatShard.gather_flat``); each matrix this rank's slice touches made whole over the
+    other dims it is split on (tp), orthogonalized, and cut back to the slice."""
+
+    def __init__(self, shard: Any, group: Any) -> None:
+        """``shard``: the Muon group's ``_FlatShard``; ``group``: the shard group."""
+        self.shard, self.group = shard, group
+
+    def _owners(self, views: list[torch.Tensor]) -> list[nn.Parameter]:
+        owner = {id(v): p for v, p in zip(self.shard.views, self.shard.owners, strict=True)}
+        return [owner[id(v)] for v in views]
+
+    def shapes(self, views: list[torch.Tensor]) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in self._owners(views)]
+
+    def costs(self, views: list[torch.Tensor], steps: int, dtype) -> tuple[int, int]:
+        """(bytes this rank sends, Newton-Schulz FLOPs) of one step: the flat all-gather of
+        the group, then each touched matrix made whole over tp."""
+        n = dist.get_world_size(self.group) if self.group is not None else 1
+        sent, flops = self.shard.size * (n - 1) * dtype.itemsize, 0
+        for p in self._owners(views):
+            layout = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+            b, shape = gather_costs(p, layout, dtype.itemsize)
+            sent, flops = sent + b, flops + ns_flops(shape, steps)
+        return sent, flops
+
+    def __call__(
+        self, views: list[torch.Tensor], updates: list[torch.Tensor], steps: int, dtype
+    ) -> list[torch.Tensor]:
+        shard = self.shard
+        given = {id(v): u for v, u in zip(views, updates, strict=True)}
+        mine = torch.zeros(shard.size, dtype=dtype, device=updates[0].device)
+        pos = 0
+        for v in shard.views:
+            if id(v) in given:
+                mine[pos : pos + v.numel()] = given[id(v)]
+            pos += v.numel()
+        pieces = shard.gather_flat(mine, self.group)
+        out = {}
+        for v, (i, start, length) in zip(shard.views, shard.pieces, strict=True):
+            p = shard.params[i]
+            layout = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+            w, back = whole(pieces[i].view(local(p).shape), layout, dtype)
+            o = back(newton_schulz(w, steps, dtype))
+            out[id(v)] = o.reshape(-1)[start : start + length]
+        return [out[id(v)] for v in views]
 
 
 def zero1_shadow(
@@ -67,8 +132,9 @@ def zero1_shadow(
             step = sharded.state[v]["step"]
             break
     dtype = getattr(sharded, "moments_dtype", None) or torch.float32
-    for shard in grad_sync.shards:
-        for key in MOMENTS:
+    for index, shard in enumerate(grad_sync.shards):
+        keys = _state_keys(sharded, index)
+        for key in keys:
             mine = torch.zeros(shard.size, device=device, dtype=dtype)
             pos = 0
             for v in shard.views:
@@ -104,11 +170,12 @@ def zero1_restore(
             for p, st in shadow.state.items():
                 if is_expert_param(p):
                     experts.state[p] = {k: v.clone() for k, v in st.items()}
-    for shard in grad_sync.shards:
+    for index, shard in enumerate(grad_sync.shards):
+        keys = _state_keys(sharded, index)
         for v, (i, start, length) in zip(shard.views, shard.pieces, strict=True):
             p = shard.params[i]
             st = owner[id(p)].state[p]
             sharded.state[v] = {
                 "step": st["step"].clone(),
-                **{k: local(st[k]).reshape(-1)[start : start + length].clone() for k in MOMENTS},
+                **{k: local(st[k]).reshape(-1)[start : start + length].clone() for k in keys},
             }

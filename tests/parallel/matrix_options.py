@@ -175,6 +175,11 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
             ("FP8 rowwise", ["train.fp8=rowwise"])],
     "moments": [("fp32 moments", ["optim.moments_dtype=fp32"]),
                 ("bf16 moments", ["optim.moments_dtype=bf16"])],
+    # the optimizer: Muon with Newton-Schulz in fp32 (in bf16 the iteration amplifies a
+    # reordered sum's rounding flip: that path is proven on the optimizer alone, with the same
+    # gradients under every layout, in tests/parallel/test_muon_layouts.py)
+    "optimizer": [("AdamW", ["optim.name=adamw"]),
+                  ("Muon", ["optim.name=muon", "optim.muon_ns_dtype=fp32"])],
     "activation_checkpointing": [("no AC", ["parallel.activation_checkpointing=none"]),
                                  ("selective AC", ["parallel.activation_checkpointing=selective"]),
                                  ("full AC", ["parallel.activation_checkpointing=full"])],

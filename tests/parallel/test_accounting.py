@@ -35,6 +35,13 @@ LEAN_LAYOUTS = {
         f"parallel.zero_stage={z}", "train.global_batch_size=4", "optim.moments_dtype=bf16"]
     for z in (0, 3)
 }  # fmt: skip
+# Muon's one momentum buffer on its matrices (fp32, and bf16 under optim.moments_dtype).
+MUON_LAYOUTS = {
+    f"ZeRO-{z}, dp=2, Muon{extra}": [
+        f"parallel.zero_stage={z}", "train.global_batch_size=4", "optim.name=muon", *over]
+    for z, extra, over in ((0, "", []), (0, " + bf16 moments", ["optim.moments_dtype=bf16"]),
+                           (3, "", []))
+}  # fmt: skip
 FP8_LAYOUTS = {
     "bf16, dp=2": ["train.dtype=bf16", "train.global_batch_size=4"],
     "bf16 + FP8 rowwise, dp=2": ["train.dtype=bf16", "train.global_batch_size=4",
@@ -118,7 +125,7 @@ def measured() -> dict[str, list[dict]]:
     """Layout name -> every rank's measurement."""
     out: dict[str, list[dict]] = {}
     for world, layouts in (
-        (2, {**DP_LAYOUTS, **LEAN_LAYOUTS, **FP8_LAYOUTS}),
+        (2, {**DP_LAYOUTS, **LEAN_LAYOUTS, **MUON_LAYOUTS, **FP8_LAYOUTS}),
         (2, {**TP_LAYOUTS, **PP_LAYOUTS, **_with_baselines(CP_LAYOUTS)}),
         (4, _with_baselines(CP4_LAYOUTS)),
     ):
@@ -197,6 +204,17 @@ def _lean_rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float,
     return rows
 
 
+def _muon_rows(measured: dict[str, list[dict]]) -> list[tuple[str, ...]]:
+    """(layout, optimizer bytes per parameter: all, Muon's matrices, the rest; model-state
+    bytes per parameter; model state / formula), rank 0, beside the AdamW ZeRO-0/3 rows."""
+    rows = []
+    for name in (*(f"ZeRO-{z}, dp=2" for z in (0, 3)), *MUON_LAYOUTS):
+        r = measured[name][0]
+        rows.append((name, r["optim_bytes"], r["optim_bytes_muon"], r["optim_bytes_rest"],
+                     r["memory"] / r["params"], r["memory"] / r["formula"]))  # fmt: skip
+    return rows
+
+
 def _fp8_rows(measured: dict[str, list[dict]]) -> list[tuple[str, float, float]]:
     """(run, saved activation bytes on rank 0, / the bf16 run's)."""
     base = measured["bf16, dp=2"][0]["activations"]
@@ -209,6 +227,7 @@ def render_page(
     activations: list[tuple[str, float, float, float]] = (),
     lean: list[tuple[str, float, float, float]] = (),
     fp8: list[tuple[str, float, float]] = (),
+    muon: list[tuple[str, ...]] = (),
 ) -> str:
     lines = [
         "# Accounting: measured against the formulas",
@@ -267,6 +286,21 @@ def render_page(
     lines += [f"| {n} | {o:.2f} | {b:.2f} | {f:.4f} |" for n, o, b, f in lean]
     lines += [
         "",
+        "Muon (`optim.name=muon`, [optim.md](optim.md)) keeps one momentum buffer per matrix it",
+        "updates instead of AdamW's two moments: 4 bytes per parameter (2 in bf16), so those",
+        "parameters hold 12 bytes of model state under ZeRO-0 instead of 16 (10 with bf16",
+        "moments), divided by N under ZeRO-3. The rest of the model (embedding, output head,",
+        "router gates, norms, biases) keeps AdamW's 8 (4): the micro MoE's average is between.",
+        "Read from the optimizers' real state, the model state measured as above.",
+        "",
+        "| layout | optimizer bytes / parameter | Muon's matrices | the rest (AdamW) "
+        "| model state bytes / parameter | model state / formula |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [f"| {n} | {o:.2f} | {f'{m:.2f}' if 'Muon' in n else '-'} | {r:.2f} | {b:.2f} "
+              f"| {f:.4f} |" for n, o, m, r, b, f in muon]  # fmt: skip
+    lines += [
+        "",
         "Saved activations (`SavedActivations`, rank 0, parameters left out) of one bf16",
         "micro-batch of 2 sequences of 32 tokens, without and with FP8 (`train.fp8=rowwise`):",
         "an FP8 linear or expert GEMM keeps its input as e4m3 plus a scale per token instead",
@@ -300,6 +334,19 @@ def test_bf16_moments_halve_the_optimizer_state_as_read_from_the_real_state(meas
         assert (fp32[0], bf16[0]) == (8.0, 4.0)
         assert abs(bf16[2] - 1) <= MEMORY_TOL, (z, bf16)
         assert abs((fp32[1] - bf16[1]) - 4 / shards) <= MEMORY_TOL * 16 / shards, (fp32, bf16)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_muon_keeps_one_buffer_per_matrix_as_read_from_the_real_state(measured) -> None:
+    """Muon's matrices hold 4 bytes of optimizer state per parameter (2 with bf16 moments),
+    the rest AdamW's 8 (4); the formula, fed the measured average, matches the model state."""
+    for name, _, on_muon, rest, _, vs_formula in _muon_rows(measured):
+        if "Muon" not in name:
+            continue
+        bf16 = "bf16" in name
+        assert (on_muon, rest) == ((2.0, 4.0) if bf16 else (4.0, 8.0)), name
+        assert abs(vs_formula - 1) <= MEMORY_TOL, (name, vs_formula)
 
 
 @pytest.mark.multirank
@@ -355,7 +402,11 @@ def test_cp_activations_scale_as_the_formula(measured) -> None:
 @pytest.mark.timeout(600)
 def test_accounting_page_is_current(measured) -> None:
     page = render_page(
-        _rows(measured), _activation_rows(measured), _lean_rows(measured), _fp8_rows(measured)
+        _rows(measured),
+        _activation_rows(measured),
+        _lean_rows(measured),
+        _fp8_rows(measured),
+        _muon_rows(measured),
     )
     if os.environ.get("MOETRAIN_UPDATE_DOCS") == "1":
         PAGE.write_text(page)
@@ -401,6 +452,17 @@ def test_optimizer_state_bytes_come_from_the_state_or_the_declared_moments_dtype
         opt.step()
         assert optimizer_state_bytes_per_param([opt]) == want
         assert zero_bytes_per_param(0, 1, optim_bytes=want) == 8 + want
+    # Muon's group keeps one buffer: 4 bytes (2 in bf16), before a step and after it.
+    from moetrain.train.muon import build_muon
+
+    for moments, want in (("fp32", 4.0), ("bf16", 2.0)):
+        w = torch.nn.Parameter(torch.randn(6, 5))
+        muon = build_muon([], [], [w], OptimConfig(name="muon", moments_dtype=moments))
+        assert optimizer_state_bytes_per_param([muon]) == want
+        w.grad = torch.randn(6, 5)
+        muon.step()
+        assert optimizer_state_bytes_per_param([muon]) == want
+        assert optimizer_state_bytes_per_param([muon], muon=False) == 0.0
     # A planted dtype: moments stored in fp64 read as 16 bytes, not the declared 4.
     st = opt.state[p]
     st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].double(), st["exp_avg_sq"].double()

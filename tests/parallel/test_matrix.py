@@ -4,7 +4,7 @@ The option factors live in tests/parallel/matrix_options.py, the layouts and the
 tests/parallel/matrix_design.py. Each cell runs the micro MoE for ``STEPS`` steps under the
 layout and compares it on every rank with the single-process run of the same options
 (``check_cases`` of tests/multirank.py: losses, MoE statistics, every gradient of every
-step, AdamW's moments, final parameters, and the layout facts), within ``TOLERANCES``.
+step, the optimizer's state, final parameters, and the layout facts), within ``TOLERANCES``.
 
 - CI part: a pairwise covering design per layout -- every pair of option values that can
   go together meets every layout at least once (about 16 rows per layout, one spawned job
@@ -550,8 +550,9 @@ def render_page() -> str:
         f"{', '.join(f'`{o}`' for o in md.BASE)}) for {md.STEPS} steps under the layout and",
         "compares it on every rank with one process on the same options: losses, MoE",
         "statistics (aux / seq-aux / z losses, entropy, token and drop counts, score",
-        "histograms, expert bias), every parameter's gradient at every step, AdamW's moments,",
-        "the final parameters, and that the layout really ran, within `TOLERANCES` of",
+        "histograms, expert bias), every parameter's gradient at every step, the optimizer's",
+        "state (AdamW's moments, Muon's momentum buffers), the final parameters, and that the",
+        "layout really ran, within `TOLERANCES` of",
         "`tests/multirank.py`. A failing cell's report lists every diverging tensor, grouped",
         "by kind (router, experts, attention, norms, embeddings, ...), worst first, each with",
         "the first step at which it diverged (`tests/divergence.py`).",

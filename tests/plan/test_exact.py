@@ -7,12 +7,16 @@ initialisation drew: ``Engine.init_block``), and the planned activations are wit
 accounting's tolerance (``MEMORY_TOL`` of tests/parallel/test_accounting.py) of the tensors
 autograd kept (``SavedActivations``) -- with routing forced to balance
 (``moe.force_load_balancing``), the routing the plan prices, so that every rank's expert rows
-are known.
+are known. Under ``optim.name=muon`` the planned bytes Muon's gathers send per step and its
+Newton-Schulz FLOPs EQUAL what the real optimizer step sent (``CommCounter``) and computed
+(torch's ``FlopCounterMode``).
 
 One spawned job per world size runs all its layouts (2 ranks: ZeRO-1/2/3, tp + SP, pp
-interleaved, ZB-V, cp; 4 ranks: ep with expert tp and ZeRO-3; under ``-m exhaustive`` 8
-ranks: pp x dp x tp); the plans are made here, in the test process, for every rank. A plan
-that forgets a shard is caught (``test_a_plan_that_forgets_a_shard_is_caught``).
+interleaved, ZB-V, cp, ZeRO-1 with Muon; 4 ranks: ep with expert tp and ZeRO-3, with AdamW
+and with Muon; under ``-m exhaustive`` 8 ranks: pp x dp x tp); the plans are made
+here, in the test process, for every rank. A plan that forgets a shard is caught
+(``test_a_plan_that_forgets_a_shard_is_caught``), and so is one that prices Muon's matrices
+as if no rank held a slice of them.
 """
 
 from __future__ import annotations
@@ -36,11 +40,18 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
                              "parallel.pp_virtual_stages=2"],
         "pp=2 ZB-V": ["parallel.pp=2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
         "cp=2": ["parallel.cp=2", "train.global_batch_size=2"],
+        # Muon: ZeRO-1's flat slices gathered once, in fp32 (optim.muon_ns_dtype)
+        "ZeRO-1, Muon": ["parallel.zero_stage=1", "train.global_batch_size=4",
+                         "optim.name=muon", "optim.muon_ns_dtype=fp32"],
     },
     4: {
         "ep=2 x expert tp=2 + SP, ZeRO-3": [
             "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
             "parallel.zero_stage=3", "train.global_batch_size=4"],
+        # Muon: FSDP2 shards over dp and tp blocks gathered whole, experts' FFN width over tp
+        "ep=2 x expert tp=2 + SP, ZeRO-3, Muon": [
+            "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+            "parallel.zero_stage=3", "train.global_batch_size=4", "optim.name=muon"],
     },
 }  # fmt: skip
 EIGHT_RANKS = {
@@ -66,6 +77,7 @@ def _measure(rank: int, world: int, layouts: list[list[str]]) -> list[dict[str, 
             start_up = (model_state_bytes(parts, []).params + sum(storages.values())
                         + trainer.engine.init_block * 4)  # fp32 blocks  # fmt: skip
             trainer.train_step()  # Adam states exist
+            muon = _count_optimizer_steps(trainer.engine.optimizers)
             report = measure_step(trainer)
             m = report.memory
             out.append(
@@ -75,10 +87,36 @@ def _measure(rank: int, world: int, layouts: list[list[str]]) -> list[dict[str, 
                     "optim": m["step"].optim,
                     "activations": report.activations,
                     "start_up": start_up,
+                    **muon,
                 }
             )
             trainer.close()
     return out
+
+
+def _count_optimizer_steps(optimizers: list) -> dict[str, int]:
+    """Count what the optimizers' next steps send (``CommCounter``, ring convention) and the
+    matmul FLOPs they compute (torch's ``FlopCounterMode``): Muon's gathers and
+    Newton-Schulz; AdamW's step has neither. Filled in when the steps run."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from moetrain.parallel.accounting import CommCounter
+
+    counts = {"muon_sent": 0, "muon_flops": 0}
+
+    def counted(step):
+        def wrapper(*args, **kwargs):
+            with CommCounter() as comm, FlopCounterMode(display=False) as flops:
+                out = step(*args, **kwargs)
+            counts["muon_sent"] += round(sum(comm.sent_by_kind().values()))
+            counts["muon_flops"] += flops.get_total_flops()
+            return out
+
+        return wrapper
+
+    for opt in optimizers:
+        opt.step = counted(opt.step)
+    return counts
 
 
 def planned(world: int, overrides: list[str]) -> list[dict[str, int]]:
@@ -105,6 +143,8 @@ def planned(world: int, overrides: list[str]) -> list[dict[str, int]]:
                 "optim": state.optim,
                 "activations": rp.activations + rp.rope,
                 "start_up": start_up,
+                "muon_sent": state.muon_sent,
+                "muon_flops": state.muon_flops,
             }
         )
     return out
@@ -114,7 +154,7 @@ def problems(name: str, plan: list[dict], measured: list[dict]) -> list[str]:
     """Where the plan is not the run: model state not equal, activations beyond MEMORY_TOL."""
     out = []
     for rank, (p, m) in enumerate(zip(plan, measured, strict=True)):
-        for key in ("params", "grads", "optim", "start_up"):
+        for key in ("params", "grads", "optim", "start_up", "muon_sent", "muon_flops"):
             if p[key] != m[key]:
                 out.append(f"{name}, rank {rank}: {key} planned {p[key]} != measured {m[key]}")
         ratio = p["activations"] / m["activations"]
@@ -168,6 +208,13 @@ def test_a_plan_that_forgets_a_shard_is_caught(measured, monkeypatch) -> None:
         m.setattr(activations, "_flat", lambda actions: [])  # no schedule: nothing in flight
         found = problems(name, planned(world, LAYOUTS[world][name]), measured[(world, name)])
     assert any("activations planned" in f for f in found), found
+    from moetrain.train import muon
+
+    world, name = 4, "ep=2 x expert tp=2 + SP, ZeRO-3, Muon"
+    with monkeypatch.context() as m:  # every matrix whole on every rank: nothing gathered
+        m.setattr(muon, "gather_costs", lambda p, layout, itemsize: (0, tuple(p.shape)))
+        found = problems(name, planned(world, LAYOUTS[world][name]), measured[(world, name)])
+    assert any("muon_sent planned" in f for f in found), found
 
 
 @pytest.mark.multirank

@@ -40,6 +40,25 @@ def test_plan_prints_every_figure_and_says_whether_it_fits(capsys, monkeypatch) 
     assert "DOES NOT FIT 0.01 GB" in capsys.readouterr().out
 
 
+def test_a_muon_plan_prices_its_gathers_and_newton_schulz(capsys, monkeypatch) -> None:
+    """``optim.name=muon``: one buffer instead of two moments, a ``muon`` traffic axis (the
+    sharded matrices gathered whole; exact against a real run in tests/plan/test_exact.py)
+    and Newton-Schulz in the optimizer time; AdamW's plan has neither."""
+    monkeypatch.chdir(REPO)
+    assert moetrain(["plan", *TINY_EP, "--gpu", "h100", "--json"]) == 0
+    adamw = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert moetrain(["plan", *TINY_EP, "optim.name=muon", "--gpu", "h100", "--json"]) == 0
+    muon = json.loads(capsys.readouterr().out)["ranks"][0]
+    assert adamw["muon_sent"] == adamw["muon_flops"] == 0 and "muon" not in adamw["traffic"]
+    assert muon["muon_sent"] > 0 and muon["muon_flops"] > 0
+    assert muon["traffic"]["muon"] == muon["muon_sent"]
+    assert 0.5 * adamw["optim"] < muon["optim"] < adamw["optim"]  # matrices: 1 buffer, not 2
+    assert moetrain(["plan", *TINY_EP, "optim.name=muon", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    # tiny_ep: ZeRO-0 over dp 4, tp 2: the tp blocks are what is gathered
+    assert "muon group of 2" in out and "GFLOP of Newton-Schulz per step" in out, out
+
+
 @pytest.mark.parametrize(
     "overrides",
     [

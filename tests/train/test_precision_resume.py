@@ -82,8 +82,10 @@ def test_fp8_and_moments_dtype_change_on_resume_and_back(tmp_path: Path) -> None
     third.close()
 
 
-def test_bf16_moments_resume_exactly(tmp_path: Path) -> None:
-    opts = ("optim.moments_dtype=bf16", "train.fp8=rowwise")
+def _resumes_exactly(tmp_path: Path, *opts: str) -> dict[str, torch.dtype]:
+    """Two steps uninterrupted against one step, a checkpoint and a resumed second step:
+    the same losses, parameters and optimizer state. Returns the checkpoint's tensors'
+    dtypes."""
     whole = _trainer(tmp_path / "whole", 2, *opts)
     losses = [whole.train_step().loss for _ in range(2)]
     end = _state(whole)
@@ -92,13 +94,30 @@ def test_bf16_moments_resume_exactly(tmp_path: Path) -> None:
     cut = [first.train_step().loss]
     path = first.save_checkpoint()
     first.close()
-    moments = {k: v.properties.dtype for k, v in _checkpoint_tensors(path).items()
-               if k.endswith(("exp_avg", "exp_avg_sq"))}  # fmt: skip
-    assert moments and set(moments.values()) == {torch.bfloat16}
     second = _trainer(tmp_path / "cut", 2, *opts)
     cut.append(second.train_step().loss)
     assert cut == losses
     for got, want in zip(_state(second), end, strict=True):
+        assert got.keys() == want.keys()
         for k in want:
             assert torch.equal(got[k], want[k]), k
     second.close()
+    return {k: v.properties.dtype for k, v in _checkpoint_tensors(path).items()}
+
+
+def test_bf16_moments_resume_exactly(tmp_path: Path) -> None:
+    saved = _resumes_exactly(tmp_path, "optim.moments_dtype=bf16", "train.fp8=rowwise")
+    moments = {k: v for k, v in saved.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
+    assert moments and set(moments.values()) == {torch.bfloat16}
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_muon_state_resumes_exactly(tmp_path: Path, moments: str) -> None:
+    """``optim.name=muon``: a run cut after a step and resumed takes the next step exactly as
+    the uninterrupted run does -- parameters, Muon's momentum buffers (in their dtype) and
+    AdamW's moments -- and the checkpoint holds one buffer per Muon matrix."""
+    saved = _resumes_exactly(tmp_path, "optim.name=muon", f"optim.moments_dtype={moments}")
+    buffers = {k: v for k, v in saved.items() if k.endswith("momentum_buffer")}
+    assert "optim.state.layers.0.ffn.experts.w1.momentum_buffer" in buffers, sorted(buffers)
+    assert set(buffers.values()) == {torch.float32 if moments == "fp32" else torch.bfloat16}
+    assert not any(k.endswith("layers.0.ffn.experts.w1.exp_avg") for k in saved)

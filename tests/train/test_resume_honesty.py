@@ -75,6 +75,29 @@ def test_a_config_that_changes_the_model_function_is_refused_naming_the_keys(
     assert not (run / "checkpoints" / "step_00000002").exists()
 
 
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        (["optim.name=muon"], "optim.name 'adamw' -> 'muon'"),
+        (["optim.name=muon", "train.resume_allow_changes=[optim.name]"],
+         "optim.name 'adamw' -> 'muon'"),
+    ],
+    ids=["refused", "refused even when allowed"],
+)  # fmt: skip
+def test_a_resume_that_switches_optimizer_is_refused_naming_the_key(
+    trained: Path, tmp_path: Path, overrides: list[str], named: str
+) -> None:
+    """The checkpoint holds AdamW's state: a Muon run cannot continue it (its matrices
+    would start with no momentum while their AdamW moments are dropped)."""
+    run = _copy(trained, tmp_path)
+    with pytest.raises(ConfigError) as info:
+        _fit(run, "train.steps=2", *overrides)
+    message = str(info.value)
+    assert message.startswith("train.resume: ") and named in message, message
+    assert "another optimizer" in message and "cannot accept this" in message, message
+    assert not (run / "checkpoints" / "step_00000002").exists()
+
+
 def test_changed_values_that_are_not_used_are_named(
     trained: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
