@@ -182,6 +182,31 @@ def _muon_local_shard(setattr_: Callable[..., None]) -> None:
     setattr_(zero1_state, "whole", mine)
 
 
+def _stage_inputs_uninitialised(setattr_: Callable[..., None]) -> None:
+    from moetrain.model import transformer
+
+    real = transformer.Transformer.forward
+
+    def forward(self: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.zero_stage_input and not self.embeds_input:
+            # What torch.empty hands a stage is whatever its memory held (often zeros from a
+            # fresh page, not always): here each rank's own numbers, every time.
+            import torch
+            import torch.distributed as dist
+
+            self.zero_stage_input = False
+            g = torch.Generator().manual_seed(dist.get_rank())
+            with torch.no_grad():
+                tokens.copy_(torch.randn(tokens.shape, generator=g))
+            try:
+                return real(self, tokens, *args, **kwargs)
+            finally:
+                self.zero_stage_input = True
+        return real(self, tokens, *args, **kwargs)
+
+    setattr_(transformer.Transformer, "forward", forward)
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "stage_layers_misassigned": _stage_layers_misassigned,
     "embedding_copies_unsynced": _embedding_copies_unsynced,
@@ -193,6 +218,7 @@ FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "expert_layouts_ignored": _expert_layouts_ignored,
     "fsdp_root_in_bf16": _fsdp_root_in_bf16,
     "muon_local_shard": _muon_local_shard,
+    "stage_inputs_uninitialised": _stage_inputs_uninitialised,
 }
 
 

@@ -442,9 +442,10 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         ),
         "zero1_sharded": zero == 1,
         "zero_shards": p.dp_shard * cp if zero >= 1 else 1,
+        # (a rank without blocks, on a pipeline's empty first or last stage, wraps nothing)
         "checkpointed": {"attention": len(layers)}
-        if ac == "selective"
-        else ({"block": len(layers)} if ac == "full" else {}),
+        if ac == "selective" and layers
+        else ({"block": len(layers)} if ac == "full" and layers else {}),
         "experts": experts,
         "dispatcher": dispatcher,
         "traffic_axes": sorted(

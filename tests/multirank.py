@@ -108,6 +108,41 @@ def _entry(
                 pass
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker")
+"""What gloo says on a rank whose peer went away: the peer's own failure is the cause."""
+
+
+def _root_failure(
+    name: str, results: Any, failures: dict[int, str], procs: list[Any], done: dict[int, Any]
+) -> RankFailure:
+    """The failure that caused the others. A failing rank's report can arrive after its
+    peers': ``Queue.put`` hands it to a feeder thread while the rank goes on to destroy its
+    process group, and the peers fail on the closed connection. So the other ranks' reports
+    are read for a few seconds, and the first one that is not a lost peer is blamed; if each is
+    a lost peer, a rank that died without a report (its exit code: a signal, a hard abort)."""
+    end = time.monotonic() + 5.0
+    while len(failures) + len(done) < len(procs) and time.monotonic() < end:
+        try:
+            rank, ok, value = results.get(timeout=0.5)
+        except queue.Empty:
+            continue
+        if not ok:
+            failures[rank] = value
+    rank = next((r for r, v in failures.items() if not any(s in v for s in PEER_LOST)), None)
+    silent = [r for r, p in enumerate(procs)
+              if r not in failures and r not in done and p.exitcode not in (None, 0)]  # fmt: skip
+    if rank is None and silent:
+        return RankFailure(
+            f"{name}: rank {silent[0]} died with exit code {procs[silent[0]].exitcode} without "
+            f"a report; ranks {sorted(failures)} lost it as a peer. Rank "
+            f"{next(iter(failures))}:\n{next(iter(failures.values()))}"
+        )
+    rank = next(iter(failures)) if rank is None else rank
+    others = sorted(set(failures) - {rank})
+    tail = f"\n(ranks {others} failed too, on lost peers or the same error)" if others else ""
+    return RankFailure(f"{name}: rank {rank} failed:\n{failures[rank]}{tail}")
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -172,7 +207,7 @@ def run_ranks(
                     else:
                         continue
                 if not ok:
-                    raise RankFailure(f"{fn.__name__}: rank {rank} failed:\n{value}")
+                    raise _root_failure(fn.__name__, results, {rank: value}, procs, out)
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             for p in procs:
                 p.join(timeout=30)
@@ -926,6 +961,9 @@ def _cases_worker(
                 traffic = case.layout not in counted
                 got = micro_run(tmp, steps, *overrides, inject=inject, traffic=traffic)
                 counted.add(case.layout)
+        except Exception as exc:
+            exc.add_note(f"in the cell {case.name}")
+            raise
         finally:
             for restore in reversed(undo):
                 restore()

@@ -142,6 +142,9 @@ class Transformer(nn.Module):
         # which take hidden states). The last stage of a pipeline with multi-token prediction
         # keeps an embedding all the same, for the modules' inputs (``pipeline_split``).
         self.embeds_input = True
+        # Set while the engine warms a pipeline up: a stage after the first zeroes the hidden
+        # states it is handed (``forward``).
+        self.zero_stage_input = False
         # The multi-token-prediction loss of training forwards since the last pop_mtp_loss():
         # (sum of lambda / D * sum_k L^k, forwards).
         self.register_buffer("stat_mtp", torch.zeros(2), persistent=False)
@@ -194,6 +197,13 @@ class Transformer(nn.Module):
         ``model.document_positions``; None: one document per sequence. ``valid``: bool
         (B, S) over the whole sequences, False for the tokens left out of the LM loss, which
         the MoE layers leave out of their balancing losses and statistics; None: all."""
+        if not self.embeds_input and self.zero_stage_input:
+            # torch.distributed.pipelining's shape inference hands a stage after the first
+            # uninitialised tensors (torch.empty): with zeros instead, every rank of a tensor-
+            # or expert-parallel group routes the same tokens, and the collectives whose
+            # sizes follow the routing (FP8 rowwise's per-row amax under expert TP) match.
+            with torch.no_grad():
+                tokens.zero_()
         h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         if cache is not None and cache.length + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{cache.length + tokens.shape[1]} positions exceed "

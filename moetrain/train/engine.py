@@ -277,10 +277,14 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             {**b, "labels": b["input_ids"], "doc_ends": torch.zeros(mbs, seq_len, dtype=torch.bool)}
             for b in dummy
         ]
+        for part in self.parts:
+            part.zero_stage_input = True  # deterministic inputs for the shape inference
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             self._pipeline_step(dummy[: self.breadth], train=True)
             with torch.no_grad():  # the forward-only schedule infers its shapes once too
                 self._pipeline_step(dummy[: self.breadth], train=False)
+        for part in self.parts:
+            part.zero_stage_input = False
         for part in self.parts:
             part.zero_grad(set_to_none=True)
             part.pop_mtp_loss()

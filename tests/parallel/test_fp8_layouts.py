@@ -17,12 +17,13 @@ all do.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 
 import matrix_design as md
 import pytest
 import torch
-from multirank import micro_config, run_ranks
+from multirank import Case, RankFailure, check_cases, micro_config, run_ranks
 
 TP_SP = ("parallel.tp=2", "parallel.sequence_parallel=true")
 EXPERT_TP = ("parallel.tp=2",)  # expert TP (the default): every expert's FFN width split
@@ -128,3 +129,29 @@ def test_scaled_mm_backend_runs_on_tensor_parallel_shards() -> None:
     for rank in (0, 1):
         err = float((got[rank] - ref).abs().max() / ref.abs().max())
         assert err <= SCALED_MM_TOL, (name, rank, err)
+
+
+PIPELINE_EP_TP = ("parallel.pp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp_virtual_stages=2")
+"""Expert parallelism too: its all-to-all hands each rank as many rows as were routed to its
+experts (a local dispatcher keeps every row, dropped ones included, whatever the routing)."""
+ROWWISE_DROPPING = (*md.BASE, "train.fp8=rowwise", "moe.capacity_factor=1.0",
+                    "moe.drop_policy=position")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_a_pipeline_infers_its_shapes_from_the_same_tokens_on_every_expert_tp_rank() -> None:
+    """torch.distributed.pipelining infers the shapes between stages by running each stage
+    once, a later stage on uninitialised tensors (``torch.empty``). Under expert TP with FP8
+    rowwise, each rank's per-row amax of the routed rows is all-reduced over the TP group, so
+    two ranks routing different garbage disagree on its size and gloo aborts (found by the
+    equivalence matrix: pp2 x ep2 x tp2, FP8 rowwise, capacity 1). The engine's warm-up
+    zeroes those inputs (``Transformer.zero_stage_input``): the run then equals one process;
+    with the garbage handed on (``stage_inputs_uninitialised``, tests/faults.py) a rank dies."""
+    case = Case("pp2 x ep2 x tp2 interleaved, FP8 rowwise, capacity 1", PIPELINE_EP_TP,
+                ROWWISE_DROPPING)  # fmt: skip
+    check_cases(8, [case], md.STEPS, timeout=400)
+    planted = dataclasses.replace(case, fault=("plant", None, "stage_inputs_uninitialised"))
+    with pytest.raises(RankFailure, match="died with exit code|mismatch|doesn't match"):
+        check_cases(8, [planted], md.STEPS, timeout=400)
