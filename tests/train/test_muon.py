@@ -316,7 +316,8 @@ def test_update_rms_is_about_the_key() -> None:
 
 
 SWEEP = Path(__file__).resolve().parents[2] / "docs" / "sweeps"
-SWEEP_VARIANTS = ("adamw", "muon-lr-3e-3", "muon-lr-1e-2", "muon-lr-1e-3")
+SWEEP_VARIANTS = ("adamw", "muon-lr-3e-3", "muon-lr-1e-2", "muon-lr-1e-3", "adamw-lr-1e-2",
+                  "adamw-lr-1e-3", "muon-lr-3e-2")  # fmt: skip
 
 
 def _sweep_rows(name: str) -> list[dict[str, str]]:
@@ -334,12 +335,12 @@ def test_the_sweep_compares_equal_tokens_and_its_summary_is_its_runs_own() -> No
     summary = {r["run"]: r for r in _sweep_rows("optim_summary.csv")}
     runs = _sweep_rows("optim_runs.csv")
     assert tuple(summary) == SWEEP_VARIANTS and summary["adamw"]["baseline"] == "true"
-    assert len(runs) == 12 and {int(r["steps"]) for r in runs} == {300}
+    assert len(runs) == 3 * len(SWEEP_VARIANTS) and {int(r["steps"]) for r in runs} == {300}
     assert {int(float(r["tokens"])) for r in summary.values()} == {300 * 8 * 128}
     eval_loss = {(r["run"], int(r["seed"])): float(r["eval_loss"]) for r in runs}
     for run in SWEEP_VARIANTS[1:]:
         row = summary[run]
-        assert row["n"] == "3" and row["optim.name"] == "muon"
+        assert row["n"] == "3" and row["optim.name"] == run.split("-")[0]
         d = difference_interval({s: eval_loss[run, s] for s in range(3)},
                                 {s: eval_loss["adamw", s] for s in range(3)})  # fmt: skip
         assert float(row["eval_loss_diff_mean"]) == pytest.approx(d.mean, abs=1e-12)
