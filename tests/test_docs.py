@@ -726,6 +726,45 @@ def _plan_check_quotes() -> list[Quote]:
             choices,
         ),
     ]
+def _fp8_convergence() -> list[float]:
+    """fp8.md's convergence table (docs/ablation_fp8.csv, the FP8 sweep's summary, and
+    docs/ablation_fp8_curves.csv), in its order, rounded as it writes them: bf16's eval loss;
+    per recipe its eval loss, the paired difference, the last 100 steps' mean train-loss
+    difference and the percentage of those steps whose interval spans zero."""
+    import csv
+    import statistics
+
+    with open(REPO / "docs" / "ablation_fp8.csv", newline="") as f:
+        s = {r["run"]: r for r in csv.DictReader(f)}
+    with open(REPO / "docs" / "ablation_fp8_curves.csv", newline="") as f:
+        curves = list(csv.DictReader(f))
+
+    def three(run: str, key: str) -> list[float]:
+        return [round(float(s[run][f"{key}_{k}"]), 4) for k in ("mean", "lo", "hi")]
+
+    out = three("bf16", "eval_loss")
+    for run in ("fp8-tensorwise", "fp8-rowwise"):
+        late = [r for r in curves if r["run"] == run and int(r["step"]) > 200]
+        gap = statistics.fmean(float(r["train_loss_diff_mean"]) for r in late)
+        inside = statistics.fmean(
+            float(r["train_loss_diff_lo"]) <= 0 <= float(r["train_loss_diff_hi"]) for r in late
+        )
+        out += [*three(run, "eval_loss"), *three(run, "eval_loss_diff"), round(gap, 4),
+                round(100 * inside)]  # fmt: skip
+    return out
+
+
+def _fp8_readme() -> list[float]:
+    """README's FP8 convergence figures: each recipe's paired eval-loss difference from bf16
+    (docs/ablation_fp8.csv), to 3 decimals."""
+    import csv
+
+    with open(REPO / "docs" / "ablation_fp8.csv", newline="") as f:
+        s = {r["run"]: r for r in csv.DictReader(f)}
+    return [round(float(s[run][f"eval_loss_diff_{k}"]), 3)
+            for run in ("fp8-tensorwise", "fp8-rowwise") for k in ("mean", "lo", "hi")]  # fmt: skip
+
+
 OPTIM_FIGURES = ("eval_loss", "dropped_fraction", "max_over_mean", "router_entropy")
 
 
@@ -818,6 +857,12 @@ QUOTES = [
     Quote("docs/moe.md", "docs/sweeps/balancing_warnings.json (sweep_table --log)",
           r"(?s)routes each batch to one expert: at steps (\S+)-(\S+) of the runs with a peak lr "
           r"of 3e-3, at steps\s+(\S+) and (\S+) with a peak lr", _balancing_warning_steps),
+    Quote("docs/fp8.md", "docs/ablation_fp8.csv and _curves.csv (the FP8 sweep's outputs)",
+          r"(?s)\| bf16 \| (\S+ \[\S+ \S+\]) \|.*?\| FP8 tensorwise \| (\S+ \[\S+ \S+\]) \| "
+          r"(\S+ \[\S+ \S+\])[^|]*\| (\S+) \| (\S+)% \|\n\| FP8 rowwise \| (\S+ \[\S+ \S+\]) \| "
+          r"(\S+ \[\S+ \S+\])[^|]*\| (\S+) \| (\S+)% \|", _fp8_convergence),
+    Quote("README.md", "docs/ablation_fp8.csv (the FP8 sweep's summary)",
+          r"\(eval loss (\S+ \[\S+ \S+\]) tensorwise, (\S+ \[\S+ \S+\]) rowwise\)", _fp8_readme),
     Quote("docs/optim.md", "docs/sweeps/optim_summary.csv (moetrain ablate's summary, sweep_table)",
           r"(?s)renders it from the summary\.\n\n(\| variant .*?\n)\n", _optim_table),
     Quote("docs/optim.md", "docs/sweeps/optim_summary.csv (moetrain ablate's summary)",

@@ -25,13 +25,14 @@ DOCS = Path(__file__).resolve().parents[2] / "docs"
 FP8_RUNS = ("fp8-tensorwise", "fp8-rowwise")
 
 EVAL_BOUND = 0.05
-"""|mean over seeds of (FP8 - bf16) final eval loss| in nats, with the paired 95% interval
-spanning zero. Measured -0.0171 [-0.1033, +0.0691] (tensorwise) and +0.0032 [-0.0328,
-+0.0392] (rowwise), at an eval loss of 5.80."""
+"""|mean over seeds of (FP8 - bf16) final eval loss| in nats, and the upper end of its paired
+95% interval: FP8 costs at most 0.05 nats (about 1% of the loss) at 95% confidence. Measured
+-0.0289 [-0.0445, -0.0133] (tensorwise: lower than bf16 beyond noise) and -0.0052 [-0.0597,
++0.0493] (rowwise), at an eval loss of 5.81 (bf16)."""
 CURVE_BOUND = 0.03
 """|mean over the last 100 steps of the seed-mean train-loss difference| in nats (0.5 % of the
 loss), the paired 95% interval spanning zero at >= ``CURVE_INSIDE`` of those steps. Measured
--0.0142 / -0.0006 nats, intervals spanning zero at 97 % / 96 % of the steps."""
+-0.0244 / -0.0180 nats, intervals spanning zero at 93 % / 90 % of the steps."""
 CURVE_INSIDE = 0.9
 
 STEPS = 20
@@ -60,7 +61,7 @@ def test_the_sweep_tracks_bf16_within_the_bound() -> None:
         assert float(row["eval_loss_diff_mean"]) == pytest.approx(d.mean, abs=1e-12)
         assert (float(row["eval_loss_diff_lo"]), float(row["eval_loss_diff_hi"])) == (
             pytest.approx(d.lo, abs=1e-12), pytest.approx(d.hi, abs=1e-12))  # fmt: skip
-        assert abs(d.mean) <= EVAL_BOUND and d.within_noise, (run, d)
+        assert abs(d.mean) <= EVAL_BOUND and d.hi <= EVAL_BOUND, (run, d)
     curves = _read("ablation_fp8_curves.csv")
     for run in FP8_RUNS:
         late = [r for r in curves if r["run"] == run and int(r["step"]) > 200]
