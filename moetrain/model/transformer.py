@@ -202,8 +202,8 @@ class Transformer(nn.Module):
             # uninitialised tensors (torch.empty): with zeros instead, every rank of a tensor-
             # or expert-parallel group routes the same tokens, and the collectives whose
             # sizes follow the routing (FP8 rowwise's per-row amax under expert TP) match.
-            with torch.no_grad():
-                tokens.zero_()
+            # Out of place (the input may be a view FSDP2's hooks return) and NaN-proof.
+            tokens = tokens.nan_to_num(0.0, 0.0, 0.0) * 0
         h = self.tok_embeddings(tokens) if self.embeds_input else tokens
         if cache is not None and cache.length + tokens.shape[1] > self.cfg.max_seq_len:
             raise ValueError(f"{cache.length + tokens.shape[1]} positions exceed "

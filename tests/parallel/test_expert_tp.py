@@ -86,21 +86,28 @@ def _record_stage_inputs(rank: int, world_size: int) -> dict | None:
     from moetrain.model import transformer
     from moetrain.train.trainer import Trainer
 
-    seen: list[torch.Tensor] = []
-    forward = transformer.TransformerBlock.forward
+    handed: list[torch.Tensor] = []  # what pipelining hands stage 1
+    seen: list[torch.Tensor] = []  # what its first block computes on
+    stage, block = transformer.Transformer.forward, transformer.TransformerBlock.forward
 
-    def recording(self, x, *args, **kwargs):
+    def stage_recording(self, tokens, *args, **kwargs):
+        if not self.embeds_input:
+            handed.append(tokens.detach().clone())
+        return stage(self, tokens, *args, **kwargs)
+
+    def block_recording(self, x, *args, **kwargs):
         if self.layer_id == 2:  # the first block of stage 1 (4 layers over 2 stages)
             seen.append(x.detach().clone())
-        return forward(self, x, *args, **kwargs)
+        return block(self, x, *args, **kwargs)
 
-    transformer.TransformerBlock.forward = recording
+    transformer.Transformer.forward = stage_recording
+    transformer.TransformerBlock.forward = block_recording
     with tempfile.TemporaryDirectory() as out:
         # The engine's start-up steps (a dummy batch of zeros, 4 micro-batches, through the
         # training and the forward-only schedule) are each schedule's first step: they run
         # the metadata inference.
         Trainer(micro_config(out, "parallel.pp=2", "parallel.pp_schedule=gpipe"))
-    return {"inputs": seen} if rank == 1 else None
+    return {"handed": handed, "seen": seen} if rank == 1 else None
 
 
 @pytest.mark.multirank
@@ -109,12 +116,16 @@ def test_pipeline_first_step_runs_stages_on_uninitialised_inputs() -> None:
     """The upstream behaviour behind the old hang, as a minimal reproduction: on its first
     step a stage's forward runs once more than the micro-batches, first, on a tensor that is
     not the activation the previous stage sends (materialised from metadata). The four real
-    micro-batches of the start-up step are identical (zeros), so their activations are."""
-    inputs = run_ranks(_record_stage_inputs, 2, timeout=100)[1]["inputs"]
+    micro-batches of the start-up step are identical (zeros), so their activations are. The
+    engine's start-up steps hand the blocks zeros instead of either
+    (``Transformer.zero_stage_input``), so every rank computes on the same numbers."""
+    got = run_ranks(_record_stage_inputs, 2, timeout=100)[1]
+    handed = got["handed"]
     # The training schedule, then the forward-only one (evaluation): each 1 metadata
     # inference + 4 micro-batches.
-    assert len(inputs) == 10, len(inputs)
+    assert len(handed) == 10, len(handed)
     for start in (0, 5):
-        first, real = inputs[start], inputs[start + 1 : start + 5]
+        first, real = handed[start], handed[start + 1 : start + 5]
         assert all(torch.equal(r, real[0]) for r in real)
         assert first.shape == real[0].shape and not torch.equal(first, real[0])
+    assert len(got["seen"]) == 10 and all(not x.any() for x in got["seen"])

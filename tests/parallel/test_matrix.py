@@ -152,12 +152,14 @@ VALUE_ROWS_IN_CI = frozenset({
     "dp2 zero0",
     "dp2 zero1",
     "dp2 zero2",
+    "dp2 zero3",
     "tp2",
     "tp2 SP replicated experts",
     "pp2 gpipe",
     "pp2 1f1b",
     "pp2 zero_bubble v2",
     "ep2 all_gather zero3",
+    "cp2",
     "ep2 shared experts overlapped with the all-to-all",
     "cp2 zero3, breadth-first passes of 2",
     "pp2 looped_bfs v2, 2 depth-first passes",
@@ -167,12 +169,13 @@ VALUE_ROWS_IN_CI = frozenset({
     "pp2 dualpipev, stages of 1, 2, 1, 0 layers (the head alone)",
 })  # fmt: skip
 """Two-rank layouts that vary an axis the CI part already crosses pairwise with every option
-(ZeRO-0/1/2 beside ZeRO-3, tp without SP and replicated experts beside tp + SP with expert
-TP, the all-gather dispatcher beside the all-to-all, every schedule beside interleaved 1F1B,
-uneven stages beside equal ones, an overlap beside the plain all-to-all, ZeRO-3 and
-breadth-first beside cp2): in CI they run the rows holding every option value, the rest of
-their pairwise rows in the rotating slices and under ``-m exhaustive`` -- the suite's budget
-(262 two-rank cells took 343 s on two cores, the whole suite 30 min; now 182)."""
+(tp without SP and replicated experts beside tp + SP with expert TP, the all-gather
+dispatcher beside the all-to-all, every schedule beside interleaved 1F1B, uneven stages
+beside equal ones, an overlap beside the plain all-to-all), and data and context
+parallelism, which the compositions on 4 and 8 ranks cross with tp, ep and pp: in CI they run
+the rows holding every option value, the rest of their pairwise rows in the rotating slices
+and under ``-m exhaustive`` -- the suite's budget (262 two-rank cells took 343 s on two
+cores, the whole suite 30 min; now 142)."""
 
 
 @functools.cache
@@ -210,9 +213,9 @@ def _ci_rows(layout):
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_pairwise_design_under_every_two_rank_layout() -> None:
-    """Every pair of option values meets every layout of one axis (dp with ZeRO 0-3, tp with
-    and without SP and with replicated experts, pp with each schedule, ep with each
-    dispatcher, cp) on two ranks; the variants in ``VALUE_ROWS_IN_CI`` meet every value."""
+    """Every pair of option values meets tp2 + SP (expert TP), pp2 interleaved 1F1B and ep2's
+    all-to-all on two ranks; the other two-rank layouts (``VALUE_ROWS_IN_CI``) meet every
+    value, and their other pairs run in the rotating slices."""
     assert VALUE_ROWS_IN_CI <= {layout.name for layout in md.LAYOUTS if layout.world == 2}
     check_cases(2, _cases(2, _ci_rows), md.STEPS, timeout=880)
 
@@ -582,10 +585,10 @@ def render_page() -> str:
         f"{len(md.all_rows())} distinct option rows. CI runs, for every layout of one axis,",
         "a pairwise covering design (every pair of option values that validation accepts",
         "together meets the layout at least once) -- for the variants of an axis that CI",
-        "already crosses pairwise (`VALUE_ROWS_IN_CI`: ZeRO-0/1/2, tp without SP and with",
-        "replicated experts, the all-gather dispatcher, every schedule but interleaved 1F1B,",
-        "uneven pipeline stages, the overlapped all-to-all, cp with ZeRO-3 and breadth-first",
-        "passes), the fewest of its pairwise rows that hold every option",
+        "already crosses pairwise (`VALUE_ROWS_IN_CI`: tp without SP and with replicated",
+        "experts, the all-gather dispatcher, every schedule but interleaved 1F1B, uneven",
+        "pipeline stages, the overlapped all-to-all; and dp and cp, which the compositions",
+        "cross with tp, ep and pp), the fewest of its pairwise rows that hold every option",
         "value; the compositions of axes share such rows (`shared_value_rows`: every option",
         "value meets some composition on 4 and on 8 ranks, every composition runs). The rest of",
         "the pairwise designs and every row under every layout where it is valid (the exhaustive",
