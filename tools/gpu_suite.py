@@ -97,6 +97,8 @@ def pytest_command(targets: list[str], workers: int | None = None) -> list[str]:
            "--tb=short", "--timeout=300"]  # fmt: skip
     if workers > 1:
         cmd += ["-n", str(workers)]
+    elif importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "0"]  # the repository's addopts would start a worker per CPU
     return cmd + targets
 
 
