@@ -136,8 +136,18 @@ NAMES = list(FACTORS)
 LEVELS = [len(FACTORS[n]) for n in NAMES]
 
 
+_OVERRIDES = [[tuple(value[1]) for value in FACTORS[name]] for name in NAMES]
+_SETTINGS = [[tuple(o.partition("=")[::2] for o in ovs) for ovs in f] for f in _OVERRIDES]
+# FORBIDDEN's combinations as (factor index, value index) pairs
+_FORBIDDEN = [
+    (tuple((NAMES.index(n), [lab for lab, _ in FACTORS[n]].index(label))
+           for n, label in values.items()), reason)
+    for values, reason in FORBIDDEN
+]  # fmt: skip
+
+
 def row_overrides(row: Row) -> tuple[str, ...]:
-    return tuple(o for name, v in zip(NAMES, row, strict=True) for o in FACTORS[name][v][1])
+    return tuple(o for k, v in enumerate(row) for o in _OVERRIDES[k][v])
 
 
 def row_label(row: Row) -> str:
@@ -149,12 +159,12 @@ def row_label(row: Row) -> str:
 def conflict(row: Row) -> str | None:
     """Why the row's values cannot go together before validation, or None."""
     seen: dict[str, str] = {}
-    for o in row_overrides(row):
-        key, _, value = o.partition("=")
-        if seen.setdefault(key, value) != value:
-            return f"{key} set to {seen[key]} and {value}"
-    for values, reason in FORBIDDEN:
-        if all(FACTORS[n][row[NAMES.index(n)]][0] == label for n, label in values.items()):
+    for k, v in enumerate(row):
+        for key, value in _SETTINGS[k][v]:
+            if seen.setdefault(key, value) != value:
+                return f"{key} set to {seen[key]} and {value}"
+    for values, reason in _FORBIDDEN:
+        if all(row[k] == v for k, v in values):
             return reason
     return None
 
@@ -219,8 +229,9 @@ def _pairs(row: Row) -> set[tuple[int, int, int, int]]:
 
 def _random_valid_rows(layout: Layout, n: int, rng: random.Random) -> list[Row]:
     out = []
+    draw = rng._randbelow  # what rng.randrange(k) returns for k > 0, without its checks
     for _ in range(n * 20):
-        row = tuple(rng.randrange(k) for k in LEVELS)
+        row = tuple(draw(k) for k in LEVELS)
         if refusal(row, layout) is None:
             out.append(row)
             if len(out) == n:
@@ -246,8 +257,9 @@ def _complete(layout: Layout, fixed: dict[int, int], rng: random.Random) -> Row 
     base = tuple(fixed.get(k, 0) for k in range(len(LEVELS)))
     if refusal(base, layout) is None:
         return base
+    draw = rng._randbelow  # rng.randrange's draw (the same sequence), without its checks
     for _ in range(40):
-        row = tuple(fixed.get(k, rng.randrange(LEVELS[k])) for k in range(len(LEVELS)))
+        row = tuple(fixed.get(k, draw(n)) for k, n in enumerate(LEVELS))
         if refusal(row, layout) is None:
             return row
     return None
