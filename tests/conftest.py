@@ -23,6 +23,27 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_addoption(parser, pluginmanager):  # noqa: ANN001 - pytest's hook signature
+    """pyproject.toml's addopts ask pytest-xdist (in ``[test]``) for a worker per CPU. Without
+    it (not installed, or ``-p no:xdist``) its options are accepted here and the tests run in
+    one process, as the header says, instead of pytest refusing ``-n``."""
+    if pluginmanager.hasplugin("xdist"):
+        return
+    group = parser.getgroup("xdist absent")
+    # _addoption: pytest keeps lowercase short options for itself (xdist adds -n the same way)
+    group._addoption("-n", "--numprocesses", dest="numprocesses", default=None,
+                     help="ignored: pytest-xdist is not installed (pip install -e '.[test]')")
+    group.addoption("--maxprocesses", dest="maxprocesses", default=None, help="ignored")
+    group.addoption("--dist", dest="dist", default="no", help="ignored")
+
+
+def pytest_report_header(config):  # noqa: ANN001 - pytest's hook signature
+    if not config.pluginmanager.hasplugin("xdist"):
+        return ("pytest-xdist is not installed (or -p no:xdist): the tests run in this one "
+                "process; pip install -e '.[test]' runs a worker per CPU")  # fmt: skip
+    return None
+
+
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest's hook signature
     """``exhaustive`` tests (the full equivalence matrix, about an hour on two cores) run
     only when asked for: ``-m slow`` or ``-m exhaustive`` (``tests/selection.py``). The
