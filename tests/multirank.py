@@ -71,8 +71,12 @@ def _entry(
     args_bytes: bytes,
     results: Any,
     init_pg: bool,
+    environ: dict[str, str],
 ) -> None:
     import torch.distributed as dist
+
+    os.environ.clear()  # the caller's environment, not the fork server's (_context)
+    os.environ.update(environ)
 
     # torchrun's variables, so that code reading them (the trainer) sees a normal launch.
     os.environ.update(
@@ -143,6 +147,23 @@ def _root_failure(
     return RankFailure(f"{name}: rank {rank} failed:\n{failures[rank]}{tail}")
 
 
+RANK_PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp",
+                "torch.distributed.pipelining", "moetrain.train.trainer", "multirank")  # fmt: skip
+"""What the fork server imports once; each rank is forked from it (``_context``)."""
+
+
+def _context() -> Any:
+    """Ranks fork from a fork server that imported ``RANK_PRELOAD`` once (per test process)
+    instead of each spawned rank importing torch and moetrain again: about 4 s of CPU a rank,
+    most of a small multi-rank test. ``MOETRAIN_TEST_SPAWN=1`` spawns fresh interpreters.
+    The server's environment is the one it started with: ``_entry`` takes the caller's."""
+    if os.environ.get("MOETRAIN_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -157,7 +178,7 @@ def run_ranks(
     ``RankFailure`` naming the first failing rank, with its traceback, or the ranks still
     running at the deadline.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     # Bytes, not tensors, in both directions: torch's pickler would move every argument
     # tensor's storage into shared memory held by a file descriptor in this process for as
@@ -171,7 +192,8 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_entry,
-                args=(rank, world_size, rendezvous, fn, args_bytes, results, init_pg),
+                args=(rank, world_size, rendezvous, fn, args_bytes, results, init_pg,
+                      dict(os.environ)),
                 daemon=True,
             )
             for rank in range(world_size)
