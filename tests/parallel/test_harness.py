@@ -31,6 +31,23 @@ def test_results_in_rank_order_and_failures_reported() -> None:
         run_ranks(_rank1_fails, 2, timeout=60)
 
 
+def _environment(rank: int, world_size: int) -> tuple[str | None, str | None, str]:
+    return os.environ.get("MOETRAIN_HARNESS_PROBE"), os.environ.get("HOME"), os.environ["RANK"]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_ranks_see_the_callers_environment_not_the_fork_servers(monkeypatch) -> None:
+    """Ranks fork from a server started with the environment of its first use
+    (``multirank._context``): each must see the caller's, set or unset since."""
+    run_ranks(_sum_ranks, 2, 1, timeout=60)  # the fork server is running by now
+    monkeypatch.setenv("MOETRAIN_HARNESS_PROBE", "set after the server started")
+    monkeypatch.delenv("HOME", raising=False)
+    got = run_ranks(_environment, 2, timeout=60, init_pg=False)
+    assert got == [("set after the server started", None, "0"),
+                   ("set after the server started", None, "1")], got  # fmt: skip
+
+
 def _sum_tensors(rank: int, world_size: int, tensors: dict[str, torch.Tensor]) -> float:
     return float(sum(t.sum() for t in tensors.values()))
 
