@@ -1051,15 +1051,12 @@ class JobConfig:
             if self.train.routing_replay is not None:
                 _fail("moe.force_load_balancing", "and train.routing_replay both replace the "
                       "router's choice; set one of them")
-        allowed = self.train.resume_allow_changes
-        keys = set()
-        if allowed:
-            keys = {f"{f.name}.{g.name}" for f in dataclasses.fields(self)
-                    for g in dataclasses.fields(getattr(self, f.name))}  # fmt: skip
-        unknown = [k for k in allowed if k not in keys]
-        if unknown:
-            _fail("train.resume_allow_changes", f"{unknown} are not config keys (write them "
-                  "as section.key, e.g. moe.top_k)")
+        if self.train.resume_allow_changes:  # flat_keys copies the whole config: only if asked
+            keys = flat_keys(self)
+            unknown = [k for k in self.train.resume_allow_changes if k not in keys]
+            if unknown:
+                _fail("train.resume_allow_changes", f"{unknown} are not config keys (write "
+                      "them as section.key, e.g. moe.top_k)")
         if self.model.upcycle_from is not None and moe.num_experts == 0:
             _fail("model.upcycle_from", "needs MoE layers: set moe.num_experts > 0")
         if moe.token_group_seqs is not None and moe.num_experts:
