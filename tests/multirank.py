@@ -24,10 +24,12 @@ overrides it is the layout under test (every rank returns the same gathered valu
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import math
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -72,8 +74,19 @@ def _entry(
     results: Any,
     init_pg: bool,
     environ: dict[str, str],
+    log: str,
 ) -> None:
     import torch.distributed as dist
+
+    # The rank's stdout and stderr go to its log, which a failure quotes (_with_output): what a
+    # rank prints as it dies (an abort's message, faulthandler's stack of every thread on a
+    # fatal signal) would otherwise go to the fork server's descriptors, out of any report.
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks' deadline asks for stacks
 
     os.environ.clear()  # the caller's environment, not the fork server's (_context)
     os.environ.update(environ)
@@ -147,6 +160,37 @@ def _root_failure(
     return RankFailure(f"{name}: rank {rank} failed:\n{failures[rank]}{tail}")
 
 
+RANK_OUTPUT_CHARS = 4000
+"""How much of a failed rank's output (its log's end) a ``RankFailure`` quotes."""
+
+
+def _log(tmp: str, rank: int) -> str:
+    return str(Path(tmp) / f"rank{rank}.log")
+
+
+def _with_output(e: RankFailure, tmp: str, procs: list[Any], done: dict[int, Any]) -> RankFailure:
+    """``e`` with the end of each unfinished rank's output (stdout and stderr) appended, the
+    exit code of those that died: a rank killed by a signal has no traceback to report, and
+    its last words (an abort's message, faulthandler's stacks) are all there is."""
+    parts = [str(e)]
+    for rank, p in enumerate(procs):
+        if rank in done:
+            continue
+        try:
+            text = Path(_log(tmp, rank)).read_text(errors="replace")
+        except OSError:
+            text = ""
+        code = "" if p.exitcode is None else f", exit code {p.exitcode}"
+        if not text.strip():
+            if p.exitcode not in (None, 0):
+                parts.append(f"--- rank {rank}{code}: printed nothing")
+            continue
+        cut = text[-RANK_OUTPUT_CHARS:]
+        more = f" (its last {len(cut)} of {len(text)} characters)" if len(cut) < len(text) else ""
+        parts.append(f"--- rank {rank}{code}, output{more}:\n{cut.rstrip()}")
+    return RankFailure("\n".join(parts))
+
+
 RANK_PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp",
                 "torch.distributed.pipelining", "moetrain.train.trainer", "multirank")  # fmt: skip
 """What the fork server imports once; each rank is forked from it (``_context``)."""
@@ -193,7 +237,7 @@ def run_ranks(
             ctx.Process(
                 target=_entry,
                 args=(rank, world_size, rendezvous, fn, args_bytes, results, init_pg,
-                      dict(os.environ)),
+                      dict(os.environ), _log(tmp, rank)),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -223,6 +267,10 @@ def run_ranks(
                             ) from None
                     elif time.monotonic() > deadline:
                         missing = sorted(set(range(world_size)) - set(out))
+                        for r in missing:  # each prints where its threads are (_entry)
+                            if procs[r].pid is not None and procs[r].exitcode is None:
+                                os.kill(procs[r].pid, signal.SIGUSR1)
+                        time.sleep(1.0)
                         raise RankFailure(
                             f"{fn.__name__}: ranks {missing} still running after {timeout:.0f} s"
                         ) from None
@@ -233,6 +281,8 @@ def run_ranks(
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)
             for p in procs:
                 p.join(timeout=30)
+        except RankFailure as e:
+            raise _with_output(e, tmp, procs, out) from None
         finally:
             for p in procs:
                 if p.is_alive():

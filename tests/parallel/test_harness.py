@@ -31,6 +31,46 @@ def test_results_in_rank_order_and_failures_reported() -> None:
         run_ranks(_rank1_fails, 2, timeout=60)
 
 
+def _rank1_aborts(rank: int, world_size: int) -> None:
+    if rank == 1:
+        print("rank one's last words", flush=True)
+        os.abort()  # a signal: no Python exception, no report
+    dist.barrier()
+
+
+def _rank1_hangs(rank: int, world_size: int) -> None:
+    if rank == 1:
+        import time
+
+        time.sleep(600)
+    dist.barrier()
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_rank_killed_by_a_signal_shows_its_output_and_stack() -> None:
+    """A rank that dies without a report (an abort, a segfault) leaves only its output: the
+    failure quotes it, with the Python stack faulthandler printed as it died."""
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_rank1_aborts, 2, timeout=60)
+    text = str(err.value)
+    assert "rank 1 died with exit code -6" in text, text
+    assert "--- rank 1, exit code -6, output:" in text, text
+    assert "rank one's last words" in text, text
+    assert "Fatal Python error: Aborted" in text and "_rank1_aborts" in text, text
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_rank_past_the_deadline_shows_where_it_waits() -> None:
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_rank1_hangs, 2, timeout=8)
+    text = str(err.value)
+    assert "still running after 8 s" in text, text
+    # Each late rank's threads, as faulthandler prints them on the harness's signal.
+    assert "--- rank 1" in text and "_rank1_hangs" in text, text
+
+
 def _environment(rank: int, world_size: int) -> tuple[str | None, str | None, str]:
     return os.environ.get("MOETRAIN_HARNESS_PROBE"), os.environ.get("HOME"), os.environ["RANK"]
 
