@@ -185,10 +185,25 @@ def _with_output(e: RankFailure, tmp: str, procs: list[Any], done: dict[int, Any
             if p.exitcode not in (None, 0):
                 parts.append(f"--- rank {rank}{code}: printed nothing")
             continue
-        cut = text[-RANK_OUTPUT_CHARS:]
-        more = f" (its last {len(cut)} of {len(text)} characters)" if len(cut) < len(text) else ""
-        parts.append(f"--- rank {rank}{code}, output{more}:\n{cut.rstrip()}")
+        parts.append(f"--- rank {rank}{code}, output:\n{_shorten(text).rstrip()}")
     return RankFailure("\n".join(parts))
+
+
+LAST_WORDS = ("terminate called", "what():", "Fatal Python error", "Traceback", "Error:")
+"""Lines of a rank's output kept even from the middle of a long one: a C++ abort's message
+comes before faulthandler's stacks, and a gloo collective mismatch names itself there."""
+
+
+def _shorten(text: str) -> str:
+    """``text`` within about ``RANK_OUTPUT_CHARS``: its start and end, and the lines between
+    that hold ``LAST_WORDS``."""
+    if len(text) <= RANK_OUTPUT_CHARS:
+        return text
+    head, tail = text[: RANK_OUTPUT_CHARS // 4], text[-RANK_OUTPUT_CHARS // 2 :]
+    middle = text[len(head) : len(text) - len(tail)]
+    kept = [line for line in middle.splitlines() if any(w in line for w in LAST_WORDS)][:20]
+    gap = f"[... {len(middle)} characters, {len(kept)} lines kept ...]"
+    return "\n".join([head, gap, *kept, "[...]", tail])
 
 
 RANK_PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp",

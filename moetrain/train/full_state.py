@@ -13,14 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
 from moetrain.parallel.expert_parallel import (
     gather_expert_tensors,
     gather_experts,
     is_expert_param,
 )
-from moetrain.train.tensors import MOMENTS, fqn, full_cpu, local
+from moetrain.train.tensors import MOMENTS, fqn, full_cpu, like_param, local
 
 
 class FullStateGather:
@@ -71,9 +70,7 @@ class FullStateGather:
                 g = zero1.get(id(p), p.grad)
                 if g is None:
                     g = torch.zeros_like(local(p))
-                if isinstance(p, DTensor) and not isinstance(g, DTensor):
-                    g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False)
-                mine[fqn(name)] = full_cpu(g)
+                mine[fqn(name)] = full_cpu(like_param(g, p))
             if experts:  # gathered over EP (and TP under expert TP), like the weights
                 full = gather_expert_tensors(experts, self.ep_mesh, self.etp_mesh)
                 mine.update({fqn(k): full_cpu(v) for k, v in full.items()})

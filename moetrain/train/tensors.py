@@ -24,6 +24,18 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def like_param(g: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``g``, this rank's local piece of a tensor laid out like parameter ``p`` (its gradient),
+    as a DTensor with ``p``'s mesh, placements, global shape and stride; ``g`` itself when
+    ``p`` is no DTensor. The shape is given, not inferred: ``DTensor.from_local`` alone assumes
+    even shards, so a dimension of odd size split over 2 ranks (FSDP's dim-0 shards) would be
+    taken for a different size on each rank, and gathering it is a collective mismatch."""
+    if not isinstance(p, DTensor) or isinstance(g, DTensor):
+        return g
+    return DTensor.from_local(g, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())  # fmt: skip
+
+
 def process_group(mesh: Any) -> Any:
     """The process group of a 1-D mesh, or None when there is nothing to communicate with."""
     return mesh.get_group() if mesh is not None and mesh.size() > 1 else None
