@@ -1,4 +1,4 @@
-"""Multi-rank test harness: run a function on N spawned CPU processes with gloo.
+"""Multi-rank test harness: run a function on N CPU processes with gloo.
 
 Import it from any test folder as ``from multirank import run_ranks`` (``tests/conftest.py``
 puts ``tests/`` on ``sys.path``; ``from tests.multirank import run_ranks`` also works when the
@@ -161,7 +161,7 @@ def _root_failure(
 
 
 RANK_OUTPUT_CHARS = 4000
-"""How much of a failed rank's output (its log's end) a ``RankFailure`` quotes."""
+"""About how much of a failed rank's output a ``RankFailure`` quotes (``_shorten``)."""
 
 
 def _log(tmp: str, rank: int) -> str:
@@ -169,9 +169,9 @@ def _log(tmp: str, rank: int) -> str:
 
 
 def _with_output(e: RankFailure, tmp: str, procs: list[Any], done: dict[int, Any]) -> RankFailure:
-    """``e`` with the end of each unfinished rank's output (stdout and stderr) appended, the
-    exit code of those that died: a rank killed by a signal has no traceback to report, and
-    its last words (an abort's message, faulthandler's stacks) are all there is."""
+    """``e`` with each unfinished rank's output (stdout and stderr, ``_shorten``ed) appended,
+    and the exit code of those that died: a rank killed by a signal has no traceback to
+    report, and its last words (an abort's message, faulthandler's stacks) are all there is."""
     parts = [str(e)]
     for rank, p in enumerate(procs):
         if rank in done:
