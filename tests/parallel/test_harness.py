@@ -80,7 +80,7 @@ def _environment(rank: int, world_size: int) -> tuple[str | None, str | None, st
 def test_ranks_see_the_callers_environment_not_the_fork_servers(monkeypatch) -> None:
     """Ranks fork from a server started with the environment of its first use
     (``multirank._context``): each must see the caller's, set or unset since."""
-    run_ranks(_sum_ranks, 2, 1, timeout=60)  # the fork server is running by now
+    run_ranks(_sum_ranks, 2, 1, timeout=60)  # a fork server (if used) is running by now
     monkeypatch.setenv("MOETRAIN_HARNESS_PROBE", "set after the server started")
     monkeypatch.delenv("HOME", raising=False)
     got = run_ranks(_environment, 2, timeout=60, init_pg=False)
