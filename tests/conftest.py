@@ -2,6 +2,9 @@
 
 ``tests/`` goes on ``sys.path`` so that every test folder can ``from multirank import
 run_ranks`` (the multi-rank harness, ``tests/multirank.py``). Others may append below.
+
+A test marked ``thread_counts`` runs once under each of ``threads.THREAD_COUNTS`` (one
+intra-op thread and the default): its verdict must not depend on the machine's thread count.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import zlib  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from threads import THREAD_COUNTS, threads  # noqa: E402 - reads the default thread count now
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -46,6 +50,23 @@ def pytest_report_header(config):  # noqa: ANN001 - pytest's hook signature
         return ("pytest-xdist is not installed (or -p no:xdist): the tests run in this one "
                 "process; pip install -e '.[test]' runs a worker per CPU")  # fmt: skip
     return None
+
+
+def pytest_generate_tests(metafunc):  # noqa: ANN001 - pytest's hook signature
+    """``thread_counts`` tests: parametrized by the ambient thread count (``ambient_threads``)."""
+    if metafunc.definition.get_closest_marker("thread_counts") is None:
+        return
+    metafunc.fixturenames.append("ambient_threads")
+    metafunc.parametrize("ambient_threads", THREAD_COUNTS, indirect=True,
+                         ids=[f"{n} thread{'s' * (n > 1)}" for n in THREAD_COUNTS])  # fmt: skip
+
+
+@pytest.fixture
+def ambient_threads(request):  # noqa: ANN001, ANN201 - pytest's fixture signature
+    """The test runs with torch's intra-op thread count (and ``OMP_NUM_THREADS`` for what it
+    starts) set to the parameter, restored after."""
+    with threads(request.param):
+        yield request.param
 
 
 def pytest_collection_modifyitems(config, items):  # noqa: ANN001 - pytest's hook signature

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from threads import one_thread
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 REPO = Path(__file__).resolve().parents[1]
@@ -198,9 +199,7 @@ def run(name: str, root: Path | None = None) -> dict[str, Any]:
              f"data.tokenizer={tok}", f"data.cache_dir={Path(tmp) / 'cache'}",
              f"train.output_dir={Path(tmp) / 'out'}", f"train.steps={steps}"],
         )  # fmt: skip
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)  # intra-op reductions in one fixed order
-        try:
+        with one_thread():  # one summation order on any machine (tests/threads.py)
             trainer = Trainer(cfg)
             record: dict[str, Any] = {"loss": [], "grad_norm": [], "lr": [], "moe": []}
             for _ in range(steps):
@@ -210,8 +209,6 @@ def run(name: str, root: Path | None = None) -> dict[str, Any]:
                 record["lr"].append(res.lr)
                 record["moe"].append({str(i): _layer(s) for i, s in sorted(res.moe.items())})
             trainer.close()
-        finally:
-            torch.set_num_threads(threads)
     return {"config": name, "steps": steps, "environment": environment(), **record}
 
 

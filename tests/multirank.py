@@ -43,6 +43,7 @@ import torch
 import torch.multiprocessing as mp
 from divergence import Check, Divergences
 from layout_facts import check_layout, expected_layout, layout_facts, observe, watch_fsdp
+from threads import ORACLE_THREADS, one_thread
 
 __all__ = [
     "GRAD_TOL",
@@ -80,8 +81,7 @@ def _entry(
 
     # The rank's stdout and stderr go to its log, which a failure quotes (_with_output): what a
     # rank prints as it dies (an abort's message, faulthandler's stack of every thread on a
-    # fatal signal) would otherwise go to the parent's (or fork server's) descriptors, out
-    # of any report.
+    # fatal signal) would otherwise go to the parent's descriptors, out of any report.
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -89,7 +89,7 @@ def _entry(
     faulthandler.enable(all_threads=True)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # run_ranks' deadline asks for stacks
 
-    os.environ.clear()  # the caller's environment, not a fork server's (_context)
+    os.environ.clear()  # exactly the caller's environment
     os.environ.update(environ)
 
     # torchrun's variables, so that code reading them (the trainer) sees a normal launch.
@@ -99,7 +99,7 @@ def _entry(
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    torch.set_num_threads(1)  # N processes share a couple of cores
+    torch.set_num_threads(ORACLE_THREADS)  # as every run it is compared with (tests/threads.py)
     try:
         if init_pg:
             dist.init_process_group(
@@ -202,7 +202,8 @@ def _shorten(text: str) -> str:
     its start, the lines between that hold ``LAST_WORDS``, and its end; a fatal signal's
     stacks (faulthandler's, from ``Fatal Python error`` on) whole but for the list of
     extension modules."""
-    text = "\n".join(line for line in text.splitlines() if not line.startswith("Extension modules:"))
+    lines = text.splitlines()
+    text = "\n".join(line for line in lines if not line.startswith("Extension modules:"))
     fatal = text.find("Fatal Python error")
     if fatal >= 0:  # what the rank printed just before the signal, then the stacks
         before = text.rfind("\n", 0, max(fatal - 1, 0))
@@ -218,24 +219,20 @@ def _shorten(text: str) -> str:
     return "\n".join([head, gap, *kept, "[...]", tail])
 
 
-RANK_PRELOAD = ("torch", "torch.distributed.tensor", "torch.distributed.fsdp",
-                "torch.distributed.pipelining", "moetrain.train.trainer", "multirank")  # fmt: skip
-"""What the fork server imports once; each rank is forked from it (``_context``)."""
-
-
 def _context() -> Any:
-    """Each rank is a freshly spawned interpreter. ``MOETRAIN_TEST_FORKSERVER=1`` forks ranks
-    instead from a fork server that imported ``RANK_PRELOAD`` once per test process: about
-    4 s of CPU less a rank, a third of the suite's time on 2 cores, but in 2 of 7 full runs
-    one rank of one test (never the same test, never again when rerun) died of SIGABRT
-    without a C++ exception's message, which spawned ranks have not shown. Until that is
-    understood the fork server is opt-in; the logs ``_with_output`` quotes are where to look.
-    Either way ``_entry`` sets the caller's environment."""
-    if os.environ.get("MOETRAIN_TEST_FORKSERVER") != "1":
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(RANK_PRELOAD))
-    return ctx
+    """Each rank is a freshly spawned interpreter (about 6 s of CPU to import torch, its
+    distributed packages and moetrain).
+
+    Ranks forked from a fork server that imported those once were a third faster on 2 cores,
+    and were retired: in 2 of 7 full runs one rank of one test died of SIGABRT, a different
+    test each time and never on a rerun, while spawned ranks have never shown it. The server
+    forked a process holding a native thread (pyarrow's jemalloc ``jemalloc_bg_thd``,
+    started when ``datasets`` is imported), and POSIX leaves a forked child of a
+    multi-threaded process undefined beyond async-signal-safe calls until it execs: an
+    allocator whose background thread is gone in the child is exactly what that rules out.
+    ``_entry`` still sets the caller's environment, so a rank's does not depend on how it
+    started."""
+    return mp.get_context("spawn")
 
 
 def run_ranks(
@@ -392,7 +389,21 @@ def micro_run(
     used: the oracle's own tests plant errors with it. ``traffic=False`` skips counting the
     first step's collectives (``CommCounter`` sees every op: slow), leaving the traffic facts
     out of ``layout``: for the cells of a layout whose traffic another cell checked.
+
+    It computes on ``ORACLE_THREADS`` intra-op threads whatever the caller's setting, as every
+    rank, reference and replay it may be compared with does (tests/threads.py).
     """
+    with one_thread():
+        return _micro_run(out_dir, steps, *overrides, inject=inject, traffic=traffic)
+
+
+def _micro_run(
+    out_dir: str | Path,
+    steps: int,
+    *overrides: str,
+    inject: Callable[[Any, int], None] | None,
+    traffic: bool,
+) -> dict[str, Any]:
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(micro_config(out_dir, f"train.steps={steps}", *overrides))
@@ -912,15 +923,8 @@ def reference_run(options: tuple[str, ...], steps: int) -> dict[str, Any]:
     """The single-process ``micro_run`` of ``options`` (computed once per test process)."""
     key = (tuple(options), steps)
     if key not in _REFERENCES:
-        threads = torch.get_num_threads()
-        # One thread, as every rank has: on a busy machine waking a second intra-op thread
-        # costs more than these tiny ops (10x on the first step).
-        torch.set_num_threads(1)
-        try:
-            with tempfile.TemporaryDirectory() as out:
-                _REFERENCES[key] = micro_run(out, steps, *options)
-        finally:
-            torch.set_num_threads(threads)
+        with tempfile.TemporaryDirectory() as out:
+            _REFERENCES[key] = micro_run(out, steps, *options)  # on ORACLE_THREADS, as a rank
     return _REFERENCES[key]
 
 
@@ -942,9 +946,7 @@ def anchored_run(options: tuple[str, ...], got: dict[str, Any], steps: int) -> d
     from moetrain.train.tensors import fqn as _fqn
     from moetrain.train.trainer import Trainer
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as out:
+    with one_thread(), tempfile.TemporaryDirectory() as out:
         trainer = Trainer(micro_config(out, f"train.steps={steps}", *options))
         engine = trainer.engine
         named = {_fqn(n): p for part in engine.parts for n, p in part.named_parameters()}
@@ -991,7 +993,6 @@ def anchored_run(options: tuple[str, ...], got: dict[str, Any], steps: int) -> d
         report["dtype"] = _tolerance_row(trainer)
         report["precision"] = (str(trainer.dtype), trainer.cfg.train.fp8)
         trainer.close()
-    torch.set_num_threads(threads)
     return report
 
 

@@ -24,6 +24,7 @@ import matrix_design as md
 import pytest
 import torch
 from multirank import Case, RankFailure, check_cases, micro_config, run_ranks
+from threads import one_thread
 
 TP_SP = ("parallel.tp=2", "parallel.sequence_parallel=true")
 EXPERT_TP = ("parallel.tp=2",)  # expert TP (the default): every expert's FFN width split
@@ -69,7 +70,6 @@ def first_logits(
 def _worker(
     rank: int, world: int, layout: tuple[str, ...], plant: bool, options: tuple[str, ...] = OPTIONS
 ) -> torch.Tensor:
-    torch.set_num_threads(1)
     return first_logits(layout, plant, options)
 
 
@@ -85,12 +85,8 @@ def differing_tokens(got: torch.Tensor, ref: torch.Tensor) -> float:
 def test_scales_from_one_ranks_slice_move_every_token_and_whole_tensor_scales_do_not(
     name: str,
 ) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():  # as every rank (tests/threads.py)
         ref = first_logits((), plant=False)
-    finally:
-        torch.set_num_threads(threads)
     correct = run_ranks(_worker, 2, LAYOUTS[name], False, timeout=280)
     planted = run_ranks(_worker, 2, LAYOUTS[name], True, timeout=280)
     for rank in (0, 1):
@@ -119,12 +115,8 @@ def test_scaled_mm_backend_runs_on_tensor_parallel_shards() -> None:
     if not hasattr(torch, "_scaled_mm"):
         pytest.skip("torch has no _scaled_mm")
     options = (*OPTIONS, "train.fp8_backend=scaled_mm")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():  # as every rank (tests/threads.py)
         ref = first_logits((), False, options)
-    finally:
-        torch.set_num_threads(threads)
     got = run_ranks(_worker, 2, LAYOUTS[name], False, options, timeout=280)
     for rank in (0, 1):
         err = float((got[rank] - ref).abs().max() / ref.abs().max())

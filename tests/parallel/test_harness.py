@@ -77,15 +77,15 @@ def _environment(rank: int, world_size: int) -> tuple[str | None, str | None, st
 
 @pytest.mark.multirank
 @pytest.mark.timeout(120)
-def test_ranks_see_the_callers_environment_not_the_fork_servers(monkeypatch) -> None:
-    """Ranks fork from a server started with the environment of its first use
-    (``multirank._context``): each must see the caller's, set or unset since."""
-    run_ranks(_sum_ranks, 2, 1, timeout=60)  # a fork server (if used) is running by now
-    monkeypatch.setenv("MOETRAIN_HARNESS_PROBE", "set after the server started")
+def test_ranks_see_the_callers_environment(monkeypatch) -> None:
+    """Each rank sees the caller's environment as it is at the call, set or unset since an
+    earlier call (``_entry`` replaces the rank's environment with the caller's)."""
+    run_ranks(_sum_ranks, 2, 1, timeout=60)
+    monkeypatch.setenv("MOETRAIN_HARNESS_PROBE", "set after the first call")
     monkeypatch.delenv("HOME", raising=False)
     got = run_ranks(_environment, 2, timeout=60, init_pg=False)
-    assert got == [("set after the server started", None, "0"),
-                   ("set after the server started", None, "1")], got  # fmt: skip
+    assert got == [("set after the first call", None, "0"),
+                   ("set after the first call", None, "1")], got  # fmt: skip
 
 
 def _sum_tensors(rank: int, world_size: int, tensors: dict[str, torch.Tensor]) -> float:

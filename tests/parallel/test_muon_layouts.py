@@ -26,6 +26,7 @@ import matrix_design as md
 import pytest
 import torch
 from multirank import micro_config, run_ranks
+from threads import one_thread
 
 OPTIONS = (*md.BASE, "optim.name=muon", "optim.muon_embedding=true", "optim.muon_output=true",
            "optim.muon_router=true")  # fmt: skip
@@ -127,7 +128,6 @@ def optimizer_run(overrides: tuple[str, ...]) -> dict[str, dict[str, torch.Tenso
 
 
 def _worker(rank: int, world: int, layouts: list[tuple[str, ...]], plant: bool) -> list[dict]:
-    torch.set_num_threads(1)
     if plant:
         from faults import plant as plant_fault
 
@@ -140,12 +140,8 @@ _REFERENCE: dict[str, dict[str, torch.Tensor]] = {}
 
 def reference() -> dict[str, dict[str, torch.Tensor]]:
     if not _REFERENCE:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
+        with one_thread():  # as every rank (tests/threads.py)
             _REFERENCE.update(optimizer_run(OPTIONS))
-        finally:
-            torch.set_num_threads(threads)
     return _REFERENCE
 
 

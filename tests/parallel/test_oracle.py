@@ -25,6 +25,7 @@ import tempfile
 from typing import Any
 
 import pytest
+import torch
 from multirank import (
     PARAM_TOL,
     Case,
@@ -37,6 +38,7 @@ from multirank import (
     reshard_run,
     scale_grads,
 )
+from threads import ORACLE_THREADS
 
 STEPS = 3
 
@@ -102,8 +104,40 @@ def _nudge(suffix: str, by: float) -> Any:
     return inject
 
 
+@pytest.mark.thread_counts
+def test_every_run_an_exact_comparison_reads_computes_on_the_oracles_threads(
+    monkeypatch: pytest.MonkeyPatch, ambient_threads: int
+) -> None:
+    """The layout's run, the single-process reference and the step-by-step replay each
+    compute on ``ORACLE_THREADS`` intra-op threads whatever the caller's setting: the same
+    fp32 sums blocked for another thread count differ in their last bits (by how much depends
+    on the machine), and ``anchored_compare`` asserts the replay of a correct run exact."""
+    from moetrain.train.trainer import Trainer
+
+    seen: list[tuple[str, int]] = []
+    step = Trainer.train_step
+    what = ["run"]
+
+    def counting(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        seen.append((what[0], torch.get_num_threads()))
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "train_step", counting)
+    options = (f"optim.lr={ambient_threads}e-3",)  # a reference no other test has computed
+    with tempfile.TemporaryDirectory() as out:
+        got = micro_run(out, 2, *options)
+    what[0] = "reference"
+    reference_run(options, 2)
+    what[0] = "replay"
+    anchored_compare(options, got, 2)
+    assert {w for w, _ in seen} == {"run", "reference", "replay"}, seen
+    assert all(n == ORACLE_THREADS for _, n in seen), (ambient_threads, seen)
+    assert torch.get_num_threads() == ambient_threads  # and the caller's setting is restored
+
+
 @pytest.mark.slow  # three 3-step runs and their replays (about 25 s on two idle cores)
-def test_the_step_by_step_check_is_exact_and_forgives_no_later_error() -> None:
+@pytest.mark.thread_counts
+def test_the_step_by_step_check_is_exact_and_forgives_no_later_error(ambient_threads) -> None:
     """``anchored_compare`` (what decides a cell past the whole-run tolerances, where Adam has
     amplified last-bit differences) replays the run step by step from the run's own states:
     a correct run passes it with nothing to spare; a gradient error at a later step only, or

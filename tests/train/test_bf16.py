@@ -12,6 +12,7 @@ import tempfile
 
 import torch
 from multirank import micro_config
+from threads import one_thread
 
 from moetrain.train.trainer import Trainer
 
@@ -31,13 +32,9 @@ def _losses(*overrides: str) -> tuple[list[float], Trainer]:
 
 
 def test_bf16_loss_tracks_fp32_over_20_steps() -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second intra-op thread only waits on a busy machine
-    try:
+    with one_thread():  # tiny ops: a second thread only waits on a busy machine
         fp32, _ = _losses()
         bf16, trainer = _losses("train.dtype=bf16")
-    finally:
-        torch.set_num_threads(threads)
     assert trainer.dtype == torch.bfloat16
     # Master weights stay fp32 under bf16 autocast.
     assert all(p.dtype == torch.float32 for p in trainer.engine.parts[0].parameters())

@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 from multirank import micro_config
+from threads import one_thread
 
 from moetrain.ablation.stats import difference_interval
 from moetrain.train.trainer import Trainer
@@ -85,13 +85,9 @@ def _losses(*overrides: str) -> list[float]:
 
 @pytest.mark.timeout(600)
 def test_fp8_loss_tracks_bf16_over_20_steps() -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: a second intra-op thread only waits on a busy machine
-    try:
+    with one_thread():  # tiny ops: a second thread only waits on a busy machine
         bf16 = _losses()
         runs = {r: _losses(f"train.fp8={r}") for r in ("tensorwise", "rowwise")}
-    finally:
-        torch.set_num_threads(threads)
     for recipe, fp8 in runs.items():
         diffs = [abs(a - b) for a, b in zip(fp8, bf16, strict=True)]
         assert max(diffs) <= MICRO_BOUND, (recipe, max(diffs), fp8, bf16)
