@@ -4,7 +4,8 @@ For README.md and every docs/*.md page:
 
 - every link and every repository path (``moetrain/...``, ``tests/...``, ``configs/...``)
   resolves inside the repository, and nothing points outside it (``../shared``, absolute
-  paths of a build machine, files that live beside the repository);
+  paths of a build machine, files that live beside the repository); a link to a heading
+  (``page.md#anchor``, ``#anchor``) names a heading the page has;
 - every command shown in a shell code block parses its arguments without running:
   ``moetrain ...`` and ``python -m moetrain ...`` through the command's own parser (any
   command of ``moetrain.cli.COMMANDS``, so commands added later are covered), training
@@ -72,6 +73,27 @@ def _path_tokens(page: Path) -> Iterator[tuple[int, str]]:
                     yield number, token
 
 
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: its text (code spans and links reduced to their
+    text), lower case, without punctuation but ``-`` and ``_``, spaces as ``-``."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings (outside code blocks); a repeated heading's second
+    anchor ends in ``-1``, as GitHub numbers them."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, lang, line in blocks(page):
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*$", line) if lang is None else None
+        if heading:
+            slug = _slug(heading.group(1))
+            out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
 def _problems(page: Path) -> list[str]:
     problems = []
     text = page.read_text()
@@ -81,13 +103,20 @@ def _problems(page: Path) -> list[str]:
                 problems.append(f"{_rel(page)}:{number}: {m.group(0)!r} points outside the repo")
     for number, line in enumerate(text.splitlines(), 1):
         for target in re.findall(r"\]\(([^)\s]+)\)", line):
-            if target.startswith(("http://", "https://", "mailto:", "#")):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            if target.startswith("#"):
+                if target[1:] not in anchors(page):
+                    problems.append(f"{_rel(page)}:{number}: link {target}: no such heading")
                 continue
             path = (page.parent / target.split("#")[0]).resolve()
             if REPO not in path.parents and path != REPO:
                 problems.append(f"{_rel(page)}:{number}: link {target} leaves the repository")
             elif not path.exists():
                 problems.append(f"{_rel(page)}:{number}: link {target} does not exist")
+            elif "#" in target and path.suffix == ".md":
+                if target.split("#", 1)[1] not in anchors(path):
+                    problems.append(f"{_rel(page)}:{number}: link {target}: no such heading")
     for number, token in _path_tokens(page):
         if token.startswith("../"):
             path = (page.parent / token).resolve()
@@ -114,6 +143,17 @@ def undocumented_configs(readme: str) -> list[str]:
     return [f for f in files if f"`{f}`" not in readme]
 
 
+def test_anchors_are_githubs() -> None:
+    """Anchors as GitHub writes them, so a link that works there passes here and one that
+    does not fails: code spans and punctuation dropped, a repeated heading numbered."""
+    assert _slug("Resume (`train.resume`)") == "resume-trainresume"
+    assert _slug("The first GPU run (one H100, 2026-11-27)") == (
+        "the-first-gpu-run-one-h100-2026-11-27")  # fmt: skip
+    found = anchors(REPO / "docs" / "expert_parallel.md")
+    assert {"choosing-ep", "how-the-engine-runs-it"} <= found and "no-such-heading" not in found
+    assert "the-keys-parallel-in-docsconfigmd" in found  # `parallel.*`, `docs/config.md`
+
+
 def test_every_config_file_is_documented() -> None:
     assert not undocumented_configs((REPO / "README.md").read_text())
     assert undocumented_configs("") and "configs/tiny.yaml" in undocumented_configs("")
@@ -127,6 +167,8 @@ def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "Targets in `/work/shared/targets.md` terms.",
         "[missing](no_such_page.md)",
         "[outside](../../etc/passwd)",
+        "[no heading](checkpoints.md#no-such-heading)",
+        "[no heading here](#nor-here)",
         "The code is `moetrain/train/no_such_module.py`.",
         "```bash\npython tools/no_such_tool.py\n```",
     ]
@@ -137,6 +179,8 @@ def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "/work/",
         "no_such_page.md",
         "../../etc/passwd",
+        "#no-such-heading",
+        "#nor-here",
         "no_such_module.py",
         "no_such_tool.py",
     ):
