@@ -159,6 +159,29 @@ def test_every_config_file_is_documented() -> None:
     assert undocumented_configs("") and "configs/tiny.yaml" in undocumented_configs("")
 
 
+FRONT = REPO / "docs" / "README.md"
+"""The docs' front page: which page to read for what, and what writes each data file."""
+
+
+def unlisted_data(front: str, files: list[Path]) -> list[str]:
+    """Files under docs/data/ and docs/img/ that the front page does not name by their path
+    from docs/ (``data/...``, ``img/...``)."""
+    names = [f.relative_to(REPO / "docs").as_posix() for f in files]
+    return [n for n in names if f"({n})" not in front and f"`{n}`" not in front]
+
+
+def test_every_data_file_is_listed_on_the_front_page() -> None:
+    """What a tool, test or sweep wrote lives under docs/data/ (figures under docs/img/), not
+    among the pages, and the front page says what writes each file and what reads it."""
+    loose = sorted(p.name for p in (REPO / "docs").iterdir() if p.is_file() and p.suffix != ".md")
+    assert not loose, f"files among the pages, not under docs/data/ or docs/img/: {loose}"
+    files = sorted(f for d in ("data", "img") for f in (REPO / "docs" / d).rglob("*")
+                   if f.is_file())  # fmt: skip
+    assert len(files) > 20 and not unlisted_data(FRONT.read_text(), files)
+    planted = [*files, REPO / "docs" / "data" / "new_sweep_summary.csv"]
+    assert unlisted_data(FRONT.read_text(), planted) == ["data/new_sweep_summary.csv"]
+
+
 def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The checker itself catches each kind of bad reference."""
     page = REPO / "docs" / "_test_docs_probe.md"
@@ -799,17 +822,6 @@ def _fp8_convergence() -> list[float]:
     return out
 
 
-def _fp8_readme() -> list[float]:
-    """README's FP8 convergence figures: each recipe's paired eval-loss difference from bf16
-    (docs/data/ablation_fp8.csv), to 3 decimals."""
-    import csv
-
-    with open(DATA / "ablation_fp8.csv", newline="") as f:
-        s = {r["run"]: r for r in csv.DictReader(f)}
-    return [round(float(s[run][f"eval_loss_diff_{k}"]), 3)
-            for run in ("fp8-tensorwise", "fp8-rowwise") for k in ("mean", "lo", "hi")]  # fmt: skip
-
-
 OPTIM_FIGURES = ("eval_loss", "dropped_fraction", "max_over_mean", "router_entropy")
 
 
@@ -906,8 +918,6 @@ QUOTES = [
           r"(?s)\| bf16 \| (\S+ \[\S+ \S+\]) \|.*?\| FP8 tensorwise \| (\S+ \[\S+ \S+\]) \| "
           r"(\S+ \[\S+ \S+\])[^|]*\| (\S+) \| (\S+)% \|\n\| FP8 rowwise \| (\S+ \[\S+ \S+\]) \| "
           r"(\S+ \[\S+ \S+\])[^|]*\| (\S+) \| (\S+)% \|", _fp8_convergence),
-    Quote("README.md", "docs/data/ablation_fp8.csv (the FP8 sweep's summary)",
-          r"\(eval loss (\S+ \[\S+ \S+\]) tensorwise, (\S+ \[\S+ \S+\]) rowwise\)", _fp8_readme),
     Quote("docs/optim.md",
           "docs/data/sweeps/optim_summary.csv (moetrain ablate's summary, sweep_table)",
           r"(?s)renders it from the summary\.\n\n(\| variant .*?\n)\n", _optim_table),
@@ -926,10 +936,6 @@ QUOTES = [
           r"(?s)## Start-up, measured\n.*?\n\n(\| code \| layout .*?\n)\n",
           lambda: _load_tool(REPO / "tools" / "startup_memory.py").render(
               _load_tool(REPO / "tools" / "startup_memory.py").read_rows())),
-    Quote("README.md", "docs/data/benchmarks.csv (the H100 rows of 2026-11-27)",
-          r"Triton grouped GEMM (\S+)x-(\S+)x `torch._grouped_mm`, fused router (\S+)x-(\S+)x "
-          r"the torch path, end to end (\S+) MFU",
-          lambda: [_h100()[k] for k in ("gemm_lo", "gemm_hi", "router_lo", "router_hi", "mfu")]),
     Quote("docs/gpu.md", "docs/data/benchmarks.csv (the H100 rows of 2026-11-27)",
           r"(?s)grouped GEMM ran at (\S+)x to (\S+)x of `torch._grouped_mm`.*?itself\s+(\S+) to "
           r"(\S+) TFLOP/s\);.*?at (\S+)x to (\S+)x of the unfused.*?permute at (\S+) to (\S+) of "
