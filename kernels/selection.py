@@ -5,7 +5,7 @@
     select_kernels("triton" | "torch", x_TD, ...) -> that name (``resolve_backend``'s checks)
 
 The measurements are ``kernels/measured.py``'s ``CHOICES`` (generated from
-docs/benchmarks.csv by tools/kernel_table.py): per op, GPU architecture and shape class (an
+docs/data/benchmarks.csv by tools/kernel_table.py): per op, GPU architecture and shape class (an
 anchor model of the benchmarks: Mixtral, Qwen3-30B-A3B, DeepSeek-V3), Triton's speed-up
 over torch and the implementation picked. A layer takes, per op, the pick of the measured
 class nearest to its own shape: the smallest sum of |log(ratio)| over the op's features

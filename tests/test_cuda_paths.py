@@ -435,7 +435,8 @@ def test_kernels_auto_picks_each_op_by_measurement_and_says_why(fake_cuda, monke
     assert "NVIDIA H100 80GB HBM3, sm_90" in lines[0]
     assert "fwd: torch in bfloat16: Triton 0.99x torch._grouped_mm on the mixtral class" in (
         lines[1]), lines[1]  # fmt: skip
-    assert "docs/benchmarks.csv" in lines[1] and "grouped_gemm mixtral/T16384/{down,up}" in lines[1]
+    assert "docs/data/benchmarks.csv" in lines[1]
+    assert "grouped_gemm mixtral/T16384/{down,up}" in lines[1]
     assert "gather: triton (default: no measurement" in lines[4]
     # DeepSeek-V3's sigmoid router over 256 experts at 8,192 tokens: measured slower in Triton.
     dsv3 = types.SimpleNamespace(device=CUDA0, shape=(8192, 7168), dtype=torch.bfloat16)

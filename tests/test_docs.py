@@ -4,7 +4,8 @@ For README.md and every docs/*.md page:
 
 - every link and every repository path (``moetrain/...``, ``tests/...``, ``configs/...``)
   resolves inside the repository, and nothing points outside it (``../shared``, absolute
-  paths of a build machine, files that live beside the repository);
+  paths of a build machine, files that live beside the repository); a link to a heading
+  (``page.md#anchor``, ``#anchor``) names a heading the page has;
 - every command shown in a shell code block parses its arguments without running:
   ``moetrain ...`` and ``python -m moetrain ...`` through the command's own parser (any
   command of ``moetrain.cli.COMMANDS``, so commands added later are covered), training
@@ -33,6 +34,7 @@ import pytest
 from doc_commands import blocks, commands, unlabeled_commands
 
 REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "docs" / "data"  # what tools, tests and sweeps wrote, which the pages quote
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # What a clean clone has at its top: not the ignored run outputs (outputs/, runs/) that a
 # working tree may hold.
@@ -71,6 +73,27 @@ def _path_tokens(page: Path) -> Iterator[tuple[int, str]]:
                     yield number, token
 
 
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: its text (code spans and links reduced to their
+    text), lower case, without punctuation but ``-`` and ``_``, spaces as ``-``."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings (outside code blocks); a repeated heading's second
+    anchor ends in ``-1``, as GitHub numbers them."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, lang, line in blocks(page):
+        heading = re.match(r"^#{1,6}\s+(.*?)\s*$", line) if lang is None else None
+        if heading:
+            slug = _slug(heading.group(1))
+            out.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return out
+
+
 def _problems(page: Path) -> list[str]:
     problems = []
     text = page.read_text()
@@ -80,13 +103,20 @@ def _problems(page: Path) -> list[str]:
                 problems.append(f"{_rel(page)}:{number}: {m.group(0)!r} points outside the repo")
     for number, line in enumerate(text.splitlines(), 1):
         for target in re.findall(r"\]\(([^)\s]+)\)", line):
-            if target.startswith(("http://", "https://", "mailto:", "#")):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            if target.startswith("#"):
+                if target[1:] not in anchors(page):
+                    problems.append(f"{_rel(page)}:{number}: link {target}: no such heading")
                 continue
             path = (page.parent / target.split("#")[0]).resolve()
             if REPO not in path.parents and path != REPO:
                 problems.append(f"{_rel(page)}:{number}: link {target} leaves the repository")
             elif not path.exists():
                 problems.append(f"{_rel(page)}:{number}: link {target} does not exist")
+            elif "#" in target and path.suffix == ".md":
+                if target.split("#", 1)[1] not in anchors(path):
+                    problems.append(f"{_rel(page)}:{number}: link {target}: no such heading")
     for number, token in _path_tokens(page):
         if token.startswith("../"):
             path = (page.parent / token).resolve()
@@ -113,9 +143,43 @@ def undocumented_configs(readme: str) -> list[str]:
     return [f for f in files if f"`{f}`" not in readme]
 
 
+def test_anchors_are_githubs() -> None:
+    """Anchors as GitHub writes them, so a link that works there passes here and one that
+    does not fails: code spans and punctuation dropped, a repeated heading numbered."""
+    assert _slug("Resume (`train.resume`)") == "resume-trainresume"
+    assert _slug("The first GPU run (one H100, 2026-11-27)") == (
+        "the-first-gpu-run-one-h100-2026-11-27")  # fmt: skip
+    found = anchors(REPO / "docs" / "expert_parallel.md")
+    assert {"choosing-ep", "how-the-engine-runs-it"} <= found and "no-such-heading" not in found
+    assert "the-keys-parallel-in-docsconfigmd" in found  # `parallel.*`, `docs/config.md`
+
+
 def test_every_config_file_is_documented() -> None:
     assert not undocumented_configs((REPO / "README.md").read_text())
     assert undocumented_configs("") and "configs/tiny.yaml" in undocumented_configs("")
+
+
+FRONT = REPO / "docs" / "README.md"
+"""The docs' front page: which page to read for what, and what writes each data file."""
+
+
+def unlisted_data(front: str, files: list[Path]) -> list[str]:
+    """Files under docs/data/ and docs/img/ that the front page does not name by their path
+    from docs/ (``data/...``, ``img/...``)."""
+    names = [f.relative_to(REPO / "docs").as_posix() for f in files]
+    return [n for n in names if f"({n})" not in front and f"`{n}`" not in front]
+
+
+def test_every_data_file_is_listed_on_the_front_page() -> None:
+    """What a tool, test or sweep wrote lives under docs/data/ (figures under docs/img/), not
+    among the pages, and the front page says what writes each file and what reads it."""
+    loose = sorted(p.name for p in (REPO / "docs").iterdir() if p.is_file() and p.suffix != ".md")
+    assert not loose, f"files among the pages, not under docs/data/ or docs/img/: {loose}"
+    files = sorted(f for d in ("data", "img") for f in (REPO / "docs" / d).rglob("*")
+                   if f.is_file())  # fmt: skip
+    assert len(files) > 20 and not unlisted_data(FRONT.read_text(), files)
+    planted = [*files, REPO / "docs" / "data" / "new_sweep_summary.csv"]
+    assert unlisted_data(FRONT.read_text(), planted) == ["data/new_sweep_summary.csv"]
 
 
 def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,6 +190,8 @@ def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "Targets in `/work/shared/targets.md` terms.",
         "[missing](no_such_page.md)",
         "[outside](../../etc/passwd)",
+        "[no heading](checkpoints.md#no-such-heading)",
+        "[no heading here](#nor-here)",
         "The code is `moetrain/train/no_such_module.py`.",
         "```bash\npython tools/no_such_tool.py\n```",
     ]
@@ -136,6 +202,8 @@ def test_path_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
         "/work/",
         "no_such_page.md",
         "../../etc/passwd",
+        "#no-such-heading",
+        "#nor-here",
         "no_such_module.py",
         "no_such_tool.py",
     ):
@@ -537,12 +605,12 @@ def _gpu_1b() -> dict[str, float]:
 
 
 def _h100() -> dict[str, float]:
-    """The first GPU run's figures (one H100, 2026-11-27) from docs/benchmarks.csv, as the
+    """The first GPU run's figures (one H100, 2026-11-27) from docs/data/benchmarks.csv, as the
     pages round them: grouped GEMM vs torch._grouped_mm, fused router, permute / unpermute,
     MoE layer / GEMMs, end to end, the kernel tests."""
     import csv
 
-    with (REPO / "docs" / "benchmarks.csv").open(newline="") as f:
+    with (DATA / "benchmarks.csv").open(newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["device"] == "NVIDIA H100 80GB HBM3"
                 and r["timestamp"].startswith("2026-11-27")]  # fmt: skip
 
@@ -597,11 +665,11 @@ def _matrix_layouts() -> float:
 
 
 def _sweep(name: str) -> dict[str, dict[str, float]]:
-    """A sweep's summary (docs/sweeps/<name>_summary.csv, the ``summary.csv`` that
+    """A sweep's summary (docs/data/sweeps/<name>_summary.csv, the ``summary.csv`` that
     ``moetrain ablate`` wrote): per run, every numeric column."""
     import csv
 
-    with open(REPO / "docs" / "sweeps" / f"{name}_summary.csv", newline="") as f:
+    with open(DATA / "sweeps" / f"{name}_summary.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     out = {}
     for row in rows:
@@ -639,8 +707,8 @@ def _docs_sweep_caption() -> list[float]:
 def _balancing_table() -> str:
     """moe.md's balancing table: tools/sweep_table.py on the sweep's summary and warnings."""
     tool = _load_tool(REPO / "tools" / "sweep_table.py")
-    warnings = json.loads((REPO / "docs" / "sweeps" / "balancing_warnings.json").read_text())
-    summary = REPO / "docs" / "sweeps" / "balancing_summary.csv"
+    warnings = json.loads((DATA / "sweeps" / "balancing_warnings.json").read_text())
+    summary = DATA / "sweeps" / "balancing_summary.csv"
     return tool.render(summary, warnings, bold="aux-0.01+bias-0.01")
 
 
@@ -662,20 +730,20 @@ def _balancing_prose() -> list[float]:
 
 def _balancing_warning_steps() -> list[float]:
     """(first, last) warning step of the peak-lr-3e-3 variants, then the lr-1e-3 one's steps."""
-    w = json.loads((REPO / "docs" / "sweeps" / "balancing_warnings.json").read_text())
+    w = json.loads((DATA / "sweeps" / "balancing_warnings.json").read_text())
     fast = [step for run, v in w.items() if "lr-1e-3" not in run for step in v["steps"]]
     slow = sorted(step for run, v in w.items() if "lr-1e-3" in run for step in v["steps"])
     return [min(fast), max(fast), *slow]
 
 
 def _plan_check_quotes() -> list[Quote]:
-    """docs/plan.md's check of the step estimate (docs/plan_check.csv, tools/plan_check.py)
+    """docs/plan.md's check of the step estimate (docs/data/plan_check.csv, tools/plan_check.py)
     and docs/kernels.md's measured choices (kernels/measured.py's source, benchmarks.csv)."""
     tool = lambda name: _load_tool(REPO / "tools" / f"{name}.py")  # noqa: E731
 
     def rows() -> dict[str, dict[str, str]]:
         return {r["variant"]: r for r in tool("plan_check").read_rows(
-            str(REPO / "docs" / "plan_check.csv"))}  # fmt: skip
+            str(DATA / "plan_check.csv"))}  # fmt: skip
 
     def prose() -> list[float]:
         r = rows()
@@ -693,16 +761,16 @@ def _plan_check_quotes() -> list[Quote]:
     def choices() -> str:
         kt = tool("kernel_table")
         return kt.render_choices(
-            kt.build(kt.bc.read_rows(str(REPO / "docs" / "benchmarks.csv")))["CHOICES"]
+            kt.build(kt.bc.read_rows(str(DATA / "benchmarks.csv")))["CHOICES"]
         )
 
     return [
         Quote(
             "docs/plan.md",
-            "docs/plan_check.csv (written by tools/plan_check.py)",
+            "docs/data/plan_check.csv (written by tools/plan_check.py)",
             r"(?s)## Checked against the GPU run\n.*?\n\n(\| step of .*?\n)\n",
             lambda: tool("plan_check").render(
-                tool("plan_check").read_rows(str(REPO / "docs" / "plan_check.csv"))
+                tool("plan_check").read_rows(str(DATA / "plan_check.csv"))
             ),
         ),
         Quote(
@@ -713,7 +781,7 @@ def _plan_check_quotes() -> list[Quote]:
         ),
         Quote(
             "docs/plan.md",
-            "docs/plan_check.csv (written by tools/plan_check.py)",
+            "docs/data/plan_check.csv (written by tools/plan_check.py)",
             r"(?s)says \*\*(\S+) ms\*\*, (\S+) of the \*\*(\S+) ms\*\* measured.*?rates, "
             r"(\S+) ms against the (\S+) ms the profile's.*?device time is (\S+) ms of.*?"
             r"checks: (\S+) ms\*\*",
@@ -721,22 +789,22 @@ def _plan_check_quotes() -> list[Quote]:
         ),
         Quote(
             "docs/kernels.md",
-            "docs/benchmarks.csv (tools/kernel_table.py --print)",
+            "docs/data/benchmarks.csv (tools/kernel_table.py --print)",
             r"(?s)sigmoid router over 256 experts.*?:\n\n(\| arch \| op .*?\n)\n",
             choices,
         ),
     ]
 def _fp8_convergence() -> list[float]:
-    """fp8.md's convergence table (docs/ablation_fp8.csv, the FP8 sweep's summary, and
-    docs/ablation_fp8_curves.csv), in its order, rounded as it writes them: bf16's eval loss;
+    """fp8.md's convergence table (docs/data/ablation_fp8.csv, the FP8 sweep's summary, and
+    docs/data/ablation_fp8_curves.csv), in its order, rounded as it writes them: bf16's eval loss;
     per recipe its eval loss, the paired difference, the last 100 steps' mean train-loss
     difference and the percentage of those steps whose interval spans zero."""
     import csv
     import statistics
 
-    with open(REPO / "docs" / "ablation_fp8.csv", newline="") as f:
+    with open(DATA / "ablation_fp8.csv", newline="") as f:
         s = {r["run"]: r for r in csv.DictReader(f)}
-    with open(REPO / "docs" / "ablation_fp8_curves.csv", newline="") as f:
+    with open(DATA / "ablation_fp8_curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
 
     def three(run: str, key: str) -> list[float]:
@@ -754,17 +822,6 @@ def _fp8_convergence() -> list[float]:
     return out
 
 
-def _fp8_readme() -> list[float]:
-    """README's FP8 convergence figures: each recipe's paired eval-loss difference from bf16
-    (docs/ablation_fp8.csv), to 3 decimals."""
-    import csv
-
-    with open(REPO / "docs" / "ablation_fp8.csv", newline="") as f:
-        s = {r["run"]: r for r in csv.DictReader(f)}
-    return [round(float(s[run][f"eval_loss_diff_{k}"]), 3)
-            for run in ("fp8-tensorwise", "fp8-rowwise") for k in ("mean", "lo", "hi")]  # fmt: skip
-
-
 OPTIM_FIGURES = ("eval_loss", "dropped_fraction", "max_over_mean", "router_entropy")
 
 
@@ -778,7 +835,7 @@ def _optim_table() -> str:
     """optim.md's sweep table: tools/sweep_table.py on the sweep's summary, the best Muon lr
     in bold."""
     tool = _load_tool(REPO / "tools" / "sweep_table.py")
-    return tool.render(REPO / "docs" / "sweeps" / "optim_summary.csv", None,
+    return tool.render(DATA / "sweeps" / "optim_summary.csv", None,
                        bold=_optim_best(), figures=OPTIM_FIGURES)  # fmt: skip
 
 
@@ -835,37 +892,36 @@ QUOTES = [
           r"The bytes-sent ratios sit (between \S+ and \S+ \([^)]*\))",
           lambda: f"between {_accounting_bytes_sent()[0]:.4f} and "
                   f"{_accounting_bytes_sent()[1]:.4f} ({_accounting_bytes_sent()[2]})"),
-    Quote("docs/moe.md", "docs/default_run.json (written by tools/run_figures.py)",
+    Quote("docs/moe.md", "docs/data/default_run.json (written by tools/run_figures.py)",
           r"(?s)\*\*The default, 500 steps\*\*.*?\n\n(\| \| \|\n.*?\n)\n",
           lambda: _load_tool(REPO / "tools" / "run_figures.py").render_table(
-              json.loads((REPO / "docs" / "default_run.json").read_text()))),
-    Quote("docs/dashboards.md", "docs/sweeps/docs_summary.csv (moetrain ablate's summary)",
+              json.loads((DATA / "default_run.json").read_text()))),
+    Quote("docs/dashboards.md", "docs/data/sweeps/docs_summary.csv (moetrain ablate's summary)",
           r"(?s)\(the baseline\) (\S+ \[\S+ \S+\]), no aux loss (\S+ \[\S+ \S+\]),\s+aux-loss-free "
           r"bias \(rate 0\.002\) (\S+ \[\S+ \S+\]);.*?\((\S+ \[\S+ \S+\]) and (\S+ \[\S+ \S+\])\),"
           r".*?aux loss (\S+) points more.*?\((\[\S+ \S+\])\), with the\s+bias (\S+) points "
           r"\((\[\S+ \S+\])\)\. The router entropy is not: (\S+) lower without the aux loss\s+"
           r"\((\[\S+ \S+\])\), (\S+) lower with the bias \((\[\S+ \S+\])\)",
           _docs_sweep_caption),
-    Quote("docs/moe.md", "docs/sweeps/balancing_summary.csv and _warnings.json (sweep_table)",
+    Quote("docs/moe.md", "docs/data/sweeps/balancing_summary.csv and _warnings.json (sweep_table)",
           r"(?s)fails when the table below is not that\.\n\n(\| variant .*?\n)\n",
           _balancing_table),
-    Quote("docs/moe.md", "docs/sweeps/balancing_summary.csv (moetrain ablate's summary)",
+    Quote("docs/moe.md", "docs/data/sweeps/balancing_summary.csv (moetrain ablate's summary)",
           r"(?s)differences are\s+within noise on every figure \(dropped (\S+) points "
           r"(\[\S+ \S+\]),\s+max/mean (\S+) (\[\S+\s+\S+\])\),.*?beyond noise on both "
           r"\(max/mean (\S+)\s+(\[\S+ \S+\]), dropped (\S+) (\[\S+ \S+\])\),"
           r".*?still drops more \((\S+)\s+points (\[\S+ \S+\])\)", _balancing_prose),
-    Quote("docs/moe.md", "docs/sweeps/balancing_warnings.json (sweep_table --log)",
+    Quote("docs/moe.md", "docs/data/sweeps/balancing_warnings.json (sweep_table --log)",
           r"(?s)routes each batch to one expert: at steps (\S+)-(\S+) of the runs with a peak lr "
           r"of 3e-3, at steps\s+(\S+) and (\S+) with a peak lr", _balancing_warning_steps),
-    Quote("docs/fp8.md", "docs/ablation_fp8.csv and _curves.csv (the FP8 sweep's outputs)",
+    Quote("docs/fp8.md", "docs/data/ablation_fp8.csv and _curves.csv (the FP8 sweep's outputs)",
           r"(?s)\| bf16 \| (\S+ \[\S+ \S+\]) \|.*?\| FP8 tensorwise \| (\S+ \[\S+ \S+\]) \| "
           r"(\S+ \[\S+ \S+\])[^|]*\| (\S+) \| (\S+)% \|\n\| FP8 rowwise \| (\S+ \[\S+ \S+\]) \| "
           r"(\S+ \[\S+ \S+\])[^|]*\| (\S+) \| (\S+)% \|", _fp8_convergence),
-    Quote("README.md", "docs/ablation_fp8.csv (the FP8 sweep's summary)",
-          r"\(eval loss (\S+ \[\S+ \S+\]) tensorwise, (\S+ \[\S+ \S+\]) rowwise\)", _fp8_readme),
-    Quote("docs/optim.md", "docs/sweeps/optim_summary.csv (moetrain ablate's summary, sweep_table)",
+    Quote("docs/optim.md",
+          "docs/data/sweeps/optim_summary.csv (moetrain ablate's summary, sweep_table)",
           r"(?s)renders it from the summary\.\n\n(\| variant .*?\n)\n", _optim_table),
-    Quote("docs/optim.md", "docs/sweeps/optim_summary.csv (moetrain ablate's summary)",
+    Quote("docs/optim.md", "docs/data/sweeps/optim_summary.csv (moetrain ablate's summary)",
           r"(?s)Muon at its best lr \((\S+)\) ends (\S+ \[\S+ \S+\]) nats from AdamW.*?"
           r"dropped tokens (\S+ \[\S+ \S+\]) points, max/mean (\S+ \[\S+ \S+\]), router "
           r"entropy (\S+ \[\S+ \S+\])", _optim_prose),
@@ -876,46 +932,36 @@ QUOTES = [
     Quote("docs/gpu.md", "configs/gpu_1b.yaml and analytic_memory of tools/bench_e2e.py",
           r"(?s)per parameter \(fp32 weights.*?\*\*(\S+) GB\*\*.*?are \*\*(\S+) GB\*\*",
           lambda: [round(_gpu_1b()["state"], 1), round(_gpu_1b()["acts"], 1)]),
-    Quote("docs/plan.md", "docs/startup_memory.csv (written by tools/startup_memory.py)",
+    Quote("docs/plan.md", "docs/data/startup_memory.csv (written by tools/startup_memory.py)",
           r"(?s)## Start-up, measured\n.*?\n\n(\| code \| layout .*?\n)\n",
           lambda: _load_tool(REPO / "tools" / "startup_memory.py").render(
               _load_tool(REPO / "tools" / "startup_memory.py").read_rows())),
-    Quote("README.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
-          r"Triton grouped GEMM (\S+)x-(\S+)x `torch._grouped_mm`, fused router (\S+)x-(\S+)x "
-          r"the torch path, end to end (\S+) MFU",
-          lambda: [_h100()[k] for k in ("gemm_lo", "gemm_hi", "router_lo", "router_hi", "mfu")]),
-    Quote("docs/gpu.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+    Quote("docs/gpu.md", "docs/data/benchmarks.csv (the H100 rows of 2026-11-27)",
           r"(?s)grouped GEMM ran at (\S+)x to (\S+)x of `torch._grouped_mm`.*?itself\s+(\S+) to "
           r"(\S+) TFLOP/s\);.*?at (\S+)x to (\S+)x of the unfused.*?permute at (\S+) to (\S+) of "
           r"the measured copy bandwidth, unpermute at (\S+) to\s+(\S+) \(",
           lambda: [_h100()[k] for k in ("gemm_lo", "gemm_hi", "peer_lo", "peer_hi", "router_lo",
                                         "router_hi", "permute_lo", "permute_hi", "unpermute_lo",
                                         "unpermute_hi")]),
-    Quote("docs/gpu.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+    Quote("docs/gpu.md", "docs/data/benchmarks.csv (the H100 rows of 2026-11-27)",
           r"(?s)\*\*(\S+) MFU\*\*\s+\((\S+) ms a step, (\S+) tokens/s, (\S+) GiB peak\), (\S+) "
           r"times the step",
           lambda: [_h100()[k] for k in ("mfu", "step_ms", "tokens_s", "peak_gib", "plan_ratio")]),
-    Quote("docs/gpu.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
+    Quote("docs/gpu.md", "docs/data/benchmarks.csv (the H100 rows of 2026-11-27)",
           r"counted (\d+) passed and (\d+) failed",
           lambda: [_h100()["tests_passed"], _h100()["tests_failed"]]),
-    Quote("docs/kernels.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
-          r"(?s)grouped GEMM ran at (\S+)x to\s+(\S+)x of.*?at (\S+)x to (\S+)x of the\s+unfused"
-          r"\s+torch router; permute at (\S+) to (\S+) of.*?unpermute at (\S+) to\s+(\S+);.*?took"
-          r"\s+(\S+) times its grouped GEMMs'\s+time on Mixtral and (\S+) times",
-          lambda: [_h100()[k] for k in ("gemm_lo", "gemm_hi", "router_lo", "router_hi",
-                                        "permute_lo", "permute_hi", "unpermute_lo",
-                                        "unpermute_hi", "layer_mixtral", "layer_qwen3")]),
-    Quote("docs/kernels.md", "docs/benchmarks.csv (the H100 rows of 2026-11-27)",
-          r"(\d+) compiled kernel tests failed",
-          lambda: [_h100()["tests_failed"]]),
-    Quote("docs/kernels.md", "docs/kernels_compiled_oldest.csv (tools/kernels_compiled.py)",
+    Quote("docs/gpu.md", "docs/data/benchmarks.csv (the H100 rows of 2026-11-27)",
+          r"(?s)The MoE layer took (\S+) times its grouped GEMMs' time on\s+Mixtral and (\S+) "
+          r"times on Qwen3-30B-A3B",
+          lambda: [_h100()[k] for k in ("layer_mixtral", "layer_qwen3")]),
+    Quote("docs/kernels.md", "docs/data/kernels_compiled_oldest.csv (tools/kernels_compiled.py)",
           r"The record holds (\d+) compiled kernel variants",
-          lambda: [len((REPO / "docs" / "kernels_compiled_oldest.csv").read_text().splitlines())
+          lambda: [len((DATA / "kernels_compiled_oldest.csv").read_text().splitlines())
                    - 1]),
-    Quote("docs/fp8.md", "docs/fp8_error.csv (tests/kernels/test_kernels_fp8.py)",
+    Quote("docs/fp8.md", "docs/data/fp8_error.csv (tests/kernels/test_kernels_fp8.py)",
           r"\| grouped \| tensorwise \| (\S+) \| (\S+) \| (\S+) \|",
           lambda: [float(line.rsplit(",", 1)[1]) for line
-                   in (REPO / "docs" / "fp8_error.csv").read_text().splitlines()
+                   in (DATA / "fp8_error.csv").read_text().splitlines()
                    if line.startswith("grouped,tensorwise,")]),
     Quote("docs/gpu.md", "_PEAK_FLOPS of moetrain/train/metrics.py",
           r"datasheet bf16 peak, (\S+) TFLOP/s for an H100", lambda: [_gpu_1b()["peak"]]),
@@ -966,7 +1012,7 @@ def test_quoted_figures_match_their_sources(quote: Quote) -> None:
 
 def test_a_stale_figure_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The check fails when the page changes (README's old "1e-6" tolerance) and when the
-    source changes (a rerun whose eval loss differs, in docs/default_run.json)."""
+    source changes (a rerun whose eval loss differs, in docs/data/default_run.json)."""
     readme = QUOTES[0]
     text = (REPO / readme.page).read_text()
     stale = text.replace("fp32 logits within 1e-5", "fp32 logits within 1e-6")
@@ -975,14 +1021,14 @@ def test_a_stale_figure_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         "README.md quotes '1e-6', but tests/interop/test_families.py (LOGIT_ATOL) says [1e-05]"
     ]
     table = next(q for q in QUOTES if q.page == "docs/moe.md")
-    data = json.loads((REPO / "docs" / "default_run.json").read_text())
+    data = json.loads((DATA / "default_run.json").read_text())
     last = list(data["figures"]["eval_loss"])[-1]
     data["figures"]["eval_loss"][last] += 0.01
     (tmp_path / "default_run.json").write_text(json.dumps(data))
     original = Path.read_text
 
     def read(self: Path, *args: Any, **kwargs: Any) -> str:
-        if self == REPO / "docs" / "default_run.json":
+        if self == DATA / "default_run.json":
             return original(tmp_path / "default_run.json", *args, **kwargs)
         return original(self, *args, **kwargs)
 

@@ -10,8 +10,9 @@ mask) -- and plain causal SDPA (``is_causal``, what attention costs without the 
 peer, all in one run. Reported: milliseconds per forward and per forward + backward (the
 median of ``--repeats``, after a warm-up that includes the compile), the ratios to causal
 SDPA, and the largest difference of the outputs from SDPA's. FlexAttention has no backward on
-CPU: its forward + backward is left empty there. Rows are appended to ``docs/attention_bench.csv``
-(machine, commit, shapes, figures); ``docs/attention.md`` quotes them. With ``--csv PATH`` the
+CPU: its forward + backward is left empty there. Rows are appended to
+``docs/data/attention_bench.csv`` (machine, commit, shapes, figures); ``docs/attention.md``
+quotes them. With ``--csv PATH`` the
 same figures go to PATH in the benchmarks' common schema instead (the GPU suite's part
 ``attention``), each backend's ``ratio_peer`` against causal SDPA.
 """
@@ -32,7 +33,7 @@ import torch
 
 from moetrain.model.masks import AttentionMask, attend, document_ids
 
-CSV = Path(__file__).resolve().parent.parent / "docs" / "attention_bench.csv"
+CSV = Path(__file__).resolve().parent.parent / "docs" / "data" / "attention_bench.csv"
 FIELDS = ["machine", "commit", "batch", "heads", "head_dim", "seq", "docs", "backend",
           "ms_fwd", "fwd_vs_causal_sdpa", "ms_fwd_bwd", "fwd_bwd_vs_causal_sdpa",
           "max_abs_diff"]  # fmt: skip
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         "--csv",
         default=None,
         help="write the rows in the benchmarks' common schema to this file (the GPU suite's "
-        "results) instead of docs/attention_bench.csv",
+        "results) instead of docs/data/attention_bench.csv",
     )
     parser.add_argument("--seq", type=int, nargs="+", default=[512, 2048])
     parser.add_argument("--docs", type=int, default=8, help="documents per sequence")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_CSV = os.path.join(REPO, "docs", "benchmarks.csv")
+DEFAULT_CSV = os.path.join(REPO, "docs", "data", "benchmarks.csv")
 CSV_FIELDS = [
     "timestamp", "device", "torch", "triton", "commit", "benchmark", "case", "routing",
     "dtype", "op", "impl", "ms", "tflops", "gbs", "ratio_ceiling", "peer", "ratio_peer",

@@ -17,7 +17,7 @@ lines, its documents repeated):
    corpus with its background tokenizer thread and inline) against the rate at which the
    training step of configs/tiny.yaml consumes tokens on this machine.
 
-Rows go to docs/bench_data.csv (hardware, commit, case, figure); docs/data.md quotes them.
+Rows go to docs/data/bench_data.csv (hardware, commit, case, figure); docs/data.md quotes them.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_CSV = REPO / "docs" / "bench_data.csv"
+DEFAULT_CSV = REPO / "docs" / "data" / "bench_data.csv"
 FIELDS = ["timestamp", "hardware", "commit", "benchmark", "case", "value", "unit"]
 
 # Runs in a fresh process: the cost of loading a prepared dataset, as one rank sees it.

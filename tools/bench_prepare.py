@@ -38,7 +38,7 @@ that spell one and the false boundaries the special-id encoding would make are r
 ``--scales`` repeats prepare-data on the corpus repeated k times (memory must stay flat; its
 ids must be the reference's, k times each).
 
-Rows are appended to ``docs/bench_prepare.csv``; the results block of ``docs/data.md`` is
+Rows are appended to ``docs/data/bench_prepare.csv``; the results block of ``docs/data.md`` is
 written from the CSV's latest run (``--render`` rewrites it from the CSV alone, and
 tests/tools/test_bench_prepare.py checks that the page says what the CSV holds).
 """
@@ -63,7 +63,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CSV = REPO / "docs" / "bench_prepare.csv"
+CSV = REPO / "docs" / "data" / "bench_prepare.csv"
 PAGE = REPO / "docs" / "data.md"
 FIELDS = ["run", "machine", "commit", "corpus_mb", "docs", "peer", "wall_s", "cpu_s", "tokens",
           "tokens_per_cpu_s", "peak_rss_mb", "worker_rss_mb", "peak_pss_mb", "ids_identical",
@@ -484,7 +484,7 @@ def render(rows: list[dict[str, str]]) -> str:
     return "\n".join(lines)
 
 
-BEGIN = "<!-- bench_prepare: written from docs/bench_prepare.csv by tools/bench_prepare.py -->"
+BEGIN = "<!-- bench_prepare: written from docs/data/bench_prepare.csv by tools/bench_prepare.py -->"
 END = "<!-- /bench_prepare -->"
 
 

@@ -1,7 +1,7 @@
-"""Merge the GPU suite's results.csv into docs/benchmarks.csv, then regenerate the page.
+"""Merge the GPU suite's results.csv into docs/data/benchmarks.csv, then regenerate the page.
 
     python tools/merge_gpu_results.py RESULTS.csv [MORE.csv ...] [--commit HASH]
-                                      [--csv docs/benchmarks.csv] [--include-cpu] [--no-report]
+                                      [--csv docs/data/benchmarks.csv] [--include-cpu] [--no-report]
 
 RESULTS.csv is what tools/gpu_suite.sh wrote under $OUT (it may sit in a read-only folder:
 it is only read). Rows are validated against the schema (tools/bench_common.CSV_FIELDS; an
@@ -10,8 +10,8 @@ runs are not figures), a commit the suite could not know ("unknown": a copy of t
 without .git) is filled from --commit, and rows are deduplicated by their identity
 (bench_common.ROW_KEY: run timestamp, device, benchmark, case, routing, dtype, op, impl),
 a merged row replacing an older one with the same key. Merging the same file twice leaves
-docs/benchmarks.csv byte for byte unchanged. Then tools/bench_report.py regenerates
-docs/benchmarks.md and docs/benchmarks.png (unless --no-report).
+docs/data/benchmarks.csv byte for byte unchanged. Then tools/bench_report.py regenerates
+docs/benchmarks.md and docs/img/benchmarks.png (unless --no-report).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict[str, int]:
     parser.add_argument("--include-cpu", action="store_true", help="keep CPU (dry-run) rows")
     parser.add_argument("--no-report", action="store_true", help="do not regenerate the page")
     parser.add_argument("--md", default=os.path.join(bc.REPO, "docs", "benchmarks.md"))
-    parser.add_argument("--png", default=os.path.join(bc.REPO, "docs", "benchmarks.png"))
+    parser.add_argument("--png", default=os.path.join(bc.REPO, "docs", "img", "benchmarks.png"))
     args = parser.parse_args(argv)
 
     new: list[dict] = []

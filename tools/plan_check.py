@@ -1,14 +1,14 @@
-"""The plan's step estimate against the GPU run it can be checked on: docs/plan_check.csv.
+"""The plan's step estimate against the GPU run it can be checked on: docs/data/plan_check.csv.
 
-    python tools/plan_check.py              # docs/plan_check.csv from the kept censuses
-    python tools/plan_check.py --check      # exit 1 when docs/plan_check.csv is not this
+    python tools/plan_check.py              # docs/data/plan_check.csv from the kept censuses
+    python tools/plan_check.py --check      # exit 1 when docs/data/plan_check.csv is not this
     python tools/plan_check.py --print      # the tables docs/plan.md shows
     python tools/plan_check.py --census     # census this tree's step again first (as the
                                             # measured code while its experts are fp32, else
                                             # as "bf16 experts")
 
 The censuses (``moetrain.plan.stepmix.census_step`` of configs/gpu_1b.yaml's proxy, bf16)
-are kept in docs/plan_census.json, each with the commit whose code it counted:
+are kept in docs/data/plan_census.json, each with the commit whose code it counted:
 
 - ``measured code``: the code of the measured run (commit 96e2259, unchanged in the model
   and kernels since): the routed experts' GEMMs in fp32 under bf16 autocast;
@@ -17,9 +17,9 @@ are kept in docs/plan_census.json, each with the commit whose code it counted:
   gates fp32 forward and backward: the figure the next GPU run checks.
 
 Each is priced by ``moetrain plan`` (h100, one rank, the measured rates of
-kernels/measured.py) and set beside the measured step of docs/benchmarks.csv (the newest
+kernels/measured.py) and set beside the measured step of docs/data/benchmarks.csv (the newest
 ``e2e gpu_1b`` step row of the torch path, eager) and the measured profile's breakdown
-(docs/profiles/, read by ``tools/bench_e2e.breakdown``).
+(docs/data/profiles/, read by ``tools/bench_e2e.breakdown``).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 
 CONFIG = os.path.join(bc.REPO, "configs", "gpu_1b.yaml")
-CENSUS = os.path.join(bc.REPO, "docs", "plan_census.json")
-OUT = os.path.join(bc.REPO, "docs", "plan_check.csv")
-PROFILE = os.path.join(bc.REPO, "docs", "profiles", "e2e_profile_torch_eager_96e2259.txt")
+CENSUS = os.path.join(bc.REPO, "docs", "data", "plan_census.json")
+OUT = os.path.join(bc.REPO, "docs", "data", "plan_check.csv")
+PROFILE = os.path.join(bc.REPO, "docs", "data", "profiles", "e2e_profile_torch_eager_96e2259.txt")
 PROFILE_STEPS = 3  # tools/bench_e2e.py --profile-steps of that run
 MEASURED = ("e2e", "gpu_1b/b16xs1024", "step", "torch/eager")
 VARIANTS = ("measured code", "bf16 experts")
@@ -73,8 +73,8 @@ def measured_step() -> dict:
     rows = [r for r in bc.read_rows(bc.DEFAULT_CSV) if (r["benchmark"], r["case"], r["op"],
             r["impl"]) == MEASURED and r["status"] == "ok" and r["ms"]]  # fmt: skip
     r = max(rows, key=lambda r: r["timestamp"])
-    source = (f"docs/benchmarks.csv {r['timestamp']} {r['device']}: {bench} {case} {op} {impl} "
-              f"(commit {r['commit']})")  # fmt: skip
+    source = (f"docs/data/benchmarks.csv {r['timestamp']} {r['device']}: {bench} {case} {op} "
+              f"{impl} (commit {r['commit']})")  # fmt: skip
     return {"ms": float(r["ms"]), "source": source}
 
 
@@ -120,7 +120,7 @@ def rows(censuses: dict) -> list[dict]:
         row[p.replace(" ", "_") + "_ms"] = f"{prof.get(p, 0.0):.1f}"
     row["measured_ms"] = f"{prof['device total']:.1f}"
     row["planned_over_measured"] = ""
-    row["measured_source"] = ("docs/profiles/e2e_profile_torch_eager_96e2259.txt (unlisted "
+    row["measured_source"] = ("docs/data/profiles/e2e_profile_torch_eager_96e2259.txt (unlisted "
                               f"kernels: {prof['unlisted']:.1f} ms)")  # fmt: skip
     out.append(row)
     return out

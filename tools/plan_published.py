@@ -1,4 +1,4 @@
-"""``moetrain plan`` against published runs: writes docs/plan_published.csv, the table of
+"""``moetrain plan`` against published runs: writes docs/data/plan_published.csv, the table of
 docs/plan.md ("Against published runs"; tests/plan/test_plan.py checks the page against the
 file).
 
@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 REPO = Path(__file__).resolve().parent.parent
-CSV = REPO / "docs" / "plan_published.csv"
+CSV = REPO / "docs" / "data" / "plan_published.csv"
 FIELDS = [
     "run", "gpus", "gpu", "figure", "published", "planned", "ratio", "layout", "refused",
     "step_peak_gb", "start_up_gb", "memory_gb", "source", "overrides", "plan_wall_s",

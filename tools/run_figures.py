@@ -1,8 +1,8 @@
 """The figures of one training run, from its event files and its log: what the docs quote.
 
     moetrain --config configs/tiny.yaml train.output_dir=RUN log.progress_bar=false > RUN.log 2>&1
-    python tools/run_figures.py RUN --log RUN.log -o docs/default_run.json
-    python tools/run_figures.py --table docs/default_run.json      # the table docs/moe.md shows
+    python tools/run_figures.py RUN --log RUN.log -o docs/data/default_run.json
+    python tools/run_figures.py --table docs/data/default_run.json  # the table docs/moe.md shows
 
 The JSON holds how the run was made (command, hardware, torch, commit) and its figures: the
 eval loss at every evaluation, the unigram entropy, each MoE layer's dropped fraction and

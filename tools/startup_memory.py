@@ -1,6 +1,6 @@
 """Start-up memory of a multi-rank CPU job, measured: how much resident memory each rank's
 ``Trainer(cfg)`` adds at its peak, beside the model's size and the plan's start-up figure.
-Appends rows to docs/startup_memory.csv (docs/plan.md's measured start-up quotes it).
+Appends rows to docs/data/startup_memory.csv (docs/plan.md's measured start-up quotes it).
 
     python tools/startup_memory.py                      # rows labelled "after"
     PYTHONPATH=<an older checkout> python tools/startup_memory.py --label before --commit C
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-CSV = REPO / "docs" / "startup_memory.csv"
+CSV = REPO / "docs" / "data" / "startup_memory.csv"
 FIELDS = ["label", "commit", "layout", "world", "rank", "model_mb", "rss_before_mb",
           "startup_peak_mb", "planned_start_up_mb", "cpus"]  # fmt: skip
 MODEL = ["model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=4",

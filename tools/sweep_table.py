@@ -2,9 +2,9 @@
 from the baseline for a few figures, with the collapse warnings of its runs.
 
     moetrain ablate configs/sweeps/balancing.yaml > balancing.log 2>&1
-    cp outputs/sweeps/balancing/summary.csv docs/sweeps/balancing_summary.csv
-    python tools/sweep_table.py docs/sweeps/balancing_summary.csv --log balancing.log \\
-        --warnings-out docs/sweeps/balancing_warnings.json --bold aux-0.01+bias-0.01
+    cp outputs/sweeps/balancing/summary.csv docs/data/sweeps/balancing_summary.csv
+    python tools/sweep_table.py docs/data/sweeps/balancing_summary.csv --log balancing.log \\
+        --warnings-out docs/data/sweeps/balancing_warnings.json --bold aux-0.01+bias-0.01
 
 ``--log`` reads the sweep's console output (``sweep: run NAME/seed_S`` starts each run) and
 counts, per variant over its seeds, the router-collapse and one-expert-per-batch warnings:

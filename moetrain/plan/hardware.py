@@ -7,7 +7,7 @@ overridden on the command line (``moetrain plan --gpu h100 --set nvlink_gbs=400`
 
 ``rates`` gives the speed of each kind of work a step does (expert GEMMs, attention, other
 matmuls, by dtype; copies) on a GPU, each with its source: the rows measured on its
-architecture (``moetrain.kernels.measured``, generated from docs/benchmarks.csv) where they
+architecture (``moetrain.kernels.measured``, generated from docs/data/benchmarks.csv) where they
 exist, else a datasheet figure times a stated efficiency.
 """
 
@@ -59,7 +59,7 @@ class GPU:
     shorter causal sequences sit at the low end."""
     copy_efficiency: float = 0.9
     """Fraction of ``hbm_tbs`` a copy reaches where none was measured (an H100 copies at
-    3,003 GB/s of 3,350 in docs/benchmarks.csv: 0.90)."""
+    3,003 GB/s of 3,350 in docs/data/benchmarks.csv: 0.90)."""
     runtime_reserve_gb: float = 2.0
     """Memory the CUDA context, NCCL's buffers and the caching allocator's fragmentation
     take besides the tensors (moetrain's allowance: the CUDA context alone is about 0.5 GB,

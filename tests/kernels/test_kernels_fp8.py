@@ -492,7 +492,7 @@ def test_cuda_scaled_gemms_match_emulated(recipe) -> None:
 
 # ----------------------------------------------------------------------------- the error table
 
-ERROR_TABLE = Path(__file__).resolve().parents[2] / "docs" / "fp8_error.csv"
+ERROR_TABLE = Path(__file__).resolve().parents[2] / "docs" / "data" / "fp8_error.csv"
 
 
 def error_table() -> list[dict[str, str]]:
@@ -530,7 +530,7 @@ def error_table() -> list[dict[str, str]]:
 
 
 def test_error_table_is_current() -> None:
-    """docs/fp8_error.csv (quoted by docs/fp8.md) holds what this measures, rounded to 4
+    """docs/data/fp8_error.csv (quoted by docs/fp8.md) holds what this measures, rounded to 4
     digits; ``MOETRAIN_UPDATE_DOCS=1`` rewrites it. Each figure within the layer bound."""
     rows = error_table()
     for r in rows:
@@ -542,6 +542,6 @@ def test_error_table_is_current() -> None:
     if os.environ.get("MOETRAIN_UPDATE_DOCS") == "1":
         ERROR_TABLE.write_text(out.getvalue())
     assert ERROR_TABLE.exists() and ERROR_TABLE.read_text() == out.getvalue(), (
-        "docs/fp8_error.csv is stale: MOETRAIN_UPDATE_DOCS=1 python -m pytest "
+        "docs/data/fp8_error.csv is stale: MOETRAIN_UPDATE_DOCS=1 python -m pytest "
         "tests/kernels/test_kernels_fp8.py -k error_table\n" + out.getvalue()
     )

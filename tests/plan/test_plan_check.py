@@ -1,6 +1,6 @@
 """The plan's step estimate against the one measured GPU run (configs/gpu_1b.yaml on an
 H100, commit 96e2259, routed experts in fp32): fed that code's census, it lands within 25%
-of the measured step; docs/plan_check.csv is what tools/plan_check.py computes; the
+of the measured step; docs/data/plan_check.csv is what tools/plan_check.py computes; the
 measured profile's breakdown is read as hand-summed from its rows."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_the_measured_codes_census_lands_within_25_percent_of_the_measured_step(
 
 
 def test_the_kept_censuses_are_those_of_the_fp32_and_the_bf16_experts():
-    data = json.loads((REPO / "docs" / "plan_census.json").read_text())
+    data = json.loads((REPO / "docs" / "data" / "plan_census.json").read_text())
     assert data["measured code"]["mix"]["flops"]["experts"] == {
         "float32": pytest.approx(sum(data["measured code"]["mix"]["flops"]["experts"].values()))
     }
@@ -49,10 +49,10 @@ def test_the_kept_censuses_are_those_of_the_fp32_and_the_bf16_experts():
 def test_profile_breakdown_is_the_sum_of_its_rows():
     """The first run's profile (3 steps, no class labels: its fp32 GEMM kernels are the
     experts', every other fp32 FLOP is the router's 0.25%): the parts as summed by hand from
-    docs/profiles/e2e_profile_torch_eager_96e2259.txt."""
+    docs/data/profiles/e2e_profile_torch_eager_96e2259.txt."""
     import bench_e2e
 
-    text = (REPO / "docs" / "profiles" / "e2e_profile_torch_eager_96e2259.txt").read_text()
+    text = (REPO / "docs" / "data" / "profiles" / "e2e_profile_torch_eager_96e2259.txt").read_text()
     got = bench_e2e.breakdown(text, 3, fp32_matmuls="expert GEMMs")
     fp32_kernels = [653.433, 557.794, 409.697, 338.857, 227.618, 76.659, 71.893, 54.291,
                     43.251, 34.578, 32.932, 19.850]  # fmt: skip

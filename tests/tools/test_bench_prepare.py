@@ -1,4 +1,4 @@
-"""tools/bench_prepare.py: docs/data.md says what docs/bench_prepare.csv holds, Megatron-LM's
+"""tools/bench_prepare.py: docs/data.md says what docs/data/bench_prepare.csv holds, Megatron-LM's
 indexed dataset is read as its format defines, and a run compares every peer's ids (a
 stand-in for Megatron's preprocess_data.py in a fake checkout, which writes that format)."""
 
@@ -108,7 +108,7 @@ def test_rows_of_an_older_schema_are_kept_in_the_new_one(tmp_path):
 def test_docs_page_says_what_the_csv_holds():
     """The results block of docs/data.md is the CSV's latest run, rendered."""
     rows = bench.latest_run(bench.read_rows())
-    assert rows, "docs/bench_prepare.csv has no run with a run id"
+    assert rows, "docs/data/bench_prepare.csv has no run with a run id"
     assert bench.page_block(bench.PAGE.read_text()) == bench.render(rows)
     # The check can fail: another figure in the CSV renders another block.
     changed = [dict(r) for r in rows]

@@ -293,7 +293,7 @@ def test_a_run_cut_short_after_its_ceiling_does_not_hide_the_run_before():
 
 
 def test_docs_benchmarks_csv_has_the_current_schema():
-    with open(REPO / "docs" / "benchmarks.csv", newline="") as f:
+    with open(REPO / "docs" / "data" / "benchmarks.csv", newline="") as f:
         assert next(csv.reader(f)) == bc.CSV_FIELDS
 
 

@@ -1,4 +1,4 @@
-"""kernels/measured.py is what tools/kernel_table.py writes from docs/benchmarks.csv, and a
+"""kernels/measured.py is what tools/kernel_table.py writes from docs/data/benchmarks.csv, and a
 changed measurement changes the choice."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_committed_table_is_what_the_tool_writes(capsys):
 
 
 def _rows() -> list[dict]:
-    with open(REPO / "docs" / "benchmarks.csv", newline="") as f:
+    with open(REPO / "docs" / "data" / "benchmarks.csv", newline="") as f:
         return list(csv.DictReader(f))
 
 

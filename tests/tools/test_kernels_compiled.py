@@ -1,8 +1,8 @@
 """Every Triton kernel compiled ahead of time for Hopper (sm_90) and Blackwell (sm_100), no GPU
 needed (tools/kernels_compiled.py): what the kernels compile to matches the committed table
-docs/kernels_compiled.{csv,md} and breaks none of its rules (shared memory within the
-target, no spills, the grouped-GEMM tiles on the target's tensor-core MMA), and each of those
-checks catches the fault it guards against.
+(docs/data/kernels_compiled.csv, shown in docs/kernels_compiled.md) and breaks none of its
+rules (shared memory within the target, no spills, the grouped-GEMM tiles on the target's
+tensor-core MMA), and each of those checks catches the fault it guards against.
 
 The tool runs in a subprocess: it needs the Triton interpreter off, which this process keeps
 on for the kernel tests. The full table is compiled once per test run; Triton's own cache
@@ -65,7 +65,7 @@ def test_spot_check_matches_the_committed_table(tmp_path):
     assert not result["diffs"], "\n".join(result["diffs"])
     assert not result["problems"], "\n".join(result["problems"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    with open(ROOT / "docs" / "kernels_compiled.csv") as f:
+    with open(ROOT / "docs" / "data" / "kernels_compiled.csv") as f:
         every = {r["kernel"] for r in csv.DictReader(f)}
     assert {r["kernel"] for r in result["rows"]} == every  # every kernel, at one config
     assert {r["target"] for r in result["rows"]} == {"sm_90"}
@@ -97,7 +97,7 @@ def test_the_checks_catch_what_they_guard_against():
 # Every supported Triton: tl.dot's minimum shapes, and the record of the oldest one's compile
 # ---------------------------------------------------------------------------------------------
 
-RECORD = ROOT / "docs" / "kernels_compiled_oldest.csv"
+RECORD = ROOT / "docs" / "data" / "kernels_compiled_oldest.csv"
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_every_tile_meets_every_supported_tritons_dot_minimum_and_the_oldest_com
     operands, which 3.9 allows for fp32: the fp32 tiles once had K=8 and every fp32 Triton
     GEMM died on the H100 (2026-11-27). Every tile the launchers launch (each autotune
     configuration, both targets) meets every supported Triton's minimum; and
-    docs/kernels_compiled_oldest.csv, compiled under Triton 3.6.0 by `python
+    docs/data/kernels_compiled_oldest.csv, compiled under Triton 3.6.0 by `python
     tools/kernels_compiled.py --oldest`, holds exactly today's launches from today's kernel
     source, every one compiled for sm_90 and sm_100 without a problem."""
     proc, result = _check_record(tmp_path, RECORD)
@@ -132,7 +132,7 @@ def test_every_tile_meets_every_supported_tritons_dot_minimum_and_the_oldest_com
         rows = list(csv.DictReader(f))
     assert {r["target"] for r in rows} == {"sm_90", "sm_100"}
     assert all(r["compiler"].startswith("Triton 3.6.0,") for r in rows)
-    with open(ROOT / "docs" / "kernels_compiled.csv") as f:
+    with open(ROOT / "docs" / "data" / "kernels_compiled.csv") as f:
         newest = {tuple(r[k] for k in ("kernel", "phase", "target", "dtype", "config"))
                   for r in csv.DictReader(f)}  # fmt: skip
     assert {tuple(r[k] for k in ("kernel", "phase", "target", "dtype", "config"))

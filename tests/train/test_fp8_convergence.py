@@ -1,7 +1,7 @@
 """FP8 training tracks the bf16 run it sits on.
 
 - The sweep (configs/sweeps/fp8.yaml: tiny, 300 steps, 3 seeds, bf16 against FP8 tensorwise
-  and rowwise, emulated): its committed outputs (docs/ablation_fp8*.csv, the sweep's
+  and rowwise, emulated): its committed outputs (docs/data/ablation_fp8*.csv, the sweep's
   ``summary.csv``, ``results.csv`` and ``curves.csv``) meet the bounds stated below, and the
   summary's paired eval-loss differences are the runs' own.
 - In CI: the micro MoE of tests/multirank.py, 20 steps, FP8 against bf16 step by step.
@@ -21,7 +21,7 @@ from threads import one_thread
 from moetrain.ablation.stats import difference_interval
 from moetrain.train.trainer import Trainer
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "data"
 FP8_RUNS = ("fp8-tensorwise", "fp8-rowwise")
 
 EVAL_BOUND = 0.05

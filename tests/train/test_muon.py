@@ -315,7 +315,7 @@ def test_update_rms_is_about_the_key() -> None:
     assert math.isclose(opt.param_groups[2]["update_rms"], 0.2)
 
 
-SWEEP = Path(__file__).resolve().parents[2] / "docs" / "sweeps"
+SWEEP = Path(__file__).resolve().parents[2] / "docs" / "data" / "sweeps"
 SWEEP_VARIANTS = ("adamw", "muon-lr-3e-3", "muon-lr-1e-2", "muon-lr-1e-3", "adamw-lr-1e-2",
                   "adamw-lr-1e-3", "muon-lr-3e-2")  # fmt: skip
 
@@ -326,7 +326,7 @@ def _sweep_rows(name: str) -> list[dict[str, str]]:
 
 
 def test_the_sweep_compares_equal_tokens_and_its_summary_is_its_runs_own() -> None:
-    """configs/sweeps/optim.yaml's committed outputs (docs/sweeps/optim_*.csv, the sweep's
+    """configs/sweeps/optim.yaml's committed outputs (docs/data/sweeps/optim_*.csv, the sweep's
     ``summary.csv``, ``results.csv`` and ``curves.csv``, which docs/optim.md quotes): every
     variant trained 3 seeds of the same 300 steps and tokens, and the summary's paired
     differences from AdamW are the runs' own."""
