@@ -62,10 +62,11 @@ tests/multirank.py).
   gradients in e4m3 instead of e5m2 (``moetrain.kernels.fp8.RECIPES``). The forwards are
   the same; caught by the small FP8 sweep's record from its second step
   (tests/train/test_fp8_convergence.py).
-- ``grouped_mm_never_native``: the torch backend never takes ``torch._grouped_mm`` (its
-  eligibility check, ``_native_ok``, answers False): the per-expert loop computes the same
-  numbers. Caught by the ``_grouped_mm`` calls observed at torch's dispatcher
-  (tests/kernels/test_kernels_grouped_mm.py).
+- ``grouped_mm_never_native``: the torch backend's grouped GEMMs (forward and input
+  gradient ``_gmm``, weight gradient ``_gmm_wgrad``, their source mutated) never take
+  ``torch._grouped_mm``, though its eligibility check (``_native_ok``) still says they may:
+  the per-expert loop computes the same numbers. Caught by the ``_grouped_mm`` calls
+  observed at torch's dispatcher (tests/kernels/test_kernels_grouped_mm.py).
 - ``welch_pooled_df``: Welch's unpaired interval takes the pooled n_a + n_b - 2 degrees of
   freedom instead of Welch-Satterthwaite's (``moetrain.ablation.stats.difference_interval``,
   its source mutated). Caught by the hand computation of tests/tools/test_stats.py.
@@ -303,7 +304,17 @@ def _fp8_tensorwise_grads_e4m3(setattr_: Callable[..., None]) -> None:
 
 
 def _grouped_mm_never_native(setattr_: Callable[..., None]) -> None:
-    _everywhere(setattr_, "_native_ok", lambda *args, **kwargs: False)
+    import moetrain.kernels  # noqa: F401
+
+    found = [m for m in list(sys.modules.values())
+             if getattr(m, "__name__", "").startswith("moetrain.kernels")
+             and getattr(getattr(m, "_gmm", None), "__module__", None) == m.__name__]  # fmt: skip
+    if not found:
+        raise LookupError("tests/faults.py: no moetrain.kernels module defines _gmm; update "
+                          "the plant")  # fmt: skip
+    for module in found:
+        for name in ("_gmm", "_gmm_wgrad"):
+            mutate(setattr_, module, name, "if _native_ok(", "if False and _native_ok(")
 
 
 def _welch_pooled_df(setattr_: Callable[..., None]) -> None:

@@ -174,12 +174,16 @@ def test_torch_backend_uses_native_grouped_mm_when_aligned():
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU torch._grouped_mm selection")
 def test_a_backend_that_never_goes_native_is_caught(monkeypatch):
-    """tests/faults.py ``grouped_mm_never_native``: the eligibility check answers False, the
-    per-expert loop computes the same numbers (every comparison above passes); the calls
-    show it."""
+    """tests/faults.py ``grouped_mm_never_native``: the call sites take the per-expert loop
+    though the eligibility check says yes (what this test asserted before: it still holds),
+    and the loop computes the same numbers (every comparison above passes); the calls show
+    it."""
     from faults import plant
+    from moetrain.kernels import torch_ops
 
     plant("grouped_mm_never_native", monkeypatch.setattr)
+    assert torch_ops._native_ok(torch.randn(8, 32), torch.randn(2, 32, 48), 48)
+    _check_grouped_mm("torch", *CASES["all_rows_one_expert"], torch.float32)
     assert native_call_problems() == [
         "fp32 aligned: torch._grouped_mm ran 0 times (want 3), mm 6",
         "bf16 aligned: torch._grouped_mm ran 0 times (want 3), mm 6",
