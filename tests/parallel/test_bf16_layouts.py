@@ -21,6 +21,7 @@ import pytest
 from matrix_design import BASE, LAYOUTS
 from multirank import (
     Case,
+    _cases_worker,
     case_failures,
     check_cases,
     expected_layout,
@@ -91,15 +92,6 @@ def _under_both_rows(got: dict, ref: dict, rank: int) -> list[str | None]:
     return out
 
 
-def _ci_worker(rank: int, world: int, cases: list[Case], refs: dict, steps: int,
-               wants: list) -> list[dict]:  # fmt: skip
-    """Every case, the planted fault last (``_cases_worker``: a run beyond the whole-run
-    tolerances comes back whole, ``got``, for the verdict to replay)."""
-    import multirank as mr
-
-    return mr._cases_worker(rank, world, cases, refs, steps, wants)
-
-
 @pytest.fixture(scope="module")
 def ci_job() -> tuple[list[Case], list[list[dict]]]:
     """One spawned job on 2 ranks: one layout of each axis, FP8 rowwise on bf16 under ZeRO-3
@@ -112,7 +104,9 @@ def ci_job() -> tuple[list[Case], list[list[dict]]]:
                   fp8), FAULT]  # fmt: skip
     refs = {c.options: reference_run(c.options, STEPS) for c in cases}
     wants = [[expected_layout([*c.options, *c.layout], 2, r) for r in range(2)] for c in cases]
-    return cases, run_ranks(_ci_worker, 2, cases, refs, STEPS, wants, timeout=580)
+    # _cases_worker: a run beyond the whole-run tolerances comes back whole (``got``), for
+    # the verdict to replay step by step.
+    return cases, run_ranks(_cases_worker, 2, cases, refs, STEPS, wants, timeout=580)
 
 
 @pytest.mark.multirank
