@@ -49,10 +49,34 @@ tests/multirank.py).
   ZeRO-2/3 or HSDP shard, a tensor-parallel column or row block, an expert-TP slice of the
   FFN width) instead of the whole matrix (the single process has no slices). Caught by the
   parameters after an optimizer step (tests/parallel/test_muon_layouts.py).
+- ``ep_grad_norm_without_experts``: the gradient norm leaves out the expert parameters'
+  term under expert parallelism (every binding of ``expert_grad_sq_norm`` in moetrain
+  answers 0); the one process, whose experts are plain parameters, keeps it. Clipping then
+  scales by a smaller norm. Caught by the norm against one process's and against the norm
+  of the gathered gradients (tests/ep/test_ep_grad_norm.py).
+- ``muon_plain_momentum``: Muon steps along its momentum buffer (heavy ball) instead of
+  Nesterov's look-ahead (``moetrain.train.muon.momentum_update``). The first update is the
+  same; caught by the small optimizer sweep's record from its third step
+  (tests/train/test_muon.py).
+- ``fp8_tensorwise_grads_e4m3``: the tensorwise recipe formats its linears' output
+  gradients in e4m3 instead of e5m2 (``moetrain.kernels.fp8.RECIPES``). The forwards are
+  the same; caught by the small FP8 sweep's record from its second step
+  (tests/train/test_fp8_convergence.py).
+- ``grouped_mm_never_native``: the torch backend's grouped GEMMs (forward and input
+  gradient ``_gmm``, weight gradient ``_gmm_wgrad``, their source mutated) never take
+  ``torch._grouped_mm``, though its eligibility check (``_native_ok``) still says they may:
+  the per-expert loop computes the same numbers. Caught by the ``_grouped_mm`` calls
+  observed at torch's dispatcher (tests/kernels/test_kernels_grouped_mm.py).
+- ``welch_pooled_df``: Welch's unpaired interval takes the pooled n_a + n_b - 2 degrees of
+  freedom instead of Welch-Satterthwaite's (``moetrain.ablation.stats.difference_interval``,
+  its source mutated). Caught by the hand computation of tests/tools/test_stats.py.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -207,6 +231,100 @@ def _stage_inputs_uninitialised(setattr_: Callable[..., None]) -> None:
     setattr_(transformer.Transformer, "forward", forward)
 
 
+def _everywhere(setattr_: Callable[..., None], name: str, value: Any) -> list[str]:
+    """Replace every binding of moetrain's function ``name`` (where it is defined and every
+    module that imported it by name: the engine's ``from ... import``) with ``value``;
+    returns the modules patched. Raises when there is none: a plant that changes nothing
+    must not pass for one that was caught."""
+    import moetrain.train.trainer  # noqa: F401  (the trainer imports what a step runs)
+
+    modules = [m for m in list(sys.modules.values())
+               if getattr(m, "__name__", "").startswith("moetrain")]  # fmt: skip
+    real = {id(f): f for m in modules if callable(f := getattr(m, name, None))
+            and getattr(f, "__module__", "").startswith("moetrain")}  # fmt: skip
+    if not real:
+        raise LookupError(f"tests/faults.py: no moetrain module binds {name!r}; update the plant")
+    patched = []
+    for module in modules:
+        if id(getattr(module, name, None)) in real:
+            setattr_(module, name, value)
+            patched.append(module.__name__)
+    return patched
+
+
+def mutate(setattr_: Callable[..., None], owner: Any, name: str, old: str, new: str) -> None:
+    """Replace function ``name`` of ``owner`` (a module or a class) by its own source with
+    ``old`` replaced by ``new`` (exactly one occurrence), compiled in its module's globals:
+    a mutation of the code as written. Raises when ``old`` is not in the source once."""
+    import __future__
+
+    func = getattr(owner, name)
+    source = textwrap.dedent(inspect.getsource(func))
+    if source.count(old) != 1:
+        raise LookupError(f"tests/faults.py: {old!r} occurs {source.count(old)} times in "
+                          f"{func.__module__}.{func.__qualname__}; update the plant")  # fmt: skip
+    module = sys.modules[func.__module__]
+    code = compile(source.replace(old, new), inspect.getsourcefile(func) or "<mutated>", "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)  # fmt: skip
+    scope: dict[str, Any] = {}
+    exec(code, vars(module), scope)
+    setattr_(owner, name, scope[name])
+
+
+def _ep_grad_norm_without_experts(setattr_: Callable[..., None]) -> None:
+    import torch
+
+    def nothing(params: Any, ep_mesh: Any = None, etp_mesh: Any = None) -> Any:
+        return torch.zeros((), dtype=torch.float64)
+
+    _everywhere(setattr_, "expert_grad_sq_norm", nothing)
+
+
+def _muon_plain_momentum(setattr_: Callable[..., None]) -> None:
+    from moetrain.train import muon
+
+    def heavy_ball(buf: Any, grad: Any, momentum: float) -> Any:
+        if buf.dtype == grad.dtype:
+            return buf.lerp_(grad, 1 - momentum).clone()
+        m = buf.float().lerp_(grad.float(), 1 - momentum)
+        buf.copy_(m)
+        return m
+
+    setattr_(muon, "momentum_update", heavy_ball)
+
+
+def _fp8_tensorwise_grads_e4m3(setattr_: Callable[..., None]) -> None:
+    import dataclasses
+
+    from moetrain.kernels import fp8
+
+    e4m3 = fp8.RECIPES["rowwise"].grad_dtype
+    changed = dataclasses.replace(fp8.RECIPES["tensorwise"], grad_dtype=e4m3)
+    setattr_(fp8, "RECIPES", {**fp8.RECIPES, "tensorwise": changed})
+
+
+def _grouped_mm_never_native(setattr_: Callable[..., None]) -> None:
+    import moetrain.kernels  # noqa: F401
+
+    found = [m for m in list(sys.modules.values())
+             if getattr(m, "__name__", "").startswith("moetrain.kernels")
+             and getattr(getattr(m, "_gmm", None), "__module__", None) == m.__name__]  # fmt: skip
+    if not found:
+        raise LookupError("tests/faults.py: no moetrain.kernels module defines _gmm; update "
+                          "the plant")  # fmt: skip
+    for module in found:
+        for name in ("_gmm", "_gmm_wgrad"):
+            mutate(setattr_, module, name, "if _native_ok(", "if False and _native_ok(")
+
+
+def _welch_pooled_df(setattr_: Callable[..., None]) -> None:
+    from moetrain.ablation import stats
+
+    mutate(setattr_, stats, "difference_interval",
+           "df = (va + vb) ** 2 / (va**2 / (ia.n - 1) + vb**2 / (ib.n - 1))",
+           "df = ia.n + ib.n - 2")  # fmt: skip
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "stage_layers_misassigned": _stage_layers_misassigned,
     "embedding_copies_unsynced": _embedding_copies_unsynced,
@@ -219,6 +337,11 @@ FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "fsdp_root_in_bf16": _fsdp_root_in_bf16,
     "muon_local_shard": _muon_local_shard,
     "stage_inputs_uninitialised": _stage_inputs_uninitialised,
+    "ep_grad_norm_without_experts": _ep_grad_norm_without_experts,
+    "muon_plain_momentum": _muon_plain_momentum,
+    "fp8_tensorwise_grads_e4m3": _fp8_tensorwise_grads_e4m3,
+    "grouped_mm_never_native": _grouped_mm_never_native,
+    "welch_pooled_df": _welch_pooled_df,
 }
 
 

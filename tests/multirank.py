@@ -1108,6 +1108,16 @@ def check_cases(world_size: int, cases: list[Case], steps: int, timeout: float) 
         for c in cases
     ]
     results = run_ranks(_cases_worker, world_size, cases, refs, steps, wants, timeout=timeout)
+    failures = case_failures(cases, results, steps)
+    assert not failures, "\n\n".join(failures)
+
+
+def case_failures(cases: list[Case], results: list[list[dict[str, Any]]], steps: int) -> list[str]:
+    """The verdict on what ``_cases_worker`` returned on every rank (``results[rank][case]``):
+    one message per failing case and rank, naming its layout facts that differ from the
+    request and, for a run beyond the whole-run tolerances (``trajectory``), the step-by-step
+    replay that then decides (``anchored_compare``): its numbers are read, not only its
+    layout. Prints the worst errors, and which cases the replay decided."""
     failures, worst, anchored = [], {}, []
     for rank, per_rank in enumerate(results):
         for case, res in zip(cases, per_rank, strict=True):
@@ -1122,10 +1132,10 @@ def check_cases(world_size: int, cases: list[Case], steps: int, timeout: float) 
                 failures.append(f"{res['name']} (rank {rank}):\n  " + "\n  ".join(problems))
             for k, v in res["errs"].items():
                 worst[k] = max(worst.get(k, 0.0), v)
-    print(f"{len(cases)} cases x {world_size} ranks; worst errors {worst}")
+    print(f"{len(cases)} cases x {len(results)} ranks; worst errors {worst}")
     if anchored:  # past the whole-run tolerances, exact step by step
         print("decided step by step (anchored_compare): " + "; ".join(anchored))
-    assert not failures, "\n\n".join(failures)
+    return failures
 
 
 def reshard_run(

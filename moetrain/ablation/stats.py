@@ -9,8 +9,9 @@
   Welch's unpaired interval with the Welch-Satterthwaite degrees of freedom.
 
 The t quantile is computed here (regularised incomplete beta by continued fraction, then
-bisection), so that no statistics package is needed; ``tests/test_stats.py`` checks it
-against tabulated values.
+bisection), so that no statistics package is needed; ``tests/tools/test_stats.py`` checks it
+against tabulated values and the closed forms of 1 and 2 degrees of freedom, and both
+intervals against hand computations.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from kernel_testing import (
@@ -15,8 +17,9 @@ from kernel_testing import (
     offsets,
 )
 from kernel_testing import requires_cuda as _requires_cuda
-from moetrain.kernels import gather_grouped_mm, grouped_mm, torch_ops
+from moetrain.kernels import gather_grouped_mm, grouped_mm
 from moetrain.kernels.reference import gather_grouped_mm_reference, grouped_mm_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # name: (rows per expert, tail rows past offs[-1], K, M)
 CASES = {
@@ -122,15 +125,69 @@ def test_gather_equals_grouped_mm_of_gathered_rows():
         )
 
 
+class _Calls(TorchDispatchMode):
+    """Counts the aten ops that run inside it, by name (forward and backward alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+NATIVE_CASES = {
+    # name: (x (N, K), w (E, K, M), torch._grouped_mm calls: forward, dgrad, wgrad)
+    "fp32 aligned": ((8, 32), (2, 32, 48), torch.float32, 3),
+    "bf16 aligned": ((8, 32), (2, 32, 48), torch.bfloat16, 3),
+    "fp32 K=33": ((8, 33), (2, 33, 48), torch.float32, 0),  # rows of 132 bytes: unaligned
+    "fp16 aligned": ((8, 32), (2, 32, 48), torch.float16, 0),  # not every CPU kernel has fp16
+}
+
+
+def native_call_problems() -> list[str]:
+    """For each of ``NATIVE_CASES``, one forward and backward of the torch backend's grouped
+    GEMM under a dispatcher census: where ``torch._grouped_mm`` applies, it must run for
+    the forward and both gradients (the tests above then cover it); elsewhere the
+    per-expert loop's matmuls run instead and ``_grouped_mm`` never does."""
+    out = []
+    for name, (x_shape, w_shape, dtype, want) in NATIVE_CASES.items():
+        gen = torch.Generator().manual_seed(0)
+        x_NK = torch.randn(x_shape, generator=gen).to(dtype).requires_grad_()
+        w_EKM = torch.randn(w_shape, generator=gen).to(dtype).requires_grad_()
+        with _Calls() as calls:
+            grouped_mm(x_NK, w_EKM, offsets([3, 5]), backend="torch").sum().backward()
+        got, loop = calls.ops["_grouped_mm"], calls.ops["mm"]
+        if got != want or (want == 0 and loop == 0):
+            out.append(f"{name}: torch._grouped_mm ran {got} times (want {want}), mm {loop}")
+    return out
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the CPU torch._grouped_mm selection")
 def test_torch_backend_uses_native_grouped_mm_when_aligned():
-    """Aligned fp32/bf16 on CPU must take torch._grouped_mm, so the tests above cover it."""
-    x_NK = torch.randn(8, 32)
-    w_EKM = torch.randn(2, 32, 48)
-    assert torch_ops._native_ok(x_NK, w_EKM, 48)
-    assert torch_ops._native_ok(x_NK.bfloat16(), w_EKM.bfloat16(), 48)
-    assert not torch_ops._native_ok(torch.randn(8, 33), torch.randn(2, 33, 48), 48)
-    assert not torch_ops._native_ok(x_NK.half(), w_EKM.half(), 48)
+    """Aligned fp32/bf16 on CPU takes torch._grouped_mm, forward and backward (observed at
+    torch's dispatcher), so the tests above cover it; unaligned rows and fp16 take the
+    per-expert loop."""
+    assert native_call_problems() == []
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the CPU torch._grouped_mm selection")
+def test_a_backend_that_never_goes_native_is_caught(monkeypatch):
+    """tests/faults.py ``grouped_mm_never_native``: the call sites take the per-expert loop
+    though the eligibility check says yes (what this test asserted before: it still holds),
+    and the loop computes the same numbers (every comparison above passes); the calls show
+    it."""
+    from faults import plant
+    from moetrain.kernels import torch_ops
+
+    plant("grouped_mm_never_native", monkeypatch.setattr)
+    assert torch_ops._native_ok(torch.randn(8, 32), torch.randn(2, 32, 48), 48)
+    _check_grouped_mm("torch", *CASES["all_rows_one_expert"], torch.float32)
+    assert native_call_problems() == [
+        "fp32 aligned: torch._grouped_mm ran 0 times (want 3), mm 6",
+        "bf16 aligned: torch._grouped_mm ran 0 times (want 3), mm 6",
+    ]
 
 
 @gpu

@@ -19,7 +19,15 @@ from __future__ import annotations
 
 import pytest
 from matrix_design import BASE, LAYOUTS
-from multirank import Case, check_cases, expected_layout, reference_run, run_ranks
+from multirank import (
+    Case,
+    _cases_worker,
+    case_failures,
+    check_cases,
+    expected_layout,
+    reference_run,
+    run_ranks,
+)
 
 STEPS = 2
 BF16 = (*BASE, "train.dtype=bf16", "moe.top_k=4", "moe.capacity_factor=null")
@@ -65,22 +73,11 @@ FAULT = Case("bf16 dp2 zero3, root gathered in bf16", ("parallel.zero_stage=3",)
 in bf16, as before the policy."""
 
 
-def _under_both_rows(rank: int, case: Case, ref: dict, steps: int) -> list[str | None]:
-    """Run ``case`` with its fault; compare it with one process under the "bf16" row and
-    under the old one: the assertion message of each (None: it passed)."""
-    import tempfile
-
+def _under_both_rows(got: dict, ref: dict, rank: int) -> list[str | None]:
+    """The fault's run compared with one process under the "bf16" row and under the old one:
+    the assertion message of each (None: it passed)."""
     import multirank as mr
 
-    undo: list = []
-    inject = mr._plant(case.fault, rank, undo)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            got = mr.micro_run(tmp, steps, *case.options, *case.layout, inject=inject,
-                               traffic=False)  # fmt: skip
-    finally:
-        for restore in reversed(undo):
-            restore()
     assert got["dtype"] == "bf16", got["dtype"]  # the row of layouts that round as one process
     out = []
     for row in (mr.TOLERANCES["bf16"], {**mr.TOLERANCES["bf16"], **OLD_BF16_ROW}):
@@ -95,52 +92,51 @@ def _under_both_rows(rank: int, case: Case, ref: dict, steps: int) -> list[str |
     return out
 
 
-def _ci_worker(rank: int, world: int, cases: list[Case], refs: dict, steps: int,
-               wants: list) -> dict:  # fmt: skip
-    import multirank as mr
-
-    return {
-        "cases": mr._cases_worker(rank, world, cases, refs, steps, wants),
-        "fault": _under_both_rows(rank, FAULT, refs[FAULT.options], steps),
-    }
-
-
 @pytest.fixture(scope="module")
-def ci_job() -> tuple[list[Case], list[dict]]:
+def ci_job() -> tuple[list[Case], list[list[dict]]]:
     """One spawned job on 2 ranks: one layout of each axis, FP8 rowwise on bf16 under ZeRO-3
     (before the policy its first step's drops differed from one process's by 3.6%) and
-    under tp, and the planted fault."""
+    under tp, and the planted fault (the last case)."""
     fp8 = (*BF16, "train.fp8=rowwise")
     cases = [*_cases(CI_LAYOUTS),
              Case("bf16 + FP8 rowwise dp2 zero3", ("parallel.zero_stage=3",), fp8),
              Case("bf16 + FP8 rowwise tp2 SP", ("parallel.tp=2", "parallel.sequence_parallel=true"),
-                  fp8)]  # fmt: skip
+                  fp8), FAULT]  # fmt: skip
     refs = {c.options: reference_run(c.options, STEPS) for c in cases}
     wants = [[expected_layout([*c.options, *c.layout], 2, r) for r in range(2)] for c in cases]
-    return cases, run_ranks(_ci_worker, 2, cases, refs, STEPS, wants, timeout=580)
+    # _cases_worker: a run beyond the whole-run tolerances comes back whole (``got``), for
+    # the verdict to replay step by step.
+    return cases, run_ranks(_cases_worker, 2, cases, refs, STEPS, wants, timeout=580)
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_bf16_under_each_axis_matches_one_bf16_process(ci_job) -> None:
-    """Each case against one bf16 process with its row, on every rank (``check_cases``)."""
+    """Each case against one bf16 process with its row, on every rank: its layout facts and
+    its numbers (``case_failures``, the verdict of ``check_cases``: a run beyond the
+    whole-run tolerances is replayed step by step, which decides)."""
     cases, results = ci_job
-    failures = [
-        f"{res['name']} (rank {rank}):\n  " + "\n  ".join(res["problems"])
-        for rank, r in enumerate(results)
-        for res in r["cases"]
-        if res["problems"]
-    ]
+    failures = case_failures(cases[:-1], [r[:-1] for r in results], STEPS)
     assert not failures, "\n\n".join(failures)
-    assert [res["name"] for res in results[0]["cases"]] == [c.name for c in cases]
+    assert [res["name"] for res in results[0]] == [c.name for c in cases]
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_fsdp_root_in_bf16_is_caught_now_and_was_not_before(ci_job) -> None:
-    """The planted fault: the "bf16" row names the diverging gradients; the single bf16 row
-    of before let every difference pass."""
-    for rank, r in enumerate(ci_job[1]):
-        now, before = r["fault"]
+    """The planted fault, judged as the test above judges every case: its layout is right
+    and its numbers are not -- the verdict names the first step's diverging gradients, the
+    step-by-step replay included; the single bf16 row of before let every difference pass."""
+    cases, results = ci_job
+    failures = case_failures(cases[-1:], [r[-1:] for r in results], STEPS)
+    assert len(failures) == 2, failures  # both ranks
+    for rank, (failure, r) in enumerate(zip(failures, results, strict=True)):
+        res = r[-1]
+        assert failure.startswith(f"{FAULT.name} (rank {rank}):"), failure
+        assert not res["problems"], res["problems"]  # the layout facts cannot see it
+        assert "grad[step 0 " in res["trajectory"], res["trajectory"]
+        assert "anchored at step 0" in failure, failure
+        ref = reference_run(FAULT.options, STEPS)
+        now, before = _under_both_rows(res["got"], ref, rank)
         assert now is not None and "grad[step 0 " in now, (rank, now)
         assert before is None, (rank, before)

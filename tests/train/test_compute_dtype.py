@@ -208,26 +208,136 @@ def test_the_gather_variant_keeps_bf16_operands(kernels: str) -> None:
     assert not c.contract_failures, c.report()
 
 
+ROOT = ("tok_embeddings.", "norm.", "output.")
+"""The root unit's parameters (by name prefix): token embeddings, final norm, output head."""
+
+
+def gathered_in_fp32(name: str) -> bool:
+    """Under FSDP2 mixed precision, the units the policy gathers in fp32: the root and every
+    router; the blocks' other weights in bf16 (``apply_fsdp``,
+    moetrain/parallel/data_parallel.py)."""
+    return name.startswith(ROOT) or ".ffn.router." in name
+
+
+def _gathered_dtypes(part: torch.nn.Module) -> tuple[dict[str, torch.dtype], Any]:
+    """The dtype of each parameter as its module's forward sees it (the first call): under
+    FSDP2 the module then holds the unsharded parameter, in the dtype its unit was all-gathered
+    in. Returns the record and the hooks' remover."""
+    seen: dict[str, torch.dtype] = {}
+
+    def hook(prefix: str) -> Any:
+        def record(module: torch.nn.Module, args: Any) -> None:
+            for name, p in module.named_parameters(recurse=False):
+                seen.setdefault(prefix + name, p.dtype)
+
+        return record
+
+    handles = [
+        m.register_forward_pre_hook(hook(f"{n}." if n else ""))
+        for n, m in part.named_modules()
+        if next(m.parameters(False), None) is not None
+    ]
+    return seen, lambda: [h.remove() for h in handles]
+
+
+def gather_dtype_problems(gathered: dict[str, torch.dtype], casts: dict) -> list[str]:
+    """What contradicts the policy's FSDP2 gathers: a parameter seen in another dtype than its
+    unit's (``gathered_in_fp32``, else bf16), and a cast of an fp32-gathered parameter's
+    shard to bf16 (``StepCensus.weight_casts``: FSDP2 casts a shard before gathering it)."""
+    out = []
+    for name, dtype in sorted(gathered.items()):
+        want = torch.float32 if gathered_in_fp32(name) else BF16
+        if dtype != want:
+            out.append(f"{name} gathered in {dtype}, the policy's {want}")
+    for (name, src, dst), n in sorted(casts.items(), key=str):
+        if gathered_in_fp32(name) and dst == BF16:
+            out.append(f"{name}: its shard cast {src} -> {dst} {n} times")
+    return out
+
+
 def _zero3_census(rank: int, world: int) -> dict[str, Any]:
-    """A rank's census of one ZeRO-3 step (FSDP2 mixed precision: blocks gathered in bf16)."""
-    c, trainer = _step("parallel.zero_stage=3", "moe.kernels=torch", contracts=True)
-    return {
-        "flops": c.flops_by_dtype(),
-        "named": _named_fp32_flops(trainer),
-        "mismatched": dict(c.mismatched),
-        "refused": c.contract_failures,
-        "report": c.report(),
-    }
+    """A rank's census of one ZeRO-3 step (FSDP2 mixed precision: blocks gathered in bf16),
+    and what the policy's gathers look like with and without tests/faults.py's
+    ``fsdp_root_in_bf16`` (the root gathered in bf16)."""
+    import multirank as mr
+
+    out: dict[str, Any] = {}
+    for fault in (None, ("plant", None, "fsdp_root_in_bf16")):
+        undo: list = []
+        mr._plant(fault, rank, undo)
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                trainer = Trainer(
+                    micro_config(
+                        tmp, "train.steps=1", *OPTIONS, "parallel.zero_stage=3", "moe.kernels=torch"
+                    )
+                )
+                part = trainer.engine.parts[0]
+                gathered, remove = _gathered_dtypes(part)
+                with StepCensus(params=list(part.named_parameters()), contracts=True) as c:
+                    trainer.train_step()
+                remove()
+                trainer.close()
+        finally:
+            for restore in reversed(undo):
+                restore()
+        problems = gather_dtype_problems(gathered, dict(c.weight_casts))
+        if fault is not None:
+            out["planted"] = problems
+            out["planted_flops"] = (c.flops_by_dtype(), dict(c.mismatched), c.contract_failures)
+            continue
+        out.update(
+            flops=c.flops_by_dtype(),
+            named=_named_fp32_flops(trainer),
+            mismatched=dict(c.mismatched),
+            refused=c.contract_failures,
+            report=c.report(),
+            gathered=gathered,
+            problems=problems,
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def zero3() -> list[dict[str, Any]]:
+    from multirank import run_ranks
+
+    return run_ranks(_zero3_census, 2, timeout=280)
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-def test_under_fsdp2_mixed_precision_too() -> None:
+def test_under_fsdp2_mixed_precision_too(zero3) -> None:
     """The same step under ZeRO-3 on 2 ranks: FSDP2 hands the blocks' weights over in bf16
-    and the root's and routers' in fp32; every rank's matmuls are bf16 but the named ones."""
-    from multirank import run_ranks
-
-    for rank, r in enumerate(run_ranks(_zero3_census, 2, timeout=280)):
+    and the root's and routers' in fp32 (observed: the dtype each module's parameters have
+    when its forward runs, and no cast of those shards to bf16); every rank's matmuls are
+    bf16 but the named ones."""
+    for rank, r in enumerate(zero3):
+        assert not r["problems"], (rank, r["problems"])
+        assert {d for n, d in r["gathered"].items() if n.startswith("tok_embeddings.")} == {
+            torch.float32}, (rank, r["gathered"])  # fmt: skip
+        assert set(r["gathered"].values()) == {torch.float32, BF16}, (rank, r["gathered"])
         assert set(r["flops"]) == {torch.float32, BF16}, (rank, r["report"])
         assert r["flops"][torch.float32] == r["named"], (rank, r["report"])
         assert not r["mismatched"] and not r["refused"], (rank, r["report"])
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+def test_the_root_gathered_in_bf16_is_caught(zero3) -> None:
+    """tests/faults.py ``fsdp_root_in_bf16`` (ZeRO-3 gathers the embeddings, final norm and
+    head in bf16; every matmul's operands stay what they were, so the FLOPs by dtype cannot
+    see it): the root's parameters are named, each by its gather and by its shard's cast."""
+    for rank, r in enumerate(zero3):
+        flops, mismatched, refused = r["planted_flops"]  # what the census saw: the same
+        assert flops == r["flops"] and not mismatched and not refused, (rank, r["planted_flops"])
+        want = [
+            f"{name} gathered in {BF16}, the policy's {torch.float32}"
+            for name in ("norm.weight", "output.weight", "tok_embeddings.weight")
+        ]
+        assert [p for p in r["planted"] if "gathered" in p] == want, (rank, r["planted"])
+        assert {p.split(":")[0] for p in r["planted"] if "cast" in p} == {
+            "norm.weight",
+            "output.weight",
+            "tok_embeddings.weight",
+        }, (rank, r["planted"])

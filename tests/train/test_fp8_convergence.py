@@ -4,6 +4,9 @@
   and rowwise, emulated): its committed outputs (docs/data/ablation_fp8*.csv, the sweep's
   ``summary.csv``, ``results.csv`` and ``curves.csv``) meet the bounds stated below, and the
   summary's paired eval-loss differences are the runs' own.
+- The same sweep made small (tests/train/sweep_records.py), rerun through the sweep runner
+  and held against its committed record: what the committed CSVs cannot see, a change of
+  FP8's arithmetic.
 - In CI: the micro MoE of tests/multirank.py, 20 steps, FP8 against bf16 step by step.
 """
 
@@ -16,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from multirank import micro_config
+from sweep_records import differences, load, missing, rerun
 from threads import one_thread
 
 from moetrain.ablation.stats import difference_interval
@@ -71,6 +75,44 @@ def test_the_sweep_tracks_bf16_within_the_bound() -> None:
             float(r["train_loss_diff_lo"]) <= 0 <= float(r["train_loss_diff_hi"]) for r in late
         )
         assert abs(gap) <= CURVE_BOUND and inside >= CURVE_INSIDE, (run, gap, inside)
+
+
+@pytest.fixture(scope="module")
+def fp8_sweep(tmp_path_factory) -> dict:
+    return rerun("fp8", tmp_path_factory.mktemp("fp8_sweep"))
+
+
+@pytest.mark.slow
+def test_a_small_fp8_sweep_reruns_to_its_record(fp8_sweep) -> None:
+    """The committed sweep's CSVs above cannot change when FP8 does; this can. The same
+    comparison made small (tests/train/sweep_records.py: FP8 tensorwise and rowwise against
+    the run they sit on, two seeds, 4 steps) runs through ``moetrain ablate``'s runner, and
+    every eval loss of results.csv and train-loss mean and paired difference of curves.csv
+    equals the committed record's (bit for bit in its environment, within ``BOUND``
+    elsewhere)."""
+    want = load("fp8")
+    assert not missing(fp8_sweep, want), missing(fp8_sweep, want)
+    diffs = differences(fp8_sweep, want)
+    assert not diffs, "\n".join(diffs) + (
+        "\nIf FP8's arithmetic changed on purpose: python tests/train/sweep_records.py fp8, "
+        "and say why in the commit.")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_changed_fp8_recipe_breaks_the_sweep_record(monkeypatch, tmp_path) -> None:
+    """tests/faults.py ``fp8_tensorwise_grads_e4m3`` (the tensorwise recipe's output gradients
+    in e4m3, not e5m2), the tensorwise runs rerun and judged as above: the forwards are the
+    same, so the first step's loss is; the third step's train loss and both eval losses
+    are not."""
+    from faults import plant
+
+    plant("fp8_tensorwise_grads_e4m3", monkeypatch.setattr)
+    got = rerun("fp8", tmp_path, variants=("fp8-tensorwise",))
+    keys = [d.split(":")[0] for d in differences(got, load("fp8"))]
+    assert keys[:2] == ["results fp8-tensorwise/seed_0 eval_loss",
+                        "results fp8-tensorwise/seed_1 eval_loss"], keys  # fmt: skip
+    assert "curves fp8-tensorwise step 3 train_loss_mean" in keys, keys
+    assert "curves fp8-tensorwise step 1 train_loss_mean" not in keys, keys
 
 
 def _losses(*overrides: str) -> list[float]:

@@ -15,7 +15,8 @@ updates.
 - Which parameters Muon takes in the real model, and the FLOPs ``ns_flops`` states against
   torch's FLOP counter.
 - The AdamW-vs-Muon sweep docs/optim.md quotes compares equal tokens, and its summary is its
-  runs' own.
+  runs' own; the same sweep made small (tests/train/sweep_records.py), rerun through the
+  sweep runner, equals its committed record, and a changed optimizer breaks it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sweep_records import differences, load, missing, rerun
 from torch import nn
 
 from moetrain.config import ConfigError, OptimConfig, load_config
@@ -348,3 +350,39 @@ def test_the_sweep_compares_equal_tokens_and_its_summary_is_its_runs_own() -> No
             pytest.approx(d.lo, abs=1e-12), pytest.approx(d.hi, abs=1e-12))  # fmt: skip
     curves = _sweep_rows("optim_curves.csv")
     assert {r["run"] for r in curves} == set(SWEEP_VARIANTS)
+
+
+REGENERATE = "python tests/train/sweep_records.py"
+
+
+@pytest.fixture(scope="module")
+def optim_sweep(tmp_path_factory) -> dict:
+    return rerun("optim", tmp_path_factory.mktemp("optim_sweep"))
+
+
+def test_a_small_optim_sweep_reruns_to_its_record(optim_sweep) -> None:
+    """The committed sweep's CSVs above cannot change when the optimizers do; this can. The
+    same comparison made small (tests/train/sweep_records.py: AdamW against Muon, two seeds,
+    4 steps) runs through ``moetrain ablate``'s runner, and every eval loss of results.csv and
+    train-loss mean and paired difference of curves.csv equals the committed record's (bit
+    for bit in its environment, within ``BOUND`` elsewhere)."""
+    want = load("optim")
+    assert not missing(optim_sweep, want), missing(optim_sweep, want)
+    diffs = differences(optim_sweep, want)
+    assert not diffs, "\n".join(diffs) + (
+        f"\nIf the optimizers' arithmetic changed on purpose: {REGENERATE} optim, and say why "
+        "in the commit.")  # fmt: skip
+
+
+def test_a_changed_optimizer_breaks_the_sweep_record(monkeypatch, tmp_path) -> None:
+    """tests/faults.py ``muon_plain_momentum`` (heavy-ball momentum instead of Nesterov's),
+    Muon's runs rerun and judged as above: its first update is the same (both directions
+    are the first gradient's), the third step's train loss and both eval losses are not."""
+    from faults import plant
+
+    plant("muon_plain_momentum", monkeypatch.setattr)
+    got = rerun("optim", tmp_path, variants=("muon",))
+    keys = [d.split(":")[0] for d in differences(got, load("optim"))]
+    assert keys[:2] == ["results muon/seed_0 eval_loss", "results muon/seed_1 eval_loss"], keys
+    assert "curves muon step 3 train_loss_mean" in keys, keys
+    assert "curves muon step 1 train_loss_mean" not in keys, keys
