@@ -1140,7 +1140,20 @@ def reshard_run(
     Trainer: DCP reshards), take the last step. Reports like ``micro_run`` for the last
     step: ``loss`` (all steps), ``grads`` (a list holding the last step's), ``optim`` and
     ``params`` (after it). ``after_load(trainer)`` runs after the resume (the oracle's tests
-    plant errors there). ``out_dir`` must be shared by every rank."""
+    plant errors there). ``out_dir`` must be shared by every rank. Computes on
+    ``ORACLE_THREADS``, as the reference it is compared with (tests/threads.py)."""
+    with one_thread():
+        return _reshard_run(out_dir, steps, save, load, after_load=after_load)
+
+
+def _reshard_run(
+    out_dir: str | Path,
+    steps: int,
+    save: list[str],
+    load: list[str],
+    *,
+    after_load: Callable[[Any], None] | None,
+) -> dict[str, Any]:
     from moetrain.train.trainer import Trainer
 
     first = Trainer(micro_config(out_dir, f"train.steps={steps}", *save))
