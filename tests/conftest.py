@@ -1,7 +1,8 @@
 """Repository-wide test setup.
 
 ``tests/`` goes on ``sys.path`` so that every test folder can ``from multirank import
-run_ranks`` (the multi-rank harness, ``tests/multirank.py``). Others may append below.
+run_ranks`` (``tests/multirank.py``: the multi-rank harness, the micro model and the oracle,
+from tests/harness.py, micro.py, tolerances.py and oracle.py). Others may append below.
 
 A test marked ``thread_counts`` runs once under each of ``threads.THREAD_COUNTS`` (one
 intra-op thread and the default): its verdict must not depend on the machine's thread count.

@@ -1,6 +1,6 @@
 """Every tensor that diverges, worst first, grouped by kind: the oracle's failure report.
 
-A comparison of two runs (``multirank.compare_runs``, the semantic tests) adds each check that
+A comparison of two runs (``oracle.compare_runs``, the semantic tests) adds each check that
 fails to a ``Divergences``; the report then names every diverging tensor of the run instead
 of the first one in iteration order (a routing, RoPE or capacity bug shows in the router,
 the attention or the experts, not as ``tok_embeddings.weight``, the first name of the model):

@@ -5,7 +5,7 @@ check that compared a layout with one process (the single process shared the bug
 layout facts read the configuration instead of the run). ``plant(name, setattr)`` installs
 one: ``setattr`` is ``pytest``'s ``monkeypatch.setattr`` in the test process (undone after
 the test), the builtin in a spawned rank (``Case.fault = ("plant", rank, name)`` in
-tests/multirank.py).
+tests/oracle.py).
 
 - ``per_micro_batch_counts``: the global-batch balancing loss uses each micro-batch's own
   expert counts instead of the step's (in every layout, one process included). Caught by

@@ -328,7 +328,7 @@ def _options_config(overrides: list[str] | tuple[str, ...]):
 
 @functools.cache
 def _options_config_of(options: tuple[str, ...]):
-    from multirank import micro_config
+    from micro import micro_config
 
     return micro_config("unused", *options)
 

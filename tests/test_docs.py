@@ -544,11 +544,11 @@ def _constant(path: str, name: str) -> Any:
 
 
 def _tolerance_rows() -> dict[str, list[float]]:
-    """parallel.md's tolerance table, row by row, from ``TOLERANCES`` of tests/multirank.py
+    """parallel.md's tolerance table, row by row, from ``TOLERANCES`` of tests/tolerances.py
     (the fp32 cell, the bf16 one, the "bf16 reordered" one) and ``CLAMPED``."""
     tol, clamped = (
-        _constant("tests/multirank.py", "TOLERANCES"),
-        _constant("tests/multirank.py", "CLAMPED"),
+        _constant("tests/tolerances.py", "TOLERANCES"),
+        _constant("tests/tolerances.py", "CLAMPED"),
     )
     f, b, r = tol["fp32"], tol["bf16"], tol["bf16 reordered"]
     return {
@@ -883,7 +883,7 @@ QUOTES = [
           r"crossed with (\d+) layouts", lambda: [_matrix_layouts()]),
     Quote("docs/parallel.md", "docs/matrix.md (written by tests/parallel/test_matrix.py)",
           r"-- with (\d+) layouts", lambda: [_matrix_layouts()]),
-    *[Quote("docs/parallel.md", "tests/multirank.py (TOLERANCES, CLAMPED)",
+    *[Quote("docs/parallel.md", "tests/tolerances.py (TOLERANCES, CLAMPED)",
             rf"(?m)^\| {re.escape(row)}[^|]*(\|.*)$", lambda row=row: _tolerance_rows()[row])
       for row in ("losses, norms, MoE statistics", "first step's gradients",
                   "later steps' gradients, AdamW moments", "final parameters",

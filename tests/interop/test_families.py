@@ -48,6 +48,7 @@ def run_both(hf_model, ours, tokens_BS: torch.Tensor):
     return hf_logits, our_logits, hf_ids, our_ids
 
 
+@pytest.mark.thread_counts
 @pytest.mark.parametrize("model_type", list(CONFIGS))
 def test_forward_matches_transformers(model_type: str, tmp_path: Path) -> None:
     hf_model = save_hf(model_type, tmp_path)

@@ -311,6 +311,7 @@ def test_fp8_grouped_mm_within_the_bound_of_high_precision(recipe) -> None:
         assert 0 < _rel(a, ref) <= LAYER_BOUND[recipe], (name, _rel(a, ref))
 
 
+@pytest.mark.thread_counts
 def test_grouped_reduce_completes_the_amax_of_a_split_dim() -> None:
     """Expert TP: a rank holding half of K computes the scales of the whole K when
     ``reduce_k`` brings the other half's amax; without it, its own (a bug)."""
@@ -529,6 +530,7 @@ def error_table() -> list[dict[str, str]]:
     return rows
 
 
+@pytest.mark.thread_counts
 def test_error_table_is_current() -> None:
     """docs/data/fp8_error.csv (quoted by docs/fp8.md) holds what this measures, rounded to 4
     digits; ``MOETRAIN_UPDATE_DOCS=1`` rewrites it. Each figure within the layer bound."""

@@ -32,6 +32,7 @@ def _check_route(backend, logits_TE, top_k, score_func, bias_E, renormalize, use
     assert_close(dlogits, dlogits_ref, f"dlogits from outputs {used}")
 
 
+@pytest.mark.thread_counts
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("renormalize", [True, False])

@@ -59,6 +59,7 @@ def _packed(seed: int = 0):
     return docs, torch.cat(docs)[None], document_ids(ends[None])
 
 
+@pytest.mark.thread_counts
 @pytest.mark.parametrize("positions", [False, True], ids=["positions run on", "restart"])
 @pytest.mark.parametrize("arch", ["gqa", "mla", "mla+yarn", "gqa+yarn"])
 def test_each_packed_document_sees_only_itself(arch, positions, assert_close) -> None:

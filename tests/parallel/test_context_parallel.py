@@ -66,6 +66,7 @@ def _routing(B: int, S: int, E: int, K: int, seed: int) -> tuple[torch.Tensor, t
     return top.indices, top.values
 
 
+@pytest.mark.thread_counts
 @pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("cp", [2, 4])

@@ -108,10 +108,11 @@ def _nudge(suffix: str, by: float) -> Any:
 def test_every_run_an_exact_comparison_reads_computes_on_the_oracles_threads(
     monkeypatch: pytest.MonkeyPatch, ambient_threads: int
 ) -> None:
-    """The layout's run, the single-process reference and the step-by-step replay each
-    compute on ``ORACLE_THREADS`` intra-op threads whatever the caller's setting: the same
-    fp32 sums blocked for another thread count differ in their last bits (by how much depends
-    on the machine), and ``anchored_compare`` asserts the replay of a correct run exact."""
+    """The layout's run, the single-process reference, the step-by-step replay and a resumed
+    run each compute on ``ORACLE_THREADS`` intra-op threads whatever the caller's setting: the
+    same fp32 sums blocked for another thread count differ in their last bits (by how much
+    depends on the machine), and ``anchored_compare`` asserts the replay of a correct run
+    exact."""
     from moetrain.train.trainer import Trainer
 
     seen: list[tuple[str, int]] = []
@@ -130,7 +131,10 @@ def test_every_run_an_exact_comparison_reads_computes_on_the_oracles_threads(
     reference_run(options, 2)
     what[0] = "replay"
     anchored_compare(options, got, 2)
-    assert {w for w, _ in seen} == {"run", "reference", "replay"}, seen
+    what[0] = "resumed"
+    with tempfile.TemporaryDirectory() as out:
+        reshard_run(out, 2, list(options), list(options))
+    assert {w for w, _ in seen} == {"run", "reference", "replay", "resumed"}, seen
     assert all(n == ORACLE_THREADS for _, n in seen), (ambient_threads, seen)
     assert torch.get_num_threads() == ambient_threads  # and the caller's setting is restored
 

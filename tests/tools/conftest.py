@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from threads import one_thread
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
@@ -45,11 +46,15 @@ def write_sweep(path: Path, **extra) -> Path:
 
 @pytest.fixture(scope="session")
 def sweep_dir(tmp_path_factory) -> Path:
-    """The sweep directory after ``moetrain ablate sweep.yaml --out DIR`` finished."""
+    """The sweep directory after ``moetrain ablate sweep.yaml --out DIR`` finished, trained
+    on ``one_thread()``: a test that resumes one of its runs compares the eval loss exactly,
+    and computes on the same threads whatever the setting of the test that built this
+    session fixture (tests/threads.py)."""
     from moetrain.cli import main
 
     root = tmp_path_factory.mktemp("sweep")
     sweep_file = write_sweep(root / "sweep.yaml")
     out = root / "out"
-    assert main(["ablate", str(sweep_file), "--out", str(out)]) == 0
+    with one_thread():
+        assert main(["ablate", str(sweep_file), "--out", str(out)]) == 0
     return out

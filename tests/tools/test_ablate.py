@@ -13,6 +13,7 @@ import pytest
 import yaml
 from conftest import MICRO, write_sweep
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from threads import one_thread
 
 from moetrain.ablation import load_sweep, run_sweep
 from moetrain.config import ConfigError
@@ -103,7 +104,8 @@ def test_resume_skips_finished_runs_and_finishes_interrupted_ones(
     events_2 = sorted((out / "runs" / "top_k=2" / "tb").iterdir())
 
     sweep = load_sweep(write_sweep(tmp_path / "sweep.yaml"), out_dir=out)
-    with caplog.at_level(logging.INFO, logger="moetrain"):
+    # On the threads the fixture's runs took: their eval loss is compared exactly below.
+    with caplog.at_level(logging.INFO, logger="moetrain"), one_thread():
         rows = run_sweep(sweep)
     assert "2 runs, 1 finished, 1 to run" in caplog.text
     assert "resumed from" in caplog.text and "at step 2" in caplog.text

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_ablate import event_scalars
+from threads import one_thread
 
 from moetrain.ablation import load_sweep, run_sweep
 
@@ -31,10 +32,13 @@ FIGS = ("eval_loss", "max_over_mean", "cv", "dropped_fraction", "router_entropy"
 
 @pytest.fixture(scope="module")
 def seeds_dir(tmp_path_factory) -> Path:
+    """The shipped sweep, trained on ``one_thread()``: the resumed run below is compared with
+    it exactly, on the same threads (tests/threads.py)."""
     from moetrain.cli import main
 
     out = tmp_path_factory.mktemp("seeds") / "out"
-    assert main(["ablate", str(SWEEP), "--out", str(out)]) == 0
+    with one_thread():
+        assert main(["ablate", str(SWEEP), "--out", str(out)]) == 0
     return out
 
 
@@ -164,7 +168,7 @@ def test_an_interrupted_multi_seed_sweep_resumes_without_redoing_runs(
     events = {p: sorted((p / "tb").iterdir()) for p in (out / "runs").glob("*/seed_*")}
 
     sweep = load_sweep(SWEEP, out_dir=out)
-    with caplog.at_level(logging.INFO, logger="moetrain"):
+    with caplog.at_level(logging.INFO, logger="moetrain"), one_thread():  # as seeds_dir's runs
         run_sweep(sweep)
     assert "6 runs, 5 finished, 1 to run" in caplog.text
     assert "sweep: run global-aux/seed_1" in caplog.text and "at step 2" in caplog.text

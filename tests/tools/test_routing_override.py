@@ -20,6 +20,7 @@ def layer(cfg: MoEConfig) -> MoELayer:
     return MoELayer(D, cfg).eval()
 
 
+@pytest.mark.thread_counts
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_top1_override_equals_a_top1_layer(capacity_factor, score_func) -> None:

@@ -105,12 +105,14 @@ def _resumes_exactly(tmp_path: Path, *opts: str) -> dict[str, torch.dtype]:
     return {k: v.properties.dtype for k, v in _checkpoint_tensors(path).items()}
 
 
+@pytest.mark.thread_counts
 def test_bf16_moments_resume_exactly(tmp_path: Path) -> None:
     saved = _resumes_exactly(tmp_path, "optim.moments_dtype=bf16", "train.fp8=rowwise")
     moments = {k: v for k, v in saved.items() if k.endswith(("exp_avg", "exp_avg_sq"))}
     assert moments and set(moments.values()) == {torch.bfloat16}
 
 
+@pytest.mark.thread_counts
 @pytest.mark.parametrize("moments", ["fp32", "bf16"])
 def test_muon_state_resumes_exactly(tmp_path: Path, moments: str) -> None:
     """``optim.name=muon``: a run cut after a step and resumed takes the next step exactly as

@@ -39,8 +39,12 @@ def cmd(out: Path, *extra: str) -> list[str]:
 
 
 def env(**extra: str) -> dict[str, str]:
+    """The runs' environment: one intra-op thread each (``OMP_NUM_THREADS=1``, as
+    ``tests/threads.py``'s ``one_thread``), so that a resumed curve compared exactly with the
+    ``reference`` fixture's sums in its order whatever the caller's thread setting."""
     e = {k: v for k, v in os.environ.items() if k != "MOETRAIN_INJECT_FAULT"}
-    e.update({"PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    e.update({"PYTHONUNBUFFERED": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
+              "OMP_NUM_THREADS": "1"})  # fmt: skip
     e.update(extra)
     return e
 
