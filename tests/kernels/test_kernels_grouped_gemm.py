@@ -15,8 +15,12 @@ from kernel_testing import (
     offsets,
 )
 from kernel_testing import requires_cuda as _requires_cuda
-from moetrain.kernels import gather_grouped_mm, grouped_mm, torch_ops
-from moetrain.kernels.reference import gather_grouped_mm_reference, grouped_mm_reference
+from moetrain.kernels import gather_grouped_mm, grouped_mm
+from moetrain.kernels.grouped_gemm import torch_backend
+from moetrain.kernels.grouped_gemm.reference import (
+    gather_grouped_mm_reference,
+    grouped_mm_reference,
+)
 
 # name: (rows per expert, tail rows past offs[-1], K, M)
 CASES = {
@@ -127,10 +131,10 @@ def test_torch_backend_uses_native_grouped_mm_when_aligned():
     """Aligned fp32/bf16 on CPU must take torch._grouped_mm, so the tests above cover it."""
     x_NK = torch.randn(8, 32)
     w_EKM = torch.randn(2, 32, 48)
-    assert torch_ops._native_ok(x_NK, w_EKM, 48)
-    assert torch_ops._native_ok(x_NK.bfloat16(), w_EKM.bfloat16(), 48)
-    assert not torch_ops._native_ok(torch.randn(8, 33), torch.randn(2, 33, 48), 48)
-    assert not torch_ops._native_ok(x_NK.half(), w_EKM.half(), 48)
+    assert torch_backend._native_ok(x_NK, w_EKM, 48)
+    assert torch_backend._native_ok(x_NK.bfloat16(), w_EKM.bfloat16(), 48)
+    assert not torch_backend._native_ok(torch.randn(8, 33), torch.randn(2, 33, 48), 48)
+    assert not torch_backend._native_ok(x_NK.half(), w_EKM.half(), 48)
 
 
 @gpu
@@ -159,9 +163,9 @@ class TestGroupedMMGPU:
 
 
 def _fma_tiles():
-    from moetrain.kernels import grouped_gemm
+    from moetrain.kernels.grouped_gemm import triton_backend
 
-    fwd, wgrad = grouped_gemm._FWD_FMA, grouped_gemm._WGRAD_FMA
+    fwd, wgrad = triton_backend._FWD_FMA, triton_backend._WGRAD_FMA
     return [pytest.param(fwd[i], wgrad[i % len(wgrad)], id=f"fwd{fwd[i][:3]}-wgrad"
                          f"{wgrad[i % len(wgrad)][:3]}") for i in range(len(fwd))]  # fmt: skip
 
@@ -173,23 +177,23 @@ def test_fp32_autotune_tiles_match_reference(fwd, wgrad, monkeypatch):
     configuration the autotuner has: forward, dgrad, wgrad, with and without the gather, K a
     multiple of the tile and not. (The tiles' depth meets tl.dot's minimum of every supported
     Triton: tests/tools/test_kernels_compiled.py.)"""
-    from moetrain.kernels import grouped_gemm
+    from moetrain.kernels.grouped_gemm import triton_backend as gemm
 
     if HAS_CUDA:  # every configuration anew (MOETRAIN_TEST_AUTOTUNE=first keeps one)
-        for launcher, every, tile in ((grouped_gemm._fwd_launch, grouped_gemm._fwd_configs, fwd),
-                                      (grouped_gemm._wgrad_launch, grouped_gemm._wgrad_configs,
+        for launcher, every, tile in ((gemm._fwd_launch, gemm._fwd_configs, fwd),
+                                      (gemm._wgrad_launch, gemm._wgrad_configs,
                                        wgrad)):  # fmt: skip
             only = [c for c in every() if tuple(c.kwargs.values()) == tile[:3]
                     and (c.num_warps, c.num_stages) == tile[3:]]  # fmt: skip
             assert len(only) == 1, (tile, "not among the autotune configurations")
             monkeypatch.setattr(launcher, "configs", only)
     monkeypatch.setattr(
-        grouped_gemm,
+        gemm,
         "_INTERP_BLOCKS",
         dict(zip(("BLOCK_N", "BLOCK_M", "BLOCK_K"), fwd[:3], strict=True)),
     )
     monkeypatch.setattr(
-        grouped_gemm,
+        gemm,
         "_INTERP_WGRAD_BLOCKS",
         dict(zip(("BLOCK_K", "BLOCK_M", "BLOCK_R"), wgrad[:3], strict=True)),
     )
