@@ -18,6 +18,12 @@ FP8 GEMMs (``train.fp8``) live in ``moetrain.kernels.fp8``: ``fp8_linear`` and
 ``fp8_grouped_mm`` with the quantization recipe and its emulated and ``torch._scaled_mm``
 backends (docs/fp8.md).
 
+One stem per op: ``grouped_gemm/``, ``router/``, ``permutation/`` each hold the op's
+``reference.py`` (the pure-torch oracle), ``torch_backend.py`` and ``triton_backend.py``
+(kernels, launchers, autograd Function); its tests are tests/kernels/test_kernels_<stem>.py
+and its benchmark tools/bench_<stem>.py. ``fp8.py`` is one module (torch only). This file
+checks the arguments once (``common.py``) and dispatches to a backend.
+
 Every ``backend=`` takes a name ("torch", "triton", "auto") or a ``KernelChoice`` (what
 ``select_kernels`` gives ``auto`` on CUDA: each op on the implementation measured faster
 there, ``kernels/selection.py``).
@@ -31,10 +37,13 @@ from __future__ import annotations
 import functools
 
 import torch
-from moetrain.kernels import common, torch_ops
+from moetrain.kernels import common
 from moetrain.kernels.common import RouteResult, interpreter_enabled
+from moetrain.kernels.grouped_gemm import torch_backend as gemm_torch
+from moetrain.kernels.permutation import torch_backend as permutation_torch
+from moetrain.kernels.router import torch_backend as router_torch
+from moetrain.kernels.router.torch_backend import combine_weights
 from moetrain.kernels.selection import KernelChoice, backend_of, select_kernels
-from moetrain.kernels.torch_ops import combine_weights
 
 Backend = str | KernelChoice
 
@@ -108,7 +117,7 @@ def grouped_mm(
     A KernelChoice may put the forward, dgrad and wgrad on different implementations."""
     common.check_grouped_mm("grouped_mm", x_NK, w_EKM, offs_E)
     if isinstance(backend, KernelChoice):
-        from moetrain.kernels.selection import MixedGroupedMMFunction
+        from moetrain.kernels.grouped_gemm.mixed import MixedGroupedMMFunction
 
         parts = tuple(
             resolve_backend(backend.backend(op, x_NK.dtype), x_NK.device)
@@ -118,10 +127,10 @@ def grouped_mm(
             return MixedGroupedMMFunction.apply(x_NK, w_EKM, offs_E, parts)
         backend = parts[0]
     if resolve_backend(backend, x_NK.device) == "triton":
-        from moetrain.kernels import grouped_gemm
+        from moetrain.kernels.grouped_gemm import triton_backend
 
-        return grouped_gemm.grouped_mm_triton(x_NK, w_EKM, offs_E)
-    return torch_ops.grouped_mm_torch(x_NK, w_EKM, offs_E)
+        return triton_backend.grouped_mm_triton(x_NK, w_EKM, offs_E)
+    return gemm_torch.grouped_mm_torch(x_NK, w_EKM, offs_E)
 
 
 def gather_grouped_mm(
@@ -137,10 +146,10 @@ def gather_grouped_mm(
     common.check_grouped_mm("gather_grouped_mm", x_TK, w_EKM, offs_E)
     common.check_gather("gather_grouped_mm", x_TK, src_N)
     if resolve_backend(backend_of(backend, "gather", x_TK), x_TK.device) == "triton":
-        from moetrain.kernels import grouped_gemm
+        from moetrain.kernels.grouped_gemm import triton_backend
 
-        return grouped_gemm.gather_grouped_mm_triton(x_TK, src_N, w_EKM, offs_E)
-    return torch_ops.gather_grouped_mm_torch(x_TK, src_N, w_EKM, offs_E)
+        return triton_backend.gather_grouped_mm_triton(x_TK, src_N, w_EKM, offs_E)
+    return gemm_torch.gather_grouped_mm_torch(x_TK, src_N, w_EKM, offs_E)
 
 
 def route(
@@ -172,10 +181,10 @@ def route(
                 "route: group-limited routing (n_groups > 1) has no Triton kernel; "
                 "use backend='torch' for the routing step"
             )
-        from moetrain.kernels import router
+        from moetrain.kernels.router import triton_backend
 
-        return router.route_triton(logits_TE, top_k, score_func, expert_bias_E, renormalize)
-    return torch_ops.route_torch(
+        return triton_backend.route_triton(logits_TE, top_k, score_func, expert_bias_E, renormalize)
+    return router_torch.route_torch(
         logits_TE, top_k, score_func, expert_bias_E, renormalize, n_groups, topk_groups,
         group_score,
     )
@@ -188,10 +197,10 @@ def permute(
     Each row is written at most once. Backward sums the copies of each token."""
     common.check_permute("permute", x_TD, dest_TK, num_rows)
     if resolve_backend(backend_of(backend, "permute", x_TD), x_TD.device) == "triton":
-        from moetrain.kernels import permutation
+        from moetrain.kernels.permutation import triton_backend
 
-        return permutation.permute_triton(x_TD, dest_TK, num_rows)
-    return torch_ops.permute_torch(x_TD, dest_TK, num_rows)
+        return triton_backend.permute_triton(x_TD, dest_TK, num_rows)
+    return permutation_torch.permute_torch(x_TD, dest_TK, num_rows)
 
 
 def unpermute(
@@ -205,7 +214,7 @@ def unpermute(
     dtype out. Differentiable in y and weights."""
     common.check_unpermute("unpermute", y_ND, dest_TK, weights_TK)
     if resolve_backend(backend_of(backend, "unpermute", y_ND), y_ND.device) == "triton":
-        from moetrain.kernels import permutation
+        from moetrain.kernels.permutation import triton_backend
 
-        return permutation.unpermute_triton(y_ND, dest_TK, weights_TK)
-    return torch_ops.unpermute_torch(y_ND, dest_TK, weights_TK)
+        return triton_backend.unpermute_triton(y_ND, dest_TK, weights_TK)
+    return permutation_torch.unpermute_torch(y_ND, dest_TK, weights_TK)

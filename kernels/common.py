@@ -143,23 +143,6 @@ def check_groups(
         )
 
 
-def group_mask(
-    select_TE: torch.Tensor, n_groups: int, topk_groups: int, group_score: str = "top2"
-) -> torch.Tensor:
-    """(T, E) bool: True for the experts of each token's ``topk_groups`` best groups, a group
-    scored by the sum of its two highest entries of ``select_TE`` (DeepSeek-V3, "top2") or
-    by its highest (DeepSeek-V2, "max")."""
-    T, E = select_TE.shape
-    grouped_TGE = select_TE.view(T, n_groups, E // n_groups)
-    if group_score == "max":
-        group_scores_TG = grouped_TGE.max(dim=-1).values
-    else:
-        group_scores_TG = grouped_TGE.topk(2, dim=-1).values.sum(-1)
-    keep_TG = torch.zeros_like(group_scores_TG, dtype=torch.bool)
-    keep_TG.scatter_(1, group_scores_TG.topk(topk_groups, dim=-1).indices, True)
-    return keep_TG.repeat_interleave(E // n_groups, dim=1)
-
-
 def check_route(
     op: str,
     logits_TE: torch.Tensor,

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from moetrain.kernels.torch_ops import _gmm, _gmm_wgrad
+from moetrain.kernels.grouped_gemm.torch_backend import _gmm, _gmm_wgrad
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 

@@ -66,7 +66,7 @@ tests/oracle.py).
   gradient ``_gmm``, weight gradient ``_gmm_wgrad``, their source mutated) never take
   ``torch._grouped_mm``, though its eligibility check (``_native_ok``) still says they may:
   the per-expert loop computes the same numbers. Caught by the ``_grouped_mm`` calls
-  observed at torch's dispatcher (tests/kernels/test_kernels_grouped_mm.py).
+  observed at torch's dispatcher (tests/kernels/test_kernels_grouped_gemm.py).
 - ``welch_pooled_df``: Welch's unpaired interval takes the pooled n_a + n_b - 2 degrees of
   freedom instead of Welch-Satterthwaite's (``moetrain.ablation.stats.difference_interval``,
   its source mutated). Caught by the hand computation of tests/tools/test_stats.py.

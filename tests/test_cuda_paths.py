@@ -381,7 +381,8 @@ def test_resolve_backend_and_device_check_on_cuda(monkeypatch):
 
 
 class _OnCuda:
-    """A CPU tensor that reports a CUDA device (what torch_ops' eligibility check reads)."""
+    """A CPU tensor that reports a CUDA device (what the torch grouped GEMM's eligibility
+    check reads)."""
 
     def __init__(self, t: torch.Tensor):
         self._t = t
@@ -392,7 +393,7 @@ class _OnCuda:
 
 
 def test_torch_grouped_mm_eligibility_on_cuda(fake_cuda):
-    from moetrain.kernels.torch_ops import _native_ok
+    from moetrain.kernels.grouped_gemm.torch_backend import _native_ok
 
     def ok(dtype, capability):
         fake_cuda.capability = capability
@@ -538,11 +539,12 @@ class CudaContract:
 def _cuda_eligibility(monkeypatch, fake_cuda):
     """The FP8 and bf16 grouped GEMMs' CUDA eligibility rules applied to CPU operands (an
     H100, sm90): the operands report a CUDA device to the checks."""
-    from moetrain.kernels import fp8, torch_ops
+    from moetrain.kernels import fp8
+    from moetrain.kernels.grouped_gemm import torch_backend as gemm_torch
 
-    grouped_ok, native_ok = fp8._native_grouped_ok, torch_ops._native_ok
+    grouped_ok, native_ok = fp8._native_grouped_ok, gemm_torch._native_ok
     monkeypatch.setattr(fp8, "_native_grouped_ok", lambda a, b: grouped_ok(_OnCuda(a), _OnCuda(b)))
-    monkeypatch.setattr(torch_ops, "_native_ok",
+    monkeypatch.setattr(gemm_torch, "_native_ok",
                         lambda a, b, cols: native_ok(_OnCuda(a), _OnCuda(b), cols))  # fmt: skip
 
 

@@ -72,7 +72,7 @@ def _native_fns(x_NK, w_EKM, dy_NM, offs_E):
 
 
 def _triton_fns(x_NK, w_EKM, dy_NM, offs_E):
-    from moetrain.kernels import grouped_gemm as gg
+    from moetrain.kernels.grouped_gemm import triton_backend as gg
 
     num_rows = x_NK.shape[0]
 

@@ -58,7 +58,7 @@ COMMANDS = """\
 # One benchmark at a time on a CUDA machine (bf16; appends rows to docs/data/benchmarks.csv):
 python tools/bench_grouped_gemm.py            # grouped GEMM fwd/dgrad/wgrad, anchor shapes
 python tools/bench_router.py                  # fused router vs unfused torch, vs HBM copy
-python tools/bench_permute.py                 # permute / unpermute vs torch, vs HBM copy
+python tools/bench_permutation.py             # permute / unpermute vs torch, vs HBM copy
 python tools/bench_moe_layer.py               # MoE layer time / its grouped GEMMs' time
 python tools/bench_e2e.py                     # configs/gpu_1b.yaml: 5 variants, MFU, plan's step
 python tools/bench_fp8.py                     # FP8 vs bf16: expert GEMMs, a linear, end to end
@@ -83,7 +83,7 @@ SUITE_PARTS = [
     ("gemm", "`tools/bench_grouped_gemm.py --tokens 16384`: 3 anchor shapes x uniform/Zipf x "
      "up/down projections; Triton outputs checked against `torch._grouped_mm`"),
     ("router", "`tools/bench_router.py`: Mixtral, Qwen3, DeepSeek-V3 routers, 8K-64K tokens"),
-    ("permute", "`tools/bench_permute.py --tokens 16384`"),
+    ("permute", "`tools/bench_permutation.py --tokens 16384`"),
     ("layer", "`tools/bench_moe_layer.py --tokens 16384 --shapes mixtral qwen3-30b-a3b`: "
      "layer / GEMMs, router, dispatch, experts, rest, host syncs"),
     ("attention", "`tools/bench_attention.py`: document-masked attention (8 documents a "

@@ -145,7 +145,7 @@ PARTS = {
         Part("tiny", 45, _tiny),
         Part("gemm", 90, _bench("bench_grouped_gemm.py", ["--tokens", "16384", "--reps", "10"])),
         Part("router", 25, _bench("bench_router.py", ["--reps", "10"])),
-        Part("permute", 25, _bench("bench_permute.py", ["--tokens", "16384", "--reps", "10"])),
+        Part("permute", 25, _bench("bench_permutation.py", ["--tokens", "16384", "--reps", "10"])),
         Part("layer", 75, _bench("bench_moe_layer.py", ["--tokens", "16384", "--reps", "10",
                                                         "--shapes", "mixtral",
                                                         "qwen3-30b-a3b"])),

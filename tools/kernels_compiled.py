@@ -65,12 +65,15 @@ DEFAULT_MD = os.path.join(REPO, "docs", "kernels_compiled.md")
 
 
 def kernel_modules() -> tuple:
-    """The Triton modules of moetrain.kernels, compiled kernels (not the interpreter's)."""
+    """The Triton modules of moetrain.kernels (each op stem's ``triton_backend``), compiled
+    kernels (not the interpreter's)."""
     if common.interpreter_enabled():
         raise RuntimeError("TRITON_INTERPRET is set: under the interpreter @triton.jit gives "
                            "Python functions, which cannot be compiled; unset it (main() "
                            "runs itself again without it)")  # fmt: skip
-    from moetrain.kernels import grouped_gemm, permutation, router
+    from moetrain.kernels.grouped_gemm import triton_backend as grouped_gemm
+    from moetrain.kernels.permutation import triton_backend as permutation
+    from moetrain.kernels.router import triton_backend as router
 
     return grouped_gemm, router, permutation
 
@@ -157,10 +160,21 @@ def _jit_function(obj) -> JITFunction | None:
     return obj
 
 
+def op_stem(module: str) -> str:
+    """The op a kernel module belongs to: its stem under moetrain.kernels
+    ("moetrain.kernels.grouped_gemm.triton_backend" -> "grouped_gemm"). A kernel is named by
+    its op and function ("grouped_gemm._grouped_mm_kernel"), not by the file inside the
+    op's stem, so the records (docs/kernels_compiled*.csv) outlive a move within it."""
+    parts = module.split(".")
+    if parts[:2] == ["moetrain", "kernels"] and len(parts) > 2:
+        return parts[2]
+    return parts[-1]
+
+
 def kernels_defined() -> set[str]:
     """Names of every @triton.jit kernel defined in the kernel modules."""
     return {
-        f"{m.__name__.rsplit('.', 1)[1]}.{name}"
+        f"{op_stem(m.__name__)}.{name}"
         for m in kernel_modules()
         for name, obj in vars(m).items()
         if isinstance(obj, JITFunction)
@@ -168,7 +182,7 @@ def kernels_defined() -> set[str]:
 
 
 def kernel_name(fn: JITFunction) -> str:
-    return f"{fn.fn.__module__.rsplit('.', 1)[1]}.{fn.fn.__name__}"
+    return f"{op_stem(fn.fn.__module__)}.{fn.fn.__name__}"
 
 
 class Recorder:
@@ -505,7 +519,7 @@ def undeclared_dots() -> list[str]:
     out = []
     for m in kernel_modules():
         for name, obj in vars(m).items():
-            full = f"{m.__name__.rsplit('.', 1)[1]}.{name}"
+            full = f"{op_stem(m.__name__)}.{name}"
             if isinstance(obj, JITFunction) and "tl.dot(" in obj.src and full not in DOT_K:
                 out.append(f"{full}: calls tl.dot; name its K in DOT_K for the minimum check")
     return out
@@ -516,7 +530,7 @@ def source_hash(kernel: str) -> str:
     import hashlib
 
     module, name = kernel.split(".")
-    mods = {m.__name__.rsplit(".", 1)[1]: m for m in kernel_modules()}
+    mods = {op_stem(m.__name__): m for m in kernel_modules()}
     fn = _jit_function(getattr(mods[module], name))
     return hashlib.sha256(fn.src.encode()).hexdigest()[:12]
 

@@ -45,10 +45,10 @@ Options, for tests that look closer:
   replays, ``contract_failures`` holds (op, message) of those CUDA would refuse. So a CPU
   run proves CUDA eligibility (all but the base pointers' alignment, which the kernels'
   own ``_aligned`` checks at run time).
-- ``triton=True``: the Triton grouped GEMM's launches (``moetrain.kernels.grouped_gemm``:
-  forward, dgrad, wgrad), which run no aten op, are counted like matmuls, keyed
-  ``("triton_grouped_mm", dtype)`` and ``("triton_grouped_wgrad", dtype)`` by the dtype of
-  the operands they are handed.
+- ``triton=True``: the Triton grouped GEMM's launches
+  (``moetrain.kernels.grouped_gemm.triton_backend``: forward, dgrad, wgrad), which run no
+  aten op, are counted like matmuls, keyed ``("triton_grouped_mm", dtype)`` and
+  ``("triton_grouped_wgrad", dtype)`` by the dtype of the operands they are handed.
 - ``host_tensors``: tensors that stay on the host on every device (the step counts torch's
   AdamW keeps on the CPU unless fused or capturable): reading them is no sync, and is left
   out of ``syncs``.
@@ -203,8 +203,8 @@ _CONTRACTS: dict[str, Callable[[tuple, dict], Any]] = {
 
 class _TritonLaunches:
     """Counts the Triton grouped GEMM's launches as matmuls (they run no aten op) by
-    wrapping ``moetrain.kernels.grouped_gemm``'s launchers while the census is open; nothing
-    when triton does not import."""
+    wrapping ``moetrain.kernels.grouped_gemm.triton_backend``'s launchers while the census is
+    open; nothing when triton does not import."""
 
     def __init__(self, census: StepCensus) -> None:
         self.census = census
@@ -212,12 +212,12 @@ class _TritonLaunches:
 
     def __enter__(self) -> None:
         try:
-            from moetrain.kernels import grouped_gemm
+            from moetrain.kernels.grouped_gemm import triton_backend
         except ImportError:
             return
-        self.module = grouped_gemm
+        self.module = triton_backend
         c = self.census
-        fwd, wgrad = grouped_gemm.launch_grouped_mm, grouped_gemm.launch_grouped_wgrad
+        fwd, wgrad = triton_backend.launch_grouped_mm, triton_backend.launch_grouped_wgrad
         self.saved = {"launch_grouped_mm": fwd, "launch_grouped_wgrad": wgrad}
 
         def launch_grouped_mm(x, src_N, w_EKM, offs_E, num_rows, *args, **kwargs):
@@ -230,8 +230,8 @@ class _TritonLaunches:
             c._count("triton_grouped_wgrad", x, dy_NM, flops, (x, dy_NM))
             return wgrad(x, src_N, dy_NM, offs_E, *args, **kwargs)
 
-        grouped_gemm.launch_grouped_mm = launch_grouped_mm
-        grouped_gemm.launch_grouped_wgrad = launch_grouped_wgrad
+        triton_backend.launch_grouped_mm = launch_grouped_mm
+        triton_backend.launch_grouped_wgrad = launch_grouped_wgrad
 
     def __exit__(self, *exc: Any) -> None:
         for name, fn in self.saved.items():

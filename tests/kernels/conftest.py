@@ -17,7 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 elif os.environ.get("MOETRAIN_TEST_AUTOTUNE", "full") == "first":
-    from moetrain.kernels import grouped_gemm
+    from moetrain.kernels.grouped_gemm import triton_backend
 
-    for _launcher in (grouped_gemm._fwd_launch, grouped_gemm._wgrad_launch):
-        _launcher.configs = grouped_gemm.first_configs(_launcher.configs)  # no tuning
+    for _launcher in (triton_backend._fwd_launch, triton_backend._wgrad_launch):
+        _launcher.configs = triton_backend.first_configs(_launcher.configs)  # no tuning

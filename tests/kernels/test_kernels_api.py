@@ -1,6 +1,9 @@
-"""resolve_backend and the argument checks every backend shares."""
+"""resolve_backend, the argument checks every backend shares, and the package's layout: one
+stem per op (docs/kernels.md)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +109,51 @@ def test_public_api_surface():
     }  # fmt: skip
     assert kernels.RouteResult._fields == ("weights_TK", "ids_TK", "scores_TE", "lse_T",
                                            "counts_E")  # fmt: skip
+
+
+REPO = Path(__file__).resolve().parents[2]
+STEM_FILES = ("reference.py", "torch_backend.py", "triton_backend.py")
+"""What every op package under kernels/ holds: its oracle and its two backends."""
+
+
+def stem_problems(repo: Path) -> list[str]:
+    """What breaks docs/kernels.md's "one stem per op" in ``repo``: every package under
+    kernels/ (an op's stem) holds STEM_FILES and has tests/kernels/test_kernels_<stem>.py
+    and tools/bench_<stem>.py; a stem named like a public function of the package would
+    replace that function with the module when imported."""
+    out = []
+    for init in sorted((repo / "kernels").glob("*/__init__.py")):
+        stem = init.parent.name
+        wanted = [f"kernels/{stem}/{name}" for name in STEM_FILES]
+        wanted += [f"tests/kernels/test_kernels_{stem}.py", f"tools/bench_{stem}.py"]
+        out += [f"{stem}: no {path}" for path in wanted if not (repo / path).is_file()]
+        if stem in kernels.__all__:
+            out.append(f"{stem}: shadows moetrain.kernels.{stem}")
+    return out
+
+
+def test_every_op_has_its_stem():
+    stems = {p.parent.name for p in (REPO / "kernels").glob("*/__init__.py")}
+    assert stems == {"grouped_gemm", "permutation", "router"}
+    assert stem_problems(REPO) == []
+
+
+def test_the_stem_check_can_fail(tmp_path):
+    for path in ("kernels/router/__init__.py", "kernels/router/reference.py",
+                 "kernels/router/torch_backend.py", "tools/bench_router.py",
+                 "kernels/route/__init__.py"):  # fmt: skip
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
+    assert stem_problems(tmp_path) == [
+        "route: no kernels/route/reference.py",
+        "route: no kernels/route/torch_backend.py",
+        "route: no kernels/route/triton_backend.py",
+        "route: no tests/kernels/test_kernels_route.py",
+        "route: no tools/bench_route.py",
+        "route: shadows moetrain.kernels.route",
+        "router: no kernels/router/triton_backend.py",
+        "router: no tests/kernels/test_kernels_router.py",
+    ]
 
 
 def test_bin_counts_and_sorted_bin_ends_are_bincount_without_its_sync():

@@ -21,7 +21,7 @@ def _load(name: str):
     return module
 
 
-@pytest.mark.parametrize("script", ["bench_grouped_gemm", "bench_router", "bench_permute"])
+@pytest.mark.parametrize("script", ["bench_grouped_gemm", "bench_router", "bench_permutation"])
 def test_benchmark_runs_on_cpu(script, tmp_path):
     csv_path = tmp_path / "bench.csv"
     rows = _load(script).main([*QUICK, "--csv", str(csv_path)])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testing import BACKENDS, DEVICE, assert_close, grads
 from moetrain.kernels import route
-from moetrain.kernels.reference import route_reference
+from moetrain.kernels.router.reference import route_reference
 
 
 def _logits(num_tokens, num_experts, seed=0):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_testing import HAS_CUDA, assert_close, grads, offsets
 from moetrain.kernels import grouped_mm, permute, route, selection, unpermute
-from moetrain.kernels.reference import grouped_mm_reference
+from moetrain.kernels.grouped_gemm.reference import grouped_mm_reference
 from moetrain.kernels.selection import KernelChoice, MoEShape, OpChoice, choose
 
 GPU_1B = MoEShape(tokens=8192, dim=2048, ffn=2816, experts=8, top_k=2, score_func="softmax")
@@ -96,11 +96,12 @@ def _choice(fwd="torch", dgrad="torch", wgrad="torch", route_="torch", perm="tor
 def test_grouped_mm_runs_each_gemm_on_its_choice(mix, monkeypatch):
     """Every mix of forward / dgrad / wgrad implementations gives the reference's output and
     gradients, and each GEMM ran where the choice put it."""
-    from moetrain.kernels import grouped_gemm, torch_ops
+    from moetrain.kernels.grouped_gemm import torch_backend, triton_backend
 
     ran = []
-    for mod, name in ((grouped_gemm, "launch_grouped_mm"), (grouped_gemm, "launch_grouped_wgrad"),
-                      (torch_ops, "_gmm"), (torch_ops, "_gmm_wgrad")):  # fmt: skip
+    for mod, name in ((triton_backend, "launch_grouped_mm"),
+                      (triton_backend, "launch_grouped_wgrad"),
+                      (torch_backend, "_gmm"), (torch_backend, "_gmm_wgrad")):  # fmt: skip
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: ran.append(_n)
                             or _r(*a, **k))  # fmt: skip
@@ -123,16 +124,19 @@ def test_grouped_mm_runs_each_gemm_on_its_choice(mix, monkeypatch):
 
 
 def test_router_permute_unpermute_take_their_choice(monkeypatch):
-    from moetrain.kernels import permutation, router, torch_ops
+    from moetrain.kernels.permutation import torch_backend as permutation_torch
+    from moetrain.kernels.permutation import triton_backend as permutation_triton
+    from moetrain.kernels.router import torch_backend as router_torch
+    from moetrain.kernels.router import triton_backend as router_triton
 
     ran = []
     for mod, name in (
-        (router, "route_triton"),
-        (torch_ops, "route_torch"),
-        (permutation, "permute_triton"),
-        (torch_ops, "permute_torch"),
-        (permutation, "unpermute_triton"),
-        (torch_ops, "unpermute_torch"),
+        (router_triton, "route_triton"),
+        (router_torch, "route_torch"),
+        (permutation_triton, "permute_triton"),
+        (permutation_torch, "permute_torch"),
+        (permutation_triton, "unpermute_triton"),
+        (permutation_torch, "unpermute_torch"),
     ):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=name, **k: ran.append(_n)

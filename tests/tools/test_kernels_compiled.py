@@ -139,6 +139,20 @@ def test_every_tile_meets_every_supported_tritons_dot_minimum_and_the_oldest_com
             for r in rows} == newest  # the same launches under both Tritons  # fmt: skip
 
 
+def test_a_kernel_is_named_by_its_op_stem(kc):
+    """The records name a kernel by its op's stem under kernels/ and its function, not by the
+    file of the stem that defines it: the kernels moved from kernels/<stem>.py to
+    kernels/<stem>/triton_backend.py and both records stayed valid (same names, same source
+    hashes; the compile checks above compare them)."""
+    assert kc.op_stem("moetrain.kernels.grouped_gemm.triton_backend") == "grouped_gemm"
+    assert kc.op_stem("moetrain.kernels.router") == "router"
+    assert kc.op_stem("kernels_compiled_faults") == "kernels_compiled_faults"
+    stems = {p.parent.name for p in (ROOT / "kernels").glob("*/triton_backend.py")}
+    for record in (RECORD, kc.DEFAULT_CSV):
+        with open(record) as f:
+            assert {r["kernel"].split(".")[0] for r in csv.DictReader(f)} == stems, record
+
+
 def test_the_record_check_catches_a_stale_record(tmp_path):
     """A record from another Triton, missing a launch, or from an older kernel source does
     not vouch for the kernels."""

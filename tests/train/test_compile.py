@@ -8,7 +8,7 @@ set of offsets); on CPU the MoE forward recompiled for every step and every laye
 router jitter's step and layer were int attributes, compiled in as constants). The test
 compiles with a backend that runs dynamo's graphs as they are (what recompiles and where the
 graph breaks is dynamo's doing, whatever backend compiles the graphs), and takes CUDA's
-eligibility rules for ``torch._grouped_mm`` (``torch_ops.cuda_rules``: bf16 operands).
+eligibility rules for ``torch._grouped_mm`` (``gemm_torch.cuda_rules``: bf16 operands).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import textwrap
 import pytest
 import torch
 import torch._dynamo
-from moetrain.kernels import torch_ops
+from moetrain.kernels.grouped_gemm import torch_backend as gemm_torch
 from multirank import micro_config
 from torch._dynamo.utils import counters
 from torch._guards import CompileContext
@@ -53,7 +53,7 @@ def _compiled_run(monkeypatch, dtype: str) -> tuple[dict[int, set[int]], dict, l
             "moe.capacity_factor=null", "moe.jitter_eps=0.1", "model.n_layers=2",
             "train.global_batch_size=4", "log.histogram_every=0",
         ))  # fmt: skip
-        with torch_ops.cuda_rules():
+        with gemm_torch.cuda_rules():
             for _ in range(STEPS):
                 loads.append(trainer.train_step().moe[0]["tokens_per_expert"].tolist())
         trainer.close()

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from moetrain.kernels import resolve_backend, torch_ops
+from moetrain.kernels import resolve_backend
+from moetrain.kernels.grouped_gemm import torch_backend as gemm_torch
 from multirank import micro_config
 
 from moetrain.plan.census import StepCensus
@@ -109,7 +110,7 @@ def test_a_bf16_step_runs_every_matmul_in_bf16_but_the_gates_and_the_combine(
     if backend == "grouped_mm":
         c, trainer = torch_step
     elif backend == "per-expert":
-        monkeypatch.setattr(torch_ops, "_native_ok", lambda *a: False)
+        monkeypatch.setattr(gemm_torch, "_native_ok", lambda *a: False)
         c, trainer = _step("moe.kernels=torch")
     else:
         pytest.importorskip("triton")

@@ -4,7 +4,7 @@ On a GPU every host sync (``.item()``, ``.tolist()``, ``.cpu()``, ``bincount`` s
 output, boolean-mask indexing) stalls the launch queue, and a norm computed through fp64
 copies moves several times the bytes of one fused fp32 read. ``StepCensus``
 (``moetrain.plan.census``) counts both on CPU. The grouped GEMMs take the path CUDA takes
-(``torch_ops.cuda_rules``: ``torch._grouped_mm`` for bf16 operands only; CPU's kernel would
+(``gemm_torch.cuda_rules``: ``torch._grouped_mm`` for bf16 operands only; CPU's kernel would
 take fp32 too, and its per-expert loop reads the offsets on the host).
 """
 
@@ -15,7 +15,7 @@ import tempfile
 
 import pytest
 import torch
-from moetrain.kernels import torch_ops
+from moetrain.kernels.grouped_gemm import torch_backend as gemm_torch
 from multirank import micro_config
 
 from moetrain.plan.census import StepCensus
@@ -46,7 +46,7 @@ def test_native_forward_and_backward_make_no_host_sync(options: tuple[str, ...])
         inputs, labels, _ = engine._batch_inputs(trainer.train_data.next_step()[0])
         valid = torch.ones(labels.shape, dtype=torch.bool)
         valid[0, :5] = False  # the statistics leave these out (masking, not indexing)
-        with torch_ops.cuda_rules(), StepCensus() as census:
+        with gemm_torch.cuda_rules(), StepCensus() as census:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(inputs, valid=valid)
             engine._ce(logits, labels).backward()
@@ -63,7 +63,7 @@ def _step_syncs(layers: int) -> dict[str, int]:
     whatever the device, are not syncs."""
     with tempfile.TemporaryDirectory() as out:
         trainer = _bf16_trainer(out, f"model.n_layers={layers}", "moe.capacity_factor=null")
-        with torch_ops.cuda_rules():
+        with gemm_torch.cuda_rules():
             trainer.train_step()
             steps = [s["step"] for opt in trainer.engine.optimizers for s in opt.state.values()]
             with StepCensus(host_tensors=steps) as census:

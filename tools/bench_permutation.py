@@ -1,7 +1,7 @@
 """Permute / unpermute benchmark: Triton vs the index_select/index_add torch path, vs HBM.
 
-    python tools/bench_permute.py                     # GPU, bf16
-    TRITON_INTERPRET=1 python tools/bench_permute.py --device cpu --quick --no-append
+    python tools/bench_permutation.py                     # GPU, bf16
+    TRITON_INTERPRET=1 python tools/bench_permutation.py --device cpu --quick --no-append
 
 Token rows of the anchor models (H, top-k) are permuted into expert order (uniform
 and Zipf routing) and combined back with routing weights. GB/s counts the bytes each pass
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     timer = bc.Timer(device, args.reps)
-    res = bc.Results("permute", device)
+    res = bc.Results("permute", device)  # the rows' label in every recorded run (benchmarks.csv)
     ceiling = bc.copy_bandwidth_gbs(timer, args.quick)
     res.add(case="copy", routing="-", dtype=torch.float32, op="copy", impl="memcpy",
             ms=0.0, gbs=ceiling, ceiling=ceiling)  # fmt: skip

@@ -18,7 +18,11 @@ from kernel_testing import (
 )
 from kernel_testing import requires_cuda as _requires_cuda
 from moetrain.kernels import gather_grouped_mm, grouped_mm
-from moetrain.kernels.reference import gather_grouped_mm_reference, grouped_mm_reference
+from moetrain.kernels.grouped_gemm import torch_backend
+from moetrain.kernels.grouped_gemm.reference import (
+    gather_grouped_mm_reference,
+    grouped_mm_reference,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # name: (rows per expert, tail rows past offs[-1], K, M)
@@ -179,10 +183,8 @@ def test_a_backend_that_never_goes_native_is_caught(monkeypatch):
     and the loop computes the same numbers (every comparison above passes); the calls show
     it."""
     from faults import plant
-    from moetrain.kernels import torch_ops
-
     plant("grouped_mm_never_native", monkeypatch.setattr)
-    assert torch_ops._native_ok(torch.randn(8, 32), torch.randn(2, 32, 48), 48)
+    assert torch_backend._native_ok(torch.randn(8, 32), torch.randn(2, 32, 48), 48)
     _check_grouped_mm("torch", *CASES["all_rows_one_expert"], torch.float32)
     assert native_call_problems() == [
         "fp32 aligned: torch._grouped_mm ran 0 times (want 3), mm 6",
@@ -216,9 +218,9 @@ class TestGroupedMMGPU:
 
 
 def _fma_tiles():
-    from moetrain.kernels import grouped_gemm
+    from moetrain.kernels.grouped_gemm import triton_backend
 
-    fwd, wgrad = grouped_gemm._FWD_FMA, grouped_gemm._WGRAD_FMA
+    fwd, wgrad = triton_backend._FWD_FMA, triton_backend._WGRAD_FMA
     return [pytest.param(fwd[i], wgrad[i % len(wgrad)], id=f"fwd{fwd[i][:3]}-wgrad"
                          f"{wgrad[i % len(wgrad)][:3]}") for i in range(len(fwd))]  # fmt: skip
 
@@ -230,23 +232,23 @@ def test_fp32_autotune_tiles_match_reference(fwd, wgrad, monkeypatch):
     configuration the autotuner has: forward, dgrad, wgrad, with and without the gather, K a
     multiple of the tile and not. (The tiles' depth meets tl.dot's minimum of every supported
     Triton: tests/tools/test_kernels_compiled.py.)"""
-    from moetrain.kernels import grouped_gemm
+    from moetrain.kernels.grouped_gemm import triton_backend as gemm
 
     if HAS_CUDA:  # every configuration anew (MOETRAIN_TEST_AUTOTUNE=first keeps one)
-        for launcher, every, tile in ((grouped_gemm._fwd_launch, grouped_gemm._fwd_configs, fwd),
-                                      (grouped_gemm._wgrad_launch, grouped_gemm._wgrad_configs,
+        for launcher, every, tile in ((gemm._fwd_launch, gemm._fwd_configs, fwd),
+                                      (gemm._wgrad_launch, gemm._wgrad_configs,
                                        wgrad)):  # fmt: skip
             only = [c for c in every() if tuple(c.kwargs.values()) == tile[:3]
                     and (c.num_warps, c.num_stages) == tile[3:]]  # fmt: skip
             assert len(only) == 1, (tile, "not among the autotune configurations")
             monkeypatch.setattr(launcher, "configs", only)
     monkeypatch.setattr(
-        grouped_gemm,
+        gemm,
         "_INTERP_BLOCKS",
         dict(zip(("BLOCK_N", "BLOCK_M", "BLOCK_K"), fwd[:3], strict=True)),
     )
     monkeypatch.setattr(
-        grouped_gemm,
+        gemm,
         "_INTERP_WGRAD_BLOCKS",
         dict(zip(("BLOCK_K", "BLOCK_M", "BLOCK_R"), wgrad[:3], strict=True)),
     )

@@ -6,7 +6,7 @@ import pytest
 import torch
 from kernel_testing import BACKENDS, DEVICE, HAS_CUDA, assert_close, grads
 from moetrain.kernels import permute, unpermute
-from moetrain.kernels.reference import permute_reference, unpermute_reference
+from moetrain.kernels.permutation.reference import permute_reference, unpermute_reference
 
 # name: (T, K, D, num_rows, fraction of slots dropped)
 CASES = {
@@ -99,9 +99,9 @@ def test_gpu_block_sizes_match_reference(dtype, monkeypatch):
     """The block sizes the launchers pick on a GPU (rows 1024 wide, row-dot tiles of 16
     tokens x 512 bf16 / 256 fp32 columns), run under the interpreter, at K=8 and a D that
     is no multiple of them: permute and unpermute, forward and backward."""
-    from moetrain.kernels import permutation
+    from moetrain.kernels.permutation import triton_backend
 
-    monkeypatch.setattr(permutation, "_INTERPRET", False)
+    monkeypatch.setattr(triton_backend, "_INTERPRET", False)
     num_tokens, top_k, d_dim, num_rows = 40, 8, 600, 330
     dest_TK = _dest(num_tokens, top_k, num_rows, 0.1, seed=2)
     _check_permute("triton", dtype, dest_TK, d_dim, num_rows)
