@@ -252,7 +252,8 @@ CUDA0 = torch.device("cuda", 0)
 
 def test_pick_device_and_dtype(fake_cuda, monkeypatch):
     from moetrain.config import ConfigError
-    from moetrain.train.trainer import pick_device, pick_dtype
+    from moetrain.train.runtime import pick_device
+    from moetrain.train.trainer import pick_dtype
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert pick_device("auto") == torch.device("cuda", 1)  # torchrun's local rank
@@ -268,7 +269,7 @@ def test_pick_device_and_dtype(fake_cuda, monkeypatch):
 
 
 def test_rng_state_carries_every_cuda_generator(fake_cuda):
-    from moetrain.train.trainer import rng_state, set_rng_state
+    from moetrain.train.runtime import rng_state, set_rng_state
 
     state = rng_state()
     assert [s.tolist() for s in state["cuda"]] == [[0], [1]]
@@ -287,15 +288,15 @@ def test_rng_state_carries_every_cuda_generator(fake_cuda):
 def test_init_distributed_picks_nccl_and_the_local_device(fake_cuda, monkeypatch):
     import torch.distributed as dist
 
-    from moetrain.train import trainer
+    from moetrain.train import runtime
 
     started = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, timeout: started.append((backend, timeout)))  # fmt: skip
-    trainer.init_distributed(torch.device("cuda", 1), 30)
-    trainer.init_distributed(torch.device("cpu"), 30)
+    runtime.init_distributed(torch.device("cuda", 1), 30)
+    runtime.init_distributed(torch.device("cpu"), 30)
     assert fake_cuda.calls == [("set_device", torch.device("cuda", 1))]
     assert started == [("nccl", timedelta(seconds=30)), ("gloo", timedelta(seconds=30))]
 
