@@ -338,13 +338,23 @@ def test_fp8_backend_and_grouped_gemm_eligibility_on_cuda(fake_cuda):
 
 
 def test_synchronize_and_peak_flops_on_cuda(fake_cuda):
-    from moetrain.train.metrics import _PEAK_FLOPS, peak_flops, synchronize
+    """The MFU denominator of a known GPU is its bf16 dense datasheet peak, read from the one
+    GPU table ``moetrain plan`` prices with: an H100's 989 TFLOP/s, a B200's 2,250 (HGX B200
+    datasheet; a B200 once fell back to a measured matmul), an A100's 312, an L40's 181."""
+    from moetrain.plan.hardware import GPUS, gpu_of_device
+    from moetrain.train.metrics import peak_flops, synchronize
 
     synchronize(CUDA0)
     synchronize(torch.device("cpu"))
     assert fake_cuda.calls == [("synchronize", CUDA0)]
     flops, source = peak_flops(CUDA0)
-    assert flops == _PEAK_FLOPS["H100"] and source == "NVIDIA H100 80GB HBM3 bf16 peak"
+    assert flops == 989e12 and source == "NVIDIA H100 80GB HBM3 bf16 peak"
+    for name, datasheet in (("NVIDIA B200", 2250e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                            ("NVIDIA L40", 181e12), ("NVIDIA H200", 989e12)):  # fmt: skip
+        fake_cuda.name = name
+        assert peak_flops(CUDA0) == (datasheet, f"{name} bf16 peak")
+        assert gpu_of_device(name).bf16_tflops * 1e12 == datasheet  # the plan's row
+    assert gpu_of_device("NVIDIA RTX 4090") is None and set(GPUS) >= {"b200", "l40"}
 
 
 def test_generate_defaults_to_cuda(fake_cuda, monkeypatch, capsys):
