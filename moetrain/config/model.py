@@ -2,11 +2,12 @@
 scalings), multi-token prediction, document masking and sliding windows, and where a run's
 first weights come from (``init_from``, ``upcycle_from``).
 
-The RoPE keys stay flat (``rope_theta``, ``rope_scaling``, ``partial_rotary_factor``, ...),
-not a nested ``model.rope`` section: most are transformers' own config.json names, which the
-Hugging Face families map one to one (``moetrain/interop/families/base.py``); every
-checkpoint's saved config and every run directory's config.yaml hold them; and the
-equivalence matrix and golden runs name them as ``section.key`` overrides."""
+The RoPE keys stay flat (``rope_theta``, ``rope_scaling``, ``rope_yarn_*``, ...,
+``partial_rotary_factor``), not a nested ``model.rope`` section: ``rope_theta`` and
+``partial_rotary_factor`` are transformers' config.json names; every checkpoint's saved
+config and every run directory's config.yaml hold the flat keys (a nested section would
+translate them forever); and the equivalence matrix, its references and the golden runs
+name options as two-level ``section.key`` overrides."""
 
 from __future__ import annotations
 
