@@ -148,12 +148,12 @@ def unclassified_keys(cfg: JobConfig) -> list[str]:
 
 
 def test_every_config_key_is_classified_for_resume() -> None:
-    """A key added to a config section must say in ``RESUME_KEYS`` (moetrain/config.py)
+    """A key added to a config section must say in ``RESUME_KEYS`` (moetrain/config/resume.py)
     whether a resume may change it: until then a resume treats it as changing the model's
     function (refused), and this test fails naming it."""
     missing = unclassified_keys(JobConfig())
     assert not missing, (
-        f"{missing}: classify them in RESUME_KEYS (moetrain/config.py): free (precision, "
+        f"{missing}: classify them in RESUME_KEYS (moetrain/config/resume.py): free (precision, "
         "logging, cadence, layout), saved (restored from the checkpoint) or function"
     )
 
@@ -161,12 +161,12 @@ def test_every_config_key_is_classified_for_resume() -> None:
 def test_resume_classification_check_can_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     """A key the table leaves out is reported by the test above, and a resume changing it is
     refused as function-changing (the default for a new key)."""
-    from moetrain import config as config_module
+    from moetrain.config import resume as resume_module
     from moetrain.config import resume_changes
 
-    table = dict(config_module.RESUME_KEYS)
+    table = dict(resume_module.RESUME_KEYS)
     del table["train.dtype"]
-    monkeypatch.setattr(config_module, "RESUME_KEYS", table)
+    monkeypatch.setattr(resume_module, "RESUME_KEYS", table)
     assert unclassified_keys(JobConfig()) == ["train.dtype"]
     saved = JobConfig().to_dict()
     now = load_config(None, ["train.dtype=bf16", "log.log_every=3", "moe.top_k=1"])

@@ -252,7 +252,8 @@ CUDA0 = torch.device("cuda", 0)
 
 def test_pick_device_and_dtype(fake_cuda, monkeypatch):
     from moetrain.config import ConfigError
-    from moetrain.train.trainer import pick_device, pick_dtype
+    from moetrain.train.runtime import pick_device
+    from moetrain.train.trainer import pick_dtype
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert pick_device("auto") == torch.device("cuda", 1)  # torchrun's local rank
@@ -268,7 +269,7 @@ def test_pick_device_and_dtype(fake_cuda, monkeypatch):
 
 
 def test_rng_state_carries_every_cuda_generator(fake_cuda):
-    from moetrain.train.trainer import rng_state, set_rng_state
+    from moetrain.train.runtime import rng_state, set_rng_state
 
     state = rng_state()
     assert [s.tolist() for s in state["cuda"]] == [[0], [1]]
@@ -287,15 +288,15 @@ def test_rng_state_carries_every_cuda_generator(fake_cuda):
 def test_init_distributed_picks_nccl_and_the_local_device(fake_cuda, monkeypatch):
     import torch.distributed as dist
 
-    from moetrain.train import trainer
+    from moetrain.train import runtime
 
     started = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(dist, "is_initialized", lambda: False)
     monkeypatch.setattr(dist, "init_process_group",
                         lambda backend, timeout: started.append((backend, timeout)))  # fmt: skip
-    trainer.init_distributed(torch.device("cuda", 1), 30)
-    trainer.init_distributed(torch.device("cpu"), 30)
+    runtime.init_distributed(torch.device("cuda", 1), 30)
+    runtime.init_distributed(torch.device("cpu"), 30)
     assert fake_cuda.calls == [("set_device", torch.device("cuda", 1))]
     assert started == [("nccl", timedelta(seconds=30)), ("gloo", timedelta(seconds=30))]
 
@@ -337,13 +338,23 @@ def test_fp8_backend_and_grouped_gemm_eligibility_on_cuda(fake_cuda):
 
 
 def test_synchronize_and_peak_flops_on_cuda(fake_cuda):
-    from moetrain.train.metrics import _PEAK_FLOPS, peak_flops, synchronize
+    """The MFU denominator of a known GPU is its bf16 dense datasheet peak, read from the one
+    GPU table ``moetrain plan`` prices with: an H100's 989 TFLOP/s, a B200's 2,250 (HGX B200
+    datasheet; a B200 once fell back to a measured matmul), an A100's 312, an L40's 181."""
+    from moetrain.plan.hardware import GPUS, gpu_of_device
+    from moetrain.train.metrics import peak_flops, synchronize
 
     synchronize(CUDA0)
     synchronize(torch.device("cpu"))
     assert fake_cuda.calls == [("synchronize", CUDA0)]
     flops, source = peak_flops(CUDA0)
-    assert flops == _PEAK_FLOPS["H100"] and source == "NVIDIA H100 80GB HBM3 bf16 peak"
+    assert flops == 989e12 and source == "NVIDIA H100 80GB HBM3 bf16 peak"
+    for name, datasheet in (("NVIDIA B200", 2250e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                            ("NVIDIA L40", 181e12), ("NVIDIA H200", 989e12)):  # fmt: skip
+        fake_cuda.name = name
+        assert peak_flops(CUDA0) == (datasheet, f"{name} bf16 peak")
+        assert gpu_of_device(name).bf16_tflops * 1e12 == datasheet  # the plan's row
+    assert gpu_of_device("NVIDIA RTX 4090") is None and set(GPUS) >= {"b200", "l40"}
 
 
 def test_generate_defaults_to_cuda(fake_cuda, monkeypatch, capsys):

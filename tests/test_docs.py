@@ -591,7 +591,7 @@ def _gpu_1b() -> dict[str, float]:
 
     from moetrain.config import load_config
     from moetrain.model import Transformer
-    from moetrain.train.metrics import _PEAK_FLOPS
+    from moetrain.plan.hardware import GPUS
 
     cfg = load_config(REPO / "configs" / "gpu_1b.yaml", ["model.vocab_size=4096"])
     with torch.device("meta"):
@@ -601,7 +601,7 @@ def _gpu_1b() -> dict[str, float]:
     )
     return {"total": model.num_params() / 1e9, "active": model.num_params(active=True) / 1e9,
             "gflop": model.flops_per_token(cfg.data.seq_len) / 1e9, "state": state / 1e9,
-            "acts": acts / 1e9, "peak": _PEAK_FLOPS["H100"] / 1e12}  # fmt: skip
+            "acts": acts / 1e9, "peak": GPUS["h100"].bf16_tflops}  # fmt: skip
 
 
 def _h100() -> dict[str, float]:
@@ -963,7 +963,7 @@ QUOTES = [
           lambda: [float(line.rsplit(",", 1)[1]) for line
                    in (DATA / "fp8_error.csv").read_text().splitlines()
                    if line.startswith("grouped,tensorwise,")]),
-    Quote("docs/gpu.md", "_PEAK_FLOPS of moetrain/train/metrics.py",
+    Quote("docs/gpu.md", "GPUS of moetrain/plan/hardware.py (the MFU denominator)",
           r"datasheet bf16 peak, (\S+) TFLOP/s for an H100", lambda: [_gpu_1b()["peak"]]),
     *_plan_check_quotes(),
 ]  # fmt: skip

@@ -195,8 +195,9 @@ def plan_step(cfg, device: torch.device) -> tuple[float, dict[str, float], str]:
     from moetrain.plan import hardware, planner
     from moetrain.train.engine import build_optimizers
 
-    name = torch.cuda.get_device_name(device).lower() if device.type == "cuda" else ""
-    gpu = next((g for g in hardware.GPUS if g in name), "h100")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    known = hardware.gpu_of_device(name)
+    gpu = known.name if known is not None else "h100"
     plan = planner.plan(cfg, 1, build_optimizers, device_type="cuda", gpu=hardware.gpu(gpu))
     e = plan.ranks[0].estimate
     parts = {**{k: v * 1e3 for k, v in e.parts.items()}, "optimizer": e.optimizer_s * 1e3}

@@ -74,7 +74,7 @@ def run_one(cfg: JobConfig) -> dict[str, float]:
 
 def child_main(config_path: str, result_path: str) -> int:
     """``python -m moetrain.ablate --run-one CONFIG RESULT``: what --parallel spawns."""
-    from moetrain.train.trainer import setup_logging
+    from moetrain.train.runtime import setup_logging
 
     setup_logging()
     result = run_one(load_config(config_path))
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)  # options and key=value in any order
     if args.parallel < 1:
         parser.error("--parallel must be >= 1")
-    from moetrain.train.trainer import setup_logging
+    from moetrain.train.runtime import setup_logging
 
     setup_logging()
     try:

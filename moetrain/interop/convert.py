@@ -105,7 +105,7 @@ def import_hf(
     OUT_DIR must be new or empty (``force``: a directory replaced whole, never a training
     run nor HF_DIR); it is written beside and renamed into place (``staged_output``)."""
     from moetrain.train.checkpoint import CheckpointManager
-    from moetrain.train.trainer import model_fingerprint
+    from moetrain.train.fingerprint import model_fingerprint
 
     hf = HFDirectory(hf_dir, key="import-hf HF_DIR")
     m, e, family = sections(hf)

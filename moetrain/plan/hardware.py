@@ -73,7 +73,11 @@ class GPU:
 # PFLOP/s BF16 dense, 4.5 FP8, 180 GB HBM3e at 7.7 TB/s, NVLink 5 1.8 TB/s = 900 per
 # direction); A100 SXM 80 GB (312 TFLOP/s BF16, 2.04 TB/s, NVLink 600 GB/s). FP32 (no tensor
 # cores): H100/H200/H800 SXM 67 TFLOP/s, HGX B200 75, A100 19.5. Network: 8 x
-# ConnectX-7 400 Gb/s (50 GB/s) per DGX/HGX H100, H200 and B200 node.
+# ConnectX-7 400 Gb/s (50 GB/s) per DGX/HGX H100, H200 and B200 node. L40 (a PCIe card, Ada
+# sm_89: 181 TFLOP/s BF16 dense, 362 FP8, FP32 90.5, 48 GB GDDR6 at 864 GB/s; no NVLink, so
+# its GPUs talk over PCIe Gen4 x16, 32 GB/s per direction; the network is an assumption, one
+# 200 Gb/s NIC per GPU as the A100 row's). The one table of GPU peaks: ``moetrain plan``
+# prices with it and the trainer's MFU divides by its ``bf16_tflops`` (``gpu_of_device``).
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
@@ -82,6 +86,7 @@ GPUS: dict[str, GPU] = {
         GPU("h800", 989.0, 1979.0, 80.0, 3.35, 200.0, 50.0, fp32_tflops=67.0, arch="sm_90"),
         GPU("b200", 2250.0, 4500.0, 180.0, 7.7, 900.0, 50.0, fp32_tflops=75.0, arch="sm_100"),
         GPU("a100", 312.0, 0.0, 80.0, 2.04, 300.0, 25.0, fp32_tflops=19.5, arch="sm_80"),
+        GPU("l40", 181.0, 362.0, 48.0, 0.864, 32.0, 25.0, fp32_tflops=90.5, arch="sm_89"),
     )
 }
 
@@ -109,6 +114,13 @@ def gpu(name: str, overrides: dict[str, float] | None = None) -> GPU:
             )
         g = dataclasses.replace(g, **overrides)
     return g
+
+
+def gpu_of_device(device_name: str) -> GPU | None:
+    """The table's GPU that a CUDA device name names ("NVIDIA H100 80GB HBM3" is h100, "NVIDIA
+    B200" b200), or None for a GPU the table does not have."""
+    name = device_name.lower()
+    return next((g for g in GPUS.values() if g.name in name), None)
 
 
 @dataclass(frozen=True)

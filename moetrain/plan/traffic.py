@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from moetrain.config import JobConfig
-from moetrain.parallel.accounting import analytic_sent
+from moetrain.parallel.accounting.analytic import analytic_sent
 from moetrain.parallel.dims import ParallelDims
 from moetrain.plan.activations import Shapes, rows
 from moetrain.plan.build import RankState

@@ -22,11 +22,10 @@ import numpy as np
 import torch
 
 from moetrain.config import LogConfig
+from moetrain.plan.hardware import gpu_of_device
 
 log = logging.getLogger("moetrain")
 
-# bf16 dense tensor-core peaks (FLOP/s) by device-name fragment (vendor datasheets).
-_PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "L40": 181e12}
 
 
 def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -82,15 +81,16 @@ def synchronize(device: torch.device) -> None:
 def peak_flops(device: torch.device, seconds: float = 0.2) -> tuple[float, str]:
     """Peak FLOP/s for the MFU denominator and where it came from.
 
-    On a known GPU: its bf16 dense peak. Elsewhere: a dense fp32 matmul measured now for
-    ``seconds``, so on a CPU 'MFU' reads as a fraction of what this machine's matmul reaches
-    at the moment (the trainer re-measures every log window: a shared CPU's speed varies).
+    On a GPU of the table ``moetrain plan`` prices with (``moetrain.plan.hardware.GPUS``): its
+    bf16 dense datasheet peak. Elsewhere: a dense fp32 matmul measured now for ``seconds``,
+    so on a CPU 'MFU' reads as a fraction of what this machine's matmul reaches at the moment
+    (the trainer re-measures every log window: a shared CPU's speed varies).
     """
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for frag, flops in _PEAK_FLOPS.items():
-            if frag in name:
-                return flops, f"{name} bf16 peak"
+        gpu = gpu_of_device(name)
+        if gpu is not None:
+            return gpu.bf16_tflops * 1e12, f"{name} bf16 peak"
     n = 1024
     # Constant operands: drawing random ones would advance the global RNG that router jitter
     # uses, and the run would stop being reproducible across a resume.

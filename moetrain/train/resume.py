@@ -2,7 +2,7 @@
 before its weights are read (``Trainer.maybe_resume``).
 
 Which config keys a resume accepts changed, warns about or refuses is one table,
-``RESUME_KEYS`` in moetrain/config.py; docs/checkpoints.md is the user's version.
+``RESUME_KEYS`` in moetrain/config/resume.py; docs/checkpoints.md is the user's version.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ log = logging.getLogger("moetrain")
 def check_resume_config(path: Path, saved: dict[str, Any], cfg: JobConfig) -> None:
     """Refuse a resume whose config changes a key that changes what the model computes (or
     the data stream), unless ``train.resume_allow_changes`` lists it; log every change a
-    resume accepts. Which key is which: ``RESUME_KEYS`` (moetrain/config.py)."""
+    resume accepts. Which key is which: ``RESUME_KEYS`` (moetrain/config/resume.py)."""
     if not isinstance(saved.get("config"), dict):
         return  # a checkpoint written without its config: nothing to compare
     changes = resume_changes(saved["config"], cfg)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,11 @@ from moetrain.model import Transformer, meta_model
 from moetrain.model.fp8 import convert_to_fp8
 from moetrain.model.masks import document_lengths
 from moetrain.parallel.dims import ParallelDims
+from moetrain.train.announce import BENCHMARK_TAG, announce_start
 from moetrain.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
 from moetrain.train.engine import Engine
+from moetrain.train.fingerprint import model_fingerprint
+from moetrain.train.memory_check import check_memory
 from moetrain.train.metrics import (
     MetricsWriter,
     format_log_line,
@@ -55,142 +57,24 @@ from moetrain.train.resilience import (
     PreemptionGuard,
 )
 from moetrain.train.resume import check_resume_config, refuse_weights_only
+from moetrain.train.runtime import (
+    init_distributed,
+    pick_device,
+    rng_state,
+    set_rng_state,
+    setup_logging,
+    world_size,
+)
 from moetrain.train.specialization import SpecializationLog
 from moetrain.train.start import Start, find_start
 
 log = logging.getLogger("moetrain")
-
-BENCHMARK_TAG = "BENCHMARK: forced balanced routing"
-"""Marks every log line and the TensorBoard run of a ``moe.force_load_balancing`` run."""
-
-
-def setup_logging() -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            format="%(asctime)s %(levelname)s %(message)s",
-            datefmt="%H:%M:%S",
-            stream=sys.stdout,
-        )
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "train.device: 'cuda' requested but no CUDA device is available; use 'auto' or 'cpu'"
-        )
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
-
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     """bf16 autocast on CUDA, fp32 on CPU (unless asked otherwise)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def rng_state() -> dict[str, Any]:
-    """RNG states as plain containers and tensors (loadable with weights_only=True)."""
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": list(random.getstate()[1]) + [random.getstate()[0], random.getstate()[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py[-2], tuple(py[:-2]), py[-1]))
-    np_state = state["numpy"]
-    np.random.set_state((np_state[0], np_state[1].numpy().astype(np.uint32), *np_state[2:]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def model_fingerprint(cfg: JobConfig, vocab_size: int) -> dict[str, Any]:
-    """What a checkpoint must agree on to be loadable into this run's model."""
-    m, e = cfg.model, cfg.moe
-    return {
-        "vocab_size": vocab_size,
-        "dim": m.dim,
-        "n_layers": m.n_layers,
-        "n_heads": m.n_heads,
-        "n_kv_heads": m.kv_heads,
-        "ffn_dim": m.ffn_dim,
-        "tie_embeddings": m.tie_embeddings,
-        "num_experts": e.num_experts,
-        "expert_ffn_dim": e.expert_ffn_dim,
-        "every_n_layers": e.every_n_layers,
-        "num_shared_experts": e.num_shared_experts,
-        "shared_expert_ffn_dim": e.shared_expert_ffn_dim,
-        # Options of the HF families that change the weights' shapes or meaning; recorded
-        # only when set, so that checkpoints saved before they existed stay loadable.
-        **{k: v for k, v in _family_options(cfg).items() if v not in (None, False, [], "none")},
-    }
-
-
-def _family_options(cfg: JobConfig) -> dict[str, Any]:
-    m, e = cfg.model, cfg.moe
-    return {
-        "head_dim": m.head_dim,
-        "rope_style": m.rope_style if m.rope_style != "interleaved" else None,
-        "qk_norm": m.qk_norm,
-        "qkv_bias": m.qkv_bias,
-        "out_bias": m.out_bias,
-        "attention": m.attention if m.attention != "gqa" else None,
-        "q_lora_rank": m.q_lora_rank,
-        "kv_lora_rank": m.kv_lora_rank,
-        "qk_nope_head_dim": m.qk_nope_head_dim,
-        "qk_rope_head_dim": m.qk_rope_head_dim,
-        "v_head_dim": m.v_head_dim,
-        "dense_layers": list(e.dense_layers),
-        "shared_expert_gate": e.shared_expert_gate,
-        "sliding_window": m.sliding_window,
-        "sliding_window_layers": m.sliding_window_layers,
-    }
-
-
-def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
-    """Refuse a start whose planned peak on this rank exceeds the memory it has
-    (``train.memory_check``): the plan (``moetrain.plan``) of this rank -- the model built
-    on the meta device under a fake process group, the real parallelize and optimizers --
-    against ``train.memory_per_rank_gb`` or what the device has. Skipped, with a line in
-    the log, in a process that already started a process group (the plan needs one of its
-    own): tests and tools that drive the trainer in-process."""
-    if dist.is_available() and dist.is_initialized():
-        log.info("memory check skipped: this process already has a process group")
-        return
-    from moetrain.plan.planner import available_memory, plan
-    from moetrain.plan.report import advice
-    from moetrain.train.engine import build_optimizers
-
-    rank = int(os.environ.get("RANK", "0"))
-    planned = plan(cfg, dims.world_size, build_optimizers, device_type=device.type, ranks=[rank])
-    need = planned.peak()
-    gb = cfg.train.memory_per_rank_gb
-    have, source = (gb * 1e9, "train.memory_per_rank_gb") if gb else available_memory(device)
-    if need <= have:
-        return
-    r = planned.ranks[0]
-    tips = "; ".join(t.rstrip(".") for t in advice(planned, have / 1e9)[:-1])
-    raise ConfigError(
-        f"train.memory_check: rank {rank} needs about {need / 1e9:.3g} GB (start-up "
-        f"{planned.start_up_of(r) / 1e9:.3g} GB: its shards and one init block; step peak "
-        f"{r.steady / 1e9:.3g} GB: model state {r.state.model_state / 1e9:.3g}, activations "
-        f"{(r.activations + r.recompute) / 1e9:.3g}) but has {have / 1e9:.3g} GB ({source}). "
-        f"{tips + '. ' if tips else ''}`moetrain plan --config ... --world {dims.world_size}` "
-        "shows every figure and --search the layouts that fit; train.memory_check=false starts "
-        "anyway (docs/plan.md)"
-    )
 
 
 @dataclass
@@ -206,25 +90,6 @@ class StepResult:
     flops_per_token: float = float("nan")
     """Model FLOPs per token of the step (this rank's sequences): under document masking the
     attention's share is counted from the documents' actual lengths."""
-
-
-def world_size() -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def init_distributed(device: torch.device, timeout_s: int) -> None:
-    """Start the default process group (gloo on CPU, nccl on CUDA) for a torchrun launch;
-    nothing for one process or when a process group already exists (tests). A collective
-    that some rank never joins (a dead rank) fails after ``timeout_s``."""
-    if world_size() == 1 or dist.is_initialized():
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s)
-    )
 
 
 class Trainer:
@@ -499,6 +364,16 @@ class Trainer:
             )
         return ids
 
+    def probed_step(self, probe: Callable[[str], None]) -> StepResult:
+        """One training step with ``probe(phase)`` called after its forward, its backward and
+        its optimizer step (the accounting's memory probes: ``measure_step`` of
+        ``moetrain.parallel.accounting``, whose ``MeasuredRun`` the trainer is)."""
+        self.engine.probe = probe
+        try:
+            return self.train_step()
+        finally:
+            self.engine.probe = None
+
     def _measured_step(self) -> StepResult:
         """A training step under the accounting probes (``moetrain.parallel.accounting``):
         this rank's model-state bytes beside the ZeRO formula and its bytes sent per
@@ -564,63 +439,12 @@ class Trainer:
         self._open_run_dir()
         self._measure_peak()
         entropy = unigram_entropy(self.tokenizer, cfg.data) if self.is_main else 0.0
-        log.info(
-            "model: %.2fM params (%.2fM active per token), %d MoE layers, device %s %s",
-            self.n_params / 1e6,
-            self.n_active / 1e6,
-            self.n_moe_layers,
-            self.device,
-            str(self.dtype).removeprefix("torch."),
-        )
-        d = self.dims
-        log.info(
-            "layout: world %d = pp %d x dp_replicate %d x dp_shard %d x cp %d x tp %d; "
-            "zero_stage %d, sequence_parallel %s, %d micro-batches of %d per dp rank%s%s",
-            d.world_size,
-            d.pp,
-            d.dp_replicate,
-            d.dp_shard,
-            d.cp,
-            d.tp,
-            cfg.parallel.zero_stage,
-            cfg.parallel.sequence_parallel,
-            d.microbatches(cfg),
-            d.micro_batch_size(cfg),
-            f", schedule {cfg.parallel.pp_schedule} x {d.virtual_stages} virtual stages"
-            if d.pp > 1
-            else "",
-            # expert parallelism (ep)
-            f", ep {d.ep} x edp {d.dp_cp // d.ep} ({cfg.parallel.ep_dispatcher}"
-            f"{', expert_tp' if cfg.parallel.expert_tp else ''})"
-            if d.ep > 1
-            else "",
-        )
-        log.info(
-            "data: unigram entropy of the training tokens %.3f nats/token; MFU against "
-            "%.1f GFLOP/s (%s)",
-            entropy,
-            self.peak_flops / 1e9,
-            self.peak_source,
-        )
-        if 0 < tcfg.steps <= cfg.optim.warmup_steps and self.resumed_from is None:
-            log.warning("optim.warmup_steps=%d >= train.steps=%d: the learning rate rises for "
-                        "the whole run and never reaches optim.lr=%g", cfg.optim.warmup_steps,
-                        tcfg.steps, cfg.optim.lr)  # fmt: skip
-        self.writer.text("config", "```\n" + config_to_yaml(cfg) + "\n```")
-        self.writer.scalars({"data/unigram_entropy": entropy}, self.step)
-        if cfg.moe.force_load_balancing:
-            # A benchmark run (train.benchmark): say so where anyone reading the run looks.
-            log.warning(
-                "%s: every token is routed by its position, not by the router; the model "
-                "this run trains is useless (a speed benchmark)",
-                BENCHMARK_TAG,
-            )
-            self.writer.text(
-                "benchmark",
-                f"**{BENCHMARK_TAG}**: routing forced to perfect balance "
-                "(moe.force_load_balancing); not a model to use.",
-            )
-            self.writer.scalars({"benchmark/forced_load_balancing": 1.0}, self.step)
+        announce_start(
+            cfg, self.dims, self.writer, self.step, params=self.n_params,
+            active_params=self.n_active, moe_layers=self.n_moe_layers, device=self.device,
+            dtype=self.dtype, entropy=entropy, peak_flops=self.peak_flops,
+            peak_source=self.peak_source, resumed=self.resumed_from is not None,
+        )  # fmt: skip
 
         bar = None
         if cfg.log.progress_bar and sys.stderr.isatty():

@@ -191,7 +191,8 @@ def refusal(row: Row, layout: Layout) -> str | None:
 def _setting(override: str) -> tuple[str, str, object]:
     """(section, key, typed value) of one ``section.key=value`` override, parsed and
     type-checked once (YAML parsing is most of a config load)."""
-    from moetrain.config import JobConfig, _coerce, _hints, parse_overrides
+    from moetrain.config import JobConfig, parse_overrides
+    from moetrain.config.loading import _coerce, _hints
 
     ((section, inner),) = parse_overrides([override]).items()
     ((key, value),) = inner.items()

@@ -468,3 +468,69 @@ def test_optimizer_state_bytes_come_from_the_state_or_the_declared_moments_dtype
     st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].double(), st["exp_avg_sq"].double()
     assert optimizer_state_bytes_per_param([opt]) == 16.0
     assert zero_bytes_per_param(3, 4) == 16 / 4 and zero_bytes_per_param(1, 2, True) == 4 + 12 / 2
+
+
+def test_measure_step_drives_a_run_through_its_protocol_alone() -> None:
+    """``measure_step`` uses what ``MeasuredRun`` names and nothing else: a stand-in run (one
+    linear layer, SGD with momentum, no trainer) is measured, each phase's model state read
+    after its probe: 15 fp32 parameters (60 bytes) throughout, their gradients from the
+    backward on, SGD's momentum buffer after the step; the forward saves its (2, 4) input
+    (32 bytes; the weight is a parameter, not an activation); no collective."""
+    import torch
+
+    from moetrain.parallel.accounting import MeasuredRun, StepEngine, measure_step
+
+    class Engine:
+        def __init__(self) -> None:
+            self.parts = [torch.nn.Linear(4, 3)]
+            self.optimizers = [torch.optim.SGD(self.parts[0].parameters(), 0.1, momentum=0.9)]
+            self.params_at_rest = 15
+            self.meshes = None
+
+    class Run:
+        cfg = dims = None  # read by step_figures only
+
+        def __init__(self) -> None:
+            self.engine = Engine()
+
+        def probed_step(self, probe):
+            out = self.engine.parts[0](torch.ones(2, 4)).sum()
+            probe("forward")
+            out.backward()
+            probe("backward")
+            self.engine.optimizers[0].step()
+            probe("step")
+            return "result"
+
+    run = Run()
+    assert isinstance(run, MeasuredRun) and isinstance(run.engine, StepEngine)
+    report = measure_step(run)
+    assert report.result == "result" and report.params_per_rank == 15
+    got = {k: (s.params, s.grads, s.optim) for k, s in report.memory.items()}
+    assert got == {"forward": (60, 0, 0), "backward": (60, 60, 0), "step": (60, 60, 60)}
+    assert report.activations == 32 and report.sent == {}
+
+
+def test_the_trainer_is_a_measured_run(tmp_path: Path) -> None:
+    """The trainer and its engine give what the accounting's protocols name, ``probed_step``
+    probes the three phases and leaves no probe behind; a run that only has ``train_step``
+    (how the accounting once drove the trainer) is not a ``MeasuredRun``."""
+    from moetrain.parallel.accounting import MeasuredRun, StepEngine, measure_step
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(micro_config(str(tmp_path), "train.steps=2"))
+    assert isinstance(trainer, MeasuredRun) and isinstance(trainer.engine, StepEngine)
+    trainer.train_step()
+    report = measure_step(trainer)
+    assert set(report.memory) == {"forward", "backward", "step"}
+    assert trainer.engine.probe is None and trainer.step == 2
+
+    class DuckTyped:
+        def __init__(self) -> None:
+            self.cfg, self.dims, self.engine = trainer.cfg, trainer.dims, trainer.engine
+
+        def train_step(self):
+            return trainer.train_step()
+
+    assert not isinstance(DuckTyped(), MeasuredRun)
+    trainer.close()

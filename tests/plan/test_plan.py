@@ -159,6 +159,26 @@ def test_every_constant_is_an_input() -> None:
         hardware.gpu("h100", {"no_such": 1.0})
 
 
+def test_the_pages_gpu_table_is_the_code_s() -> None:
+    """docs/plan.md's table of constants shows every GPU of ``hardware.GPUS`` (the one table
+    that ``moetrain plan`` prices with and the trainer's MFU divides by) with its values; a
+    GPU added to one and not the other, or a changed figure, fails here."""
+    from moetrain.plan import hardware
+
+    page = (REPO / "docs" / "plan.md").read_text()
+    rows = [line.split(" | ") for line in page.splitlines() if line.startswith("| `")]
+    head = next(line for line in page.splitlines() if line.startswith("| constant |"))
+    names = [c.strip() for c in head.strip("|").split("|")][1:-1]
+    assert names == list(hardware.GPUS)
+    shown = {r[0].strip("| ").split("`")[1]: r[1 : 1 + len(names)] for r in rows
+             if r[0].strip("| ").split("`")[1] in hardware.GPU.__dataclass_fields__}  # fmt: skip
+    assert set(shown) == set(hardware.GPU.__dataclass_fields__) - {"name", "arch"}
+    for field, cells in shown.items():
+        for gpu, cell in zip(names, cells, strict=True):
+            want = getattr(hardware.GPUS[gpu], field)
+            assert (cell == "-" and want == 0) or float(cell) == want, (field, gpu, cell)
+
+
 def test_published_table_on_the_page_is_the_tools_file() -> None:
     sys.path.insert(0, str(REPO / "tools"))
     import plan_published as P

@@ -1,0 +1,49 @@
+"""The memory check before a start (``train.memory_check``): this rank's planned peak
+against the memory it has, refused with both figures and the plan's advice."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config import ConfigError, JobConfig
+from moetrain.parallel.dims import ParallelDims
+
+log = logging.getLogger("moetrain")
+
+
+def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> None:
+    """Refuse a start whose planned peak on this rank exceeds the memory it has
+    (``train.memory_check``): the plan (``moetrain.plan``) of this rank -- the model built
+    on the meta device under a fake process group, the real parallelize and optimizers --
+    against ``train.memory_per_rank_gb`` or what the device has. Skipped, with a line in
+    the log, in a process that already started a process group (the plan needs one of its
+    own): tests and tools that drive the trainer in-process."""
+    if dist.is_available() and dist.is_initialized():
+        log.info("memory check skipped: this process already has a process group")
+        return
+    from moetrain.plan.planner import available_memory, plan
+    from moetrain.plan.report import advice
+    from moetrain.train.engine import build_optimizers
+
+    rank = int(os.environ.get("RANK", "0"))
+    planned = plan(cfg, dims.world_size, build_optimizers, device_type=device.type, ranks=[rank])
+    need = planned.peak()
+    gb = cfg.train.memory_per_rank_gb
+    have, source = (gb * 1e9, "train.memory_per_rank_gb") if gb else available_memory(device)
+    if need <= have:
+        return
+    r = planned.ranks[0]
+    tips = "; ".join(t.rstrip(".") for t in advice(planned, have / 1e9)[:-1])
+    raise ConfigError(
+        f"train.memory_check: rank {rank} needs about {need / 1e9:.3g} GB (start-up "
+        f"{planned.start_up_of(r) / 1e9:.3g} GB: its shards and one init block; step peak "
+        f"{r.steady / 1e9:.3g} GB: model state {r.state.model_state / 1e9:.3g}, activations "
+        f"{(r.activations + r.recompute) / 1e9:.3g}) but has {have / 1e9:.3g} GB ({source}). "
+        f"{tips + '. ' if tips else ''}`moetrain plan --config ... --world {dims.world_size}` "
+        "shows every figure and --search the layouts that fit; train.memory_check=false starts "
+        "anyway (docs/plan.md)"
+    )
