@@ -138,8 +138,8 @@ class Router(nn.Module):
             )
             x_TD = x_TD * factors_TD.to(x_TD.dtype)
         # The gate runs in fp32 even under bf16 autocast (moetrain.model.precision).
-        gate = fp32_region("router_gate")
-        with gate.autocast_off(x_TD.device.type):
+        gate = fp32_region("router_gate", x_TD.device.type)
+        with gate.autocast_off():
             bias_E = gate.cast(self.gate.bias) if self.gate.bias is not None else None
             logits_TE = nn.functional.linear(gate.cast(x_TD), gate.cast(self.gate.weight), bias_E)
         # The scores and top-k take fp32 logits (``route``'s contract): the gate's are.

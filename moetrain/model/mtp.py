@@ -76,7 +76,7 @@ def mtp_loss(
     B, T = labels_BT.shape
     total = torch.zeros((), device=h_BTD.device, dtype=torch.float32)
     h = h_BTD
-    region = fp32_region("mtp")  # each depth's cross-entropy over fp32 logits
+    region = fp32_region("mtp", labels_BT.device.type)  # each depth's CE over fp32 logits
     for k, block in enumerate(blocks, start=1):
         if k >= T:  # no position has both t_{i+k} and a target t_{i+k+1}
             break
@@ -84,7 +84,7 @@ def mtp_loss(
         targets_BT = shifted(labels_BT, k)  # t_{i+k+1}
         h, normed = block(h, embed(ids_BT), cos, sin, valid=targets_BT != IGNORE_INDEX)
         logits = head(normed)
-        with region.autocast_off(labels_BT.device.type):
+        with region.autocast_off():
             ce = F.cross_entropy(region.cast(logits).flatten(0, 1), targets_BT.flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
         total = total + _local(ce) / (B * T)

@@ -16,8 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 (the "norm" region of moetrain.model.precision): bf16 sums of
-        # squares lose too much precision. Autocast reaches none of these ops.
-        x32 = fp32_region("norm").cast(x)
+        # squares lose too much precision. Autocast never rounds these ops down.
+        x32 = fp32_region("norm", x.device.type).cast(x)
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # The weight rounded to the compute dtype, as FSDP2 gathers it under ZeRO-2/3: the
         # same numbers in one process and every layout (moetrain.model.precision).

@@ -36,7 +36,6 @@ they change nothing.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,36 +59,40 @@ FP32_REGIONS: dict[str, str] = {
     "mtp": "multi-token prediction's cross-entropies (moetrain.model.mtp.mtp_loss)",
 }
 """The fp32 regions of a bf16 run, by name: what each covers and why. A region the policy
-names computes in fp32 with autocast off; a name left out computes in the compute dtype
-like everything else (``fp32_region``), which is what dropping one plants
-(tests/faults.py)."""
+names computes in fp32; a name left out computes in the compute dtype (``fp32_region``),
+which is what dropping one plants (tests/faults.py)."""
 
 
 @dataclass(frozen=True)
 class Region:
-    """One fp32 region as the policy holds it now (``fp32_region``)."""
+    """One fp32 region where a model site enters it (``fp32_region``)."""
 
     name: str
     fp32: bool
     """True when ``FP32_REGIONS`` names the region."""
+    device_type: str
+    compute: torch.dtype | None
+    """The compute dtype at the site (autocast's; None outside autocast)."""
 
     def cast(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` for the region's ops: fp32 (``t`` itself when it is fp32 already), or, for
-        a region the policy does not name, the compute dtype (``as_compute``)."""
-        return t.float() if self.fp32 else as_compute(t)
-
-    def autocast_off(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
-        """Around the region's GEMMs (and the ops autocast would otherwise reach): autocast
-        off on ``device_type`` when the region is fp32; nothing otherwise."""
+        """``t`` for the region's ops: fp32 (``t`` itself when it is fp32 already), or, in a
+        region the policy does not name, the compute dtype (``t`` outside autocast)."""
         if self.fp32:
-            return torch.autocast(device_type=device_type, enabled=False)
-        return contextlib.nullcontext()
+            return t.float()
+        return t if self.compute is None or t.dtype == self.compute else t.to(self.compute)
+
+    def autocast_off(self) -> torch.autocast:
+        """Around the region's ops where autocast would reach them (a GEMM; a loss, which
+        autocast's own lists would run in fp32): autocast off, so that the region's casts
+        alone decide their dtype."""
+        return torch.autocast(device_type=self.device_type, enabled=False)
 
 
-def fp32_region(name: str) -> Region:
-    """The region ``name`` of ``FP32_REGIONS`` as the policy has it: a model site enters
-    it (``Region.autocast_off``) and casts its operands (``Region.cast``)."""
-    return Region(name, name in FP32_REGIONS)
+def fp32_region(name: str, device_type: str) -> Region:
+    """The region ``name`` of ``FP32_REGIONS`` as the policy has it, at a site on
+    ``device_type``: the site casts its operands (``Region.cast``) and, where autocast would
+    reach its ops, turns autocast off around them (``Region.autocast_off``)."""
+    return Region(name, name in FP32_REGIONS, device_type, _autocast_dtype(device_type))
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:

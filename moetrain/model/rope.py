@@ -116,8 +116,8 @@ def apply_rope(
     """Rotate the pairs of ``style`` of each head by position-dependent angles: one row of
     angles per position (S, R/2), or per token (B, S, R/2)."""
     # In fp32 (the "rope" region of moetrain.model.precision), against the fp32 tables;
-    # autocast reaches none of these ops.
-    region = fp32_region("rope")
+    # autocast never rounds these ops down.
+    region = fp32_region("rope", x_BSHR.device.type)
     cos, sin = region.cast(cos_SR).unsqueeze(-2), region.cast(sin_SR).unsqueeze(-2)
     x = region.cast(x_BSHR)
     if style == "half":

@@ -288,8 +288,8 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         """A micro-batch's loss: the mean cross-entropy over its counted labels, or, under
         document masking, their sum times ``_loss_scale`` (its share of the step's mean over
         every counted label: micro-batches and cp shards count different numbers)."""
-        region = fp32_region("loss")  # over fp32 logits (moetrain.model.precision)
-        with region.autocast_off(labels.device.type):
+        region = fp32_region("loss", labels.device.type)  # fp32 logits (model.precision)
+        with region.autocast_off():
             logits, labels = region.cast(logits).flatten(0, 1), labels.flatten()
             if self._loss_scale is None:
                 return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
