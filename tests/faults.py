@@ -45,6 +45,17 @@ tests/oracle.py).
   parallelism as whole tensors (they are plain tensors, not DTensors: where they sit is on
   the EP mesh, ``expert_layouts``): every EP rank draws the blocks of experts 0, 1, ...
   instead of its own. Caught as the one above (tests/parallel/test_oracle.py).
+- ``router_gate_in_bf16``: the precision policy without its ``router_gate`` fp32 region
+  (``drop_fp32_region``, through the registry ``moetrain.model.precision.FP32_REGIONS``): the
+  routers' gates compute under autocast in bf16, in every layout and one process alike.
+  Caught by what a bf16 step computes (tests/train/test_compute_dtype.py: bf16 matmul FLOPs
+  where the policy names fp32 ones, the gate's weight rounded to bf16) and by the region's
+  numbers against an fp32 reference (tests/model/test_precision.py, which drops every region
+  in turn).
+- ``routed_rows_in_fp32``: the routed tokens are not cast to the compute dtype before the
+  dispatch (what the code did before the policy): the experts compute in their rows' dtype,
+  fp32, and CUDA's ``torch._grouped_mm`` refuses fp32. Caught by the census's fp32 FLOPs and
+  its CUDA-contract replay (tests/train/test_compute_dtype.py).
 - ``muon_local_shard``: Muon orthogonalizes each rank's own slice of a sharded matrix (a
   ZeRO-2/3 or HSDP shard, a tensor-parallel column or row block, an expert-TP slice of the
   FFN width) instead of the whole matrix (the single process has no slices). Caught by the
@@ -193,6 +204,29 @@ def _fsdp_root_in_bf16(setattr_: Callable[..., None]) -> None:
 
     # apply_fsdp imports fully_shard when it runs: the module attribute is what it finds.
     setattr_(fsdp, "fully_shard", fully_shard)
+
+
+def drop_fp32_region(name: str, setattr_: Callable[..., None]) -> None:
+    """The precision policy without the fp32 region ``name``: its ops compute in the compute
+    dtype (``moetrain.model.precision.fp32_region`` reads the registry at every call)."""
+    from moetrain.model import precision
+
+    assert name in precision.FP32_REGIONS, (name, list(precision.FP32_REGIONS))
+    kept = {k: v for k, v in precision.FP32_REGIONS.items() if k != name}
+    setattr_(precision, "FP32_REGIONS", kept)
+
+
+def _router_gate_in_bf16(setattr_: Callable[..., None]) -> None:
+    drop_fp32_region("router_gate", setattr_)
+
+
+def _routed_rows_in_fp32(setattr_: Callable[..., None]) -> None:
+    from moetrain.model import moe
+
+    # MoELayer's one cast of the routed tokens (``as_compute``) leaves them as they are.
+    setattr_(moe, "as_compute", lambda t: t)
+
+
 def _muon_local_shard(setattr_: Callable[..., None]) -> None:
     from torch.distributed.tensor import DTensor
 
@@ -336,6 +370,8 @@ FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "expert_layouts_ignored": _expert_layouts_ignored,
     "fsdp_root_in_bf16": _fsdp_root_in_bf16,
     "muon_local_shard": _muon_local_shard,
+    "router_gate_in_bf16": _router_gate_in_bf16,
+    "routed_rows_in_fp32": _routed_rows_in_fp32,
     "stage_inputs_uninitialised": _stage_inputs_uninitialised,
     "ep_grad_norm_without_experts": _ep_grad_norm_without_experts,
     "muon_plain_momentum": _muon_plain_momentum,

@@ -171,22 +171,22 @@ def test_scan_finds_a_new_cuda_branch():
     function with one, are both reported; an annotation naming "cuda" is not a site."""
     found = scan_package()
     doc = documented()
-    key = ("moetrain/train/trainer.py", "pick_dtype")
+    key = ("moetrain/train/trainer.py", "pick_device")
     assert found[key] == doc[key][0]
     extra = scan_source(
-        "def pick_dtype(name, device):\n"
+        "def pick_device(name):\n"
         "    torch.cuda.set_sync_debug_mode(1)\n"
         "def new(x, device: 'cuda'):\n"
         "    x.pin_memory()\n"
         "    return x.to(device, non_blocking=True)\n"
     )
-    assert extra == {"pick_dtype": {"torch.cuda.set_sync_debug_mode"},
+    assert extra == {"pick_device": {"torch.cuda.set_sync_debug_mode"},
                      "new": {".pin_memory", "non_blocking="}}  # fmt: skip
-    found[key] = found[key] | extra["pick_dtype"]
+    found[key] = found[key] | extra["pick_device"]
     found[("moetrain/train/trainer.py", "new")] = extra["new"]
     problems = coverage_problems(found, doc)
     assert len(problems) == 2, problems
-    assert any("pick_dtype: the scan finds" in p for p in problems), problems
+    assert any("pick_device: the scan finds" in p for p in problems), problems
     assert any("trainer.py::new: CUDA-only code" in p for p in problems), problems
     # A row whose function lost its CUDA code, and a row naming a test that does not exist.
     doc[("moetrain/gone.py", "f")] = ({'"cuda"'}, "`tests/test_cuda_paths.py::test_nothing`")
@@ -252,16 +252,16 @@ CUDA0 = torch.device("cuda", 0)
 
 def test_pick_device_and_dtype(fake_cuda, monkeypatch):
     from moetrain.config import ConfigError
+    from moetrain.model.precision import Precision
     from moetrain.train.runtime import pick_device
-    from moetrain.train.trainer import pick_dtype
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert pick_device("auto") == torch.device("cuda", 1)  # torchrun's local rank
     assert pick_device("cuda") == torch.device("cuda", 1)
     assert pick_device("cpu") == torch.device("cpu")
-    assert pick_dtype("auto", CUDA0) == torch.bfloat16
-    assert pick_dtype("auto", torch.device("cpu")) == torch.float32
-    assert pick_dtype("fp32", CUDA0) == torch.float32
+    assert Precision.choose("auto", CUDA0.type).dtype == torch.bfloat16
+    assert Precision.choose("auto", "cpu").dtype == torch.float32
+    assert Precision.choose("fp32", CUDA0.type).dtype == torch.float32
     fake_cuda.count = 0
     assert pick_device("auto") == torch.device("cpu")
     with pytest.raises(ConfigError, match="train.device: 'cuda' requested but no CUDA"):

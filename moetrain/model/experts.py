@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.kernels import grouped_mm
 from moetrain.kernels.fp8 import Recipe, Reduce, fp8_grouped_mm
-from moetrain.model.precision import as_compute, compute_dtype
+from moetrain.model.precision import as_compute
 
 EXPERT_FFN_DIMS = {"w1": 2, "w3": 2, "w2": 1, "b1": 1, "b3": 1}
 """Per-expert tensors (dim 0: the expert) and the dim of each that holds the FFN width, which
@@ -90,13 +90,13 @@ class GroupedExperts(nn.Module):
         activation are element-wise torch ops between the grouped GEMMs, whichever kernel
         backend (or FP8 recipe, ``train.fp8``) runs those.
 
-        Under autocast (``train.dtype=bf16``) the rows and the weights are cast to its dtype
-        here, once per forward, whatever the backend: ``torch._grouped_mm`` has no autocast
-        kernel, the per-expert fallback writes through ``out=`` (which autocast never
-        touches) and the Triton and FP8 Functions take what they are given
-        (``moetrain.model.precision``)."""
-        dtype = compute_dtype(x_ND)
-        x_ND = x_ND.to(dtype)
+        The experts compute in their rows' dtype: ``MoELayer`` casts the routed tokens to
+        the compute dtype once, before the dispatch (``moetrain.model.precision``), and the
+        weights and biases are cast to it here, once per forward, whatever the backend:
+        ``torch._grouped_mm`` has no autocast kernel, the per-expert fallback writes through
+        ``out=`` (which autocast never touches) and the Triton and FP8 Functions take what
+        they are given."""
+        dtype = x_ND.dtype
         w1, w3, w2 = (local_part(w) for w in (self.w1, self.w3, self.w2))
         if self.fp8 is not None:
             # FP8 grouped GEMMs quantize from the weights in the compute dtype themselves (and

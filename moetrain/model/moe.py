@@ -46,7 +46,7 @@ from moetrain.model.losses import (
     token_weights,
     z_loss,
 )
-from moetrain.model.precision import compute_dtype
+from moetrain.model.precision import as_compute, fp32_region
 from moetrain.model.sequence_shard import SequenceShard
 
 STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
@@ -137,11 +137,13 @@ class Router(nn.Module):
                 self.cfg.jitter_eps, key, seq_T, pos_T, x_TD.shape[1], self.jitter_hashes
             )
             x_TD = x_TD * factors_TD.to(x_TD.dtype)
-        # The gate runs in fp32 even under bf16 autocast: routing decisions are sensitive
-        # to small logit differences.
-        with torch.autocast(device_type=x_TD.device.type, enabled=False):
-            bias_E = self.gate.bias.float() if self.gate.bias is not None else None
-            logits_TE = nn.functional.linear(x_TD.float(), self.gate.weight.float(), bias_E)
+        # The gate runs in fp32 even under bf16 autocast (moetrain.model.precision).
+        gate = fp32_region("router_gate", x_TD.device.type)
+        with gate.autocast_off():
+            bias_E = gate.cast(self.gate.bias) if self.gate.bias is not None else None
+            logits_TE = nn.functional.linear(gate.cast(x_TD), gate.cast(self.gate.weight), bias_E)
+        # The scores and top-k take fp32 logits (``route``'s contract): the gate's are.
+        logits_TE = logits_TE.float()
         cfg = self.cfg
         use_bias = cfg.expert_bias_rate > 0 or cfg.route_with_bias
         bias = self.expert_bias if use_bias else None
@@ -342,10 +344,10 @@ class MoELayer(nn.Module):
             ids_BSK = self._whole_sequences(r.ids_TK.detach(), B)
             self.eval_record.append(ids_BSK.flatten(0, 1).to("cpu", torch.int16))
         ids_all_TK, plan = self._plan(r, B)
-        # The experts' GEMMs take their rows in the compute dtype (moetrain.model.precision):
-        # cast once, before the dispatch, so that an expert-parallel all-to-all carries them
-        # in it too. The router above read the fp32 rows.
-        xc_TD = x_TD.to(compute_dtype(x_TD))
+        # The routed tokens in the compute dtype (moetrain.model.precision): cast once,
+        # before the dispatch, so that an expert-parallel all-to-all carries them in it and
+        # the experts compute in it. The router above read the fp32 rows.
+        xc_TD = as_compute(x_TD)
         shared_TD = None
         if self.shared_experts is not None and self.overlap_shared:
             # The shared experts run while the routed tokens travel (same numbers).

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.model.precision import fp32_region
+
 IGNORE_INDEX = -100
 """Label of a position left out of the loss (``F.cross_entropy``'s default ignore_index):
 padding, under ``model.document_mask`` each document's separator (whose label is the next
@@ -74,6 +76,7 @@ def mtp_loss(
     B, T = labels_BT.shape
     total = torch.zeros((), device=h_BTD.device, dtype=torch.float32)
     h = h_BTD
+    region = fp32_region("mtp", labels_BT.device.type)  # each depth's CE over fp32 logits
     for k, block in enumerate(blocks, start=1):
         if k >= T:  # no position has both t_{i+k} and a target t_{i+k+1}
             break
@@ -81,8 +84,8 @@ def mtp_loss(
         targets_BT = shifted(labels_BT, k)  # t_{i+k+1}
         h, normed = block(h, embed(ids_BT), cos, sin, valid=targets_BT != IGNORE_INDEX)
         logits = head(normed)
-        with torch.autocast(device_type=labels_BT.device.type, enabled=False):
-            ce = F.cross_entropy(logits.float().flatten(0, 1), targets_BT.flatten(),
+        with region.autocast_off():
+            ce = F.cross_entropy(region.cast(logits).flatten(0, 1), targets_BT.flatten(),
                                  ignore_index=IGNORE_INDEX, reduction="sum")  # fmt: skip
         total = total + _local(ce) / (B * T)
     return total

@@ -16,6 +16,7 @@ import math
 import torch
 
 from moetrain.config import ModelConfig
+from moetrain.model.precision import fp32_region
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -114,8 +115,11 @@ def apply_rope(
 ) -> torch.Tensor:
     """Rotate the pairs of ``style`` of each head by position-dependent angles: one row of
     angles per position (S, R/2), or per token (B, S, R/2)."""
-    cos, sin = cos_SR.unsqueeze(-2), sin_SR.unsqueeze(-2)
-    x = x_BSHR.float()
+    # In fp32 (the "rope" region of moetrain.model.precision), against the fp32 tables;
+    # autocast never rounds these ops down.
+    region = fp32_region("rope", x_BSHR.device.type)
+    cos, sin = region.cast(cos_SR).unsqueeze(-2), region.cast(sin_SR).unsqueeze(-2)
+    x = region.cast(x_BSHR)
     if style == "half":
         x1, x2 = x.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from moetrain.model.moe import MoELayer
+from moetrain.model.precision import Precision
 
 BUCKET_NUMEL = 1 << 22  # elements per all-reduce bucket (16 MiB of fp32)
 
@@ -39,48 +40,39 @@ def apply_fsdp(
     model: nn.Module,
     dp_mesh: Any,
     zero_stage: int,
-    param_dtype: torch.dtype | None = None,
+    precision: Precision | None = None,
     ignored: Iterable[nn.Parameter] = (),
 ) -> None:
     """ZeRO-2/3 with FSDP2: each block, then the root. ``dp_mesh`` is 1-D (dp_shard) or 2-D
-    (dp_replicate, dp_shard) for hybrid sharding. ``param_dtype``: mixed precision (bf16):
-    fp32 shards as master weights, gradients reduced in fp32, and each unit all-gathered in
-    the dtype the compute-dtype policy gives its parameters (``moetrain.model.precision``).
-    ``ignored``: parameters FSDP must leave alone (the expert parameters under expert
-    parallelism: they differ per EP rank and are reduced over the expert-data-parallel
-    group by the engine, ``reduce_expert_grads``).
+    (dp_replicate, dp_shard) for hybrid sharding. ``precision``: the run's policy, whose
+    ``fsdp_policies`` say in which dtype each unit is gathered (None: fp32). ``ignored``:
+    parameters FSDP must leave alone (the expert parameters under expert parallelism: they
+    differ per EP rank and are reduced over the expert-data-parallel group by the engine,
+    ``reduce_expert_grads``).
 
     Mixed precision computes what one bf16 process computes (autocast with fp32 master
-    weights): the blocks are gathered in bf16 (their weights are what autocast and
-    ``as_compute`` round to bf16 in one process, norm weights included); every MoE router
-    is its own unit gathered in fp32 (routing decisions hang on small logit differences);
-    the root (token embeddings, final norm, output head) is gathered in fp32 -- the
-    embeddings are looked up exactly, so the residual stream is fp32 as in one process,
-    and autocast rounds the head's weight and ``as_compute`` the final norm's after the
-    gather, as in one process. Inputs are not cast (``cast_forward_inputs=False``)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    weights): the blocks are gathered in bf16; every MoE router is its own unit gathered in
+    fp32, and so is the root (token embeddings, final norm, output head)
+    (``moetrain.model.precision``, ``Precision.fsdp_policies``)."""
+    from torch.distributed.fsdp import fully_shard
 
     from moetrain.model.moe import Router
 
-    mp = MixedPrecisionPolicy(
-        param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
-    fp32 = MixedPrecisionPolicy(
-        param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
-    )
-    mixed = param_dtype is not None and param_dtype != torch.float32
+    policies = (precision or Precision(torch.float32, "cpu")).fsdp_policies()
     reshard = zero_stage == 3
     kw: dict[str, Any] = {"ignored_params": set(ignored)} if ignored else {}
     for block in model.layers.values():
-        if mixed:
+        if policies.routers is not None:
             for router in (m for m in block.modules() if isinstance(m, Router)):
-                fully_shard(router, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=fp32)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, **kw)
+                fully_shard(
+                    router, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policies.routers
+                )
+        fully_shard(
+            block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policies.blocks, **kw
+        )
     # The root (embedding, final norm, output) follows the stage too, so that ZeRO-3 sends
     # exactly its 3 Psi: gathered for forward and again for backward.
-    fully_shard(
-        model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=fp32 if mixed else mp, **kw
-    )
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policies.root, **kw)
 
 
 def apply_ddp(model: nn.Module, dp_mesh: Any, zero_stage: int) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from moetrain.config import ParallelConfig
+from moetrain.model.precision import Precision
 from moetrain.parallel.activation_checkpoint import apply_ac, apply_compile
 from moetrain.parallel.context_parallel import apply_cp
 from moetrain.parallel.data_parallel import apply_ddp, apply_fsdp
@@ -67,13 +68,15 @@ def parallelize(
     *,
     pp_rank: int = 0,
     compile: bool = False,
-    param_dtype: torch.dtype | None = None,
+    precision: Precision | None = None,
     device: torch.device | None = None,
     n_microbatches: int = 1,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     seq_len: int = 0,
 ) -> ParallelModel:
     """Apply the layout ``dims`` to ``model`` (built identically on every rank).
+    ``precision``: the run's policy, whose FSDP2 mixed-precision policies ZeRO-2/3 applies
+    (None: fp32).
     ``n_microbatches``: micro-batches of one pass of the pipeline schedule; ``seq_len``:
     the sequence length context parallelism splits."""
     parts, ids = pipeline_split(model, pp_rank, cfg)
@@ -96,7 +99,7 @@ def parallelize(
                     if dims.dp_replicate == 1
                     else meshes.world["dp_replicate", shard_dim]
                 )
-                apply_fsdp(part, dp_mesh, cfg.zero_stage, param_dtype, ignored=experts)
+                apply_fsdp(part, dp_mesh, cfg.zero_stage, precision, ignored=experts)
             else:
                 apply_ddp(part, meshes.dp_cp, cfg.zero_stage)
     schedule = eval_schedule = None

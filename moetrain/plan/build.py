@@ -41,6 +41,7 @@ from torch import nn
 
 from moetrain.config import JobConfig
 from moetrain.model.moe import MoELayer
+from moetrain.model.precision import Precision
 from moetrain.model.transformer import meta_model
 from moetrain.parallel.dims import ParallelDims
 from moetrain.parallel.expert_parallel import expert_layouts
@@ -202,15 +203,6 @@ def _chunks(parts: list[nn.Module], stage_ids: list[int], num_stages: int) -> li
     return out
 
 
-def compute_dtype(cfg: JobConfig, device_type: str) -> torch.dtype:
-    """The trainer's compute dtype on ``device_type`` (``train.dtype``: auto is bf16 on
-    CUDA, fp32 on CPU)."""
-    name = cfg.train.dtype
-    if name == "auto":
-        return torch.bfloat16 if device_type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
 def build_rank(
     cfg: JobConfig,
     dims: ParallelDims,
@@ -220,8 +212,8 @@ def build_rank(
 ) -> RankState:
     """Build ``rank`` of the job on the meta device and read its model state."""
     coords = dims.coords(rank)
-    dtype = compute_dtype(cfg, device_type)
-    fsdp_dtype = dtype if dtype != torch.float32 else None
+    # The trainer's policy on the target device (FSDP2's unit dtypes come from it).
+    precision = Precision.choose(cfg.train.dtype, device_type)
     with fake_world(dims.world_size, rank):
         meshes = dims.build_mesh("cpu", cache=False)
         model = meta_model(cfg.model, cfg.moe)
@@ -237,7 +229,7 @@ def build_rank(
                 meshes,
                 cfg.parallel,
                 pp_rank=coords["pp"],
-                param_dtype=fsdp_dtype,
+                precision=precision,
                 device=torch.device("cpu"),
                 n_microbatches=dims.breadth_first(cfg),
                 loss_fn=lambda logits, labels: logits.sum(),
@@ -248,7 +240,7 @@ def build_rank(
         whole["init_block"] = init_workspace(parts, cfg.model, layouts) * torch.float32.itemsize
         whole["repad"] = _repad(parts)
         _, optimizers = build_optimizers(cfg, dims, meshes, parts, pm.expert_params)
-        state = _read_state(parts, optimizers, cfg, fsdp_dtype)
+        state = _read_state(parts, optimizers, cfg)
         costs = [opt.step_costs() for opt in optimizers if hasattr(opt, "step_costs")]
         whole["muon_sent"] = sum(c["sent"] for c in costs)
         whole["muon_flops"] = sum(c["ns_flops"] for c in costs)
@@ -271,7 +263,6 @@ def _read_state(
     parts: list[nn.Module],
     optimizers: list[torch.optim.Optimizer],
     cfg: JobConfig,
-    fsdp_dtype: torch.dtype | None,
 ) -> dict[str, Any]:
     fsdp = _fsdp_params(parts)
     seen: set[int] = set()

@@ -119,13 +119,14 @@ def rank_work(
     saved activations, per parameter and per byte of optimizer state. On a GPU attention
     is priced as its fused kernel runs it (the formula's FLOPs in the compute dtype); the
     census's CPU may take SDPA's math path."""
+    from moetrain.model.precision import Precision
     from moetrain.plan import activations as act
-    from moetrain.plan.build import compute_dtype
 
     tokens = cfg.train.global_batch_size * cfg.data.seq_len / (dims.dp * dims.cp)
     per_stage = stage_flops_by_class(cfg, dims)
     redo = 1 + _recompute(cfg)
-    dtype = str(compute_dtype(cfg, device_type)).removeprefix("torch.")
+    compute = Precision.choose(cfg.train.dtype, device_type).dtype  # the trainer's
+    dtype = str(compute).removeprefix("torch.")
     model = 0.0
     flops: dict[str, float] = {}
     for c in state.chunks:
@@ -142,7 +143,7 @@ def rank_work(
     plain = dataclasses.replace(
         cfg, parallel=dataclasses.replace(cfg.parallel, activation_checkpointing="none")
     )
-    sh = act.shapes(cfg, dims, compute_dtype(cfg, device_type), device_type)
+    sh = act.shapes(cfg, dims, compute, device_type)
     saved = sum(act.chunk_bytes(plain, sh, c) for c in state.chunks)
     traffic = {
         "activations": mix.traffic_per_saved_byte * saved * micro * redo,

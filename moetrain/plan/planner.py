@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 import torch
 
 from moetrain.config import ConfigError, JobConfig
+from moetrain.model.precision import Precision
 from moetrain.parallel.dims import ParallelDims
 from moetrain.plan import activations as act
-from moetrain.plan.build import BuildOptimizers, RankState, build_rank, compute_dtype
+from moetrain.plan.build import BuildOptimizers, RankState, build_rank
 from moetrain.plan.estimate import Estimate, estimate_ranks
 from moetrain.plan.hardware import GPU
 from moetrain.plan.stepmix import StepMix, cached_census
@@ -173,7 +174,7 @@ def plan(
     the code's step computes (default: the census of this model's proxy,
     ``moetrain.plan.stepmix``)."""
     dims = check_layout(cfg, world_size, device_type)
-    dtype = compute_dtype(cfg, device_type)
+    dtype = Precision.choose(cfg.train.dtype, device_type).dtype  # the trainer's
     out = []
     sh = act.shapes(cfg, dims, dtype, device_type)
     for rank in ranks if ranks is not None else distinct_ranks(dims):

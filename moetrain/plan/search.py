@@ -17,6 +17,7 @@ import itertools
 from dataclasses import dataclass
 
 from moetrain.config import ConfigError, JobConfig
+from moetrain.model.precision import Precision
 from moetrain.plan import planner
 from moetrain.plan.build import BuildOptimizers
 from moetrain.plan.hardware import GPU
@@ -163,7 +164,7 @@ def search(
                 planner.build_rank(c, dims, r, build_optimizers, device_type)
                 for r in planner.distinct_ranks(dims)
             ]
-        dtype = planner.compute_dtype(c, device_type)
+        dtype = Precision.choose(c.train.dtype, device_type).dtype
         ranks = []
         for state in built[key]:
             rp = planner.plan_rank(c, dims, state, dtype, device_type)

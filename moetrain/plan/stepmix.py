@@ -374,6 +374,7 @@ def census_step(
     the CPU in ``dtype`` (bf16: under autocast, as the trainer on a GPU). ``build_optimizers``:
     the trainer's (``moetrain.train.engine.build_optimizers``)."""
     from moetrain.model.experts import GroupedExperts
+    from moetrain.model.precision import Precision, fp32_region
     from moetrain.model.transformer import Transformer
     from moetrain.parallel.dims import ParallelDims
     from moetrain.plan import activations as act
@@ -399,14 +400,18 @@ def census_step(
     census = StepMixCensus({_storage(p) for p in model.parameters()})
     hooks = [h for mod in model.modules() if isinstance(mod, GroupedExperts)
              for h in _tag_experts(census, mod)]  # fmt: skip
-    autocast = torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)
+    # The trainer's policy on this CPU: autocast around the forward only, as the trainer's
+    # (the backward runs each op in its forward's dtype), the loss over fp32 logits.
+    Precision(dtype, "cpu").wrap_forward(model)
+    loss_region = fp32_region("loss", "cpu")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small ops: one thread is fastest, and immune to a busy machine
     try:
         with census:
-            with autocast:  # the forward only, as the trainer does (engine.autocast_forward):
-                logits = model(inputs, **kwargs)  # the backward runs each op in its dtype
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+            logits = model(inputs, **kwargs)
+            with loss_region.autocast_off():
+                logits = loss_region.cast(logits)
+                loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
             loss.backward()
             census.phase = "optimizer"
             for opt in optimizers:

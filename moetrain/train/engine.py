@@ -40,6 +40,7 @@ from moetrain.model import Transformer
 from moetrain.model.masks import document_ids
 from moetrain.model.moe import SCORE_HIST_BINS, STAT_NAMES
 from moetrain.model.mtp import IGNORE_INDEX
+from moetrain.model.precision import Precision, fp32_region
 from moetrain.parallel.accounting import params_before_dp
 from moetrain.parallel.context_parallel import sequence_index
 from moetrain.parallel.data_parallel import GradientSync, moe_layers
@@ -119,22 +120,6 @@ def build_optimizers(
     return grad_sync, [build_optimizer(part, cfg.optim, **muon) for part in parts]
 
 
-def autocast_forward(part: nn.Module, device_type: str, dtype: torch.dtype) -> None:
-    """Run ``part``'s forward, and only its forward, under autocast to ``dtype`` (the compute
-    dtype of ``moetrain.model.precision``): its backward then runs each op in the dtype its
-    forward chose -- the fp32 router gate's gradients in fp32 -- whoever calls
-    ``backward()``, the engine or a pipeline schedule, which runs forwards and backwards of
-    its micro-batches interleaved. Activation checkpointing's recompute restores the
-    autocast state of the forward it repeats."""
-    inner = part.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            return inner(*args, **kwargs)
-
-    part.forward = forward  # type: ignore[method-assign]
-
-
 class Engine(RoutingPasses, StateViews, FullStateGather):
     """Runs training steps of ``model`` under the layout ``dims`` (``meshes`` None: one
     process, no collectives).
@@ -152,7 +137,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         dims: ParallelDims,
         meshes: Meshes | None,
         device: torch.device,
-        dtype: torch.dtype,
+        precision: Precision,
         skip_init: Collection[str] = (),
     ) -> None:
         if not all(p.is_meta for p in model.parameters()):
@@ -161,7 +146,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         self.dims = dims
         self.meshes = meshes
         self.device = device
-        self.dtype = dtype
+        self.precision = precision
         pcfg = cfg.parallel
         self.n_micro = dims.microbatches(cfg)
         # Fast-LLM's split of a step's micro-batches: passes of ``breadth`` micro-batches
@@ -184,9 +169,6 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         # Aux losses are averaged over a rank's micro-batches like the LM loss (and over dp
         # by the gradient averaging), so each injected gradient is 1 / micro-batches.
         model.set_aux_loss_scale(1.0 / self.n_micro)
-        # FSDP2 mixed precision (ZeRO-2/3): parameters all-gathered in the compute dtype, the
-        # fp32 shards stay the master weights, gradients reduced in fp32 (gloo and NCCL).
-        fsdp_dtype = dtype if dtype != torch.float32 else None
         pm = parallelize(
             model,
             dims,
@@ -194,16 +176,15 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
             pcfg,
             pp_rank=self.coords["pp"],
             compile=cfg.train.compile,
-            param_dtype=fsdp_dtype,
+            precision=precision,
             device=device,
             n_microbatches=self.breadth,
             loss_fn=self._pipeline_loss,
             seq_len=cfg.data.seq_len,
         )
         self.parts: list[nn.Module] = pm.parts
-        if dtype != torch.float32:
-            for part in self.parts:
-                autocast_forward(part, device.type, dtype)
+        for part in self.parts:  # autocast around each forward (none in an fp32 run)
+            precision.wrap_forward(part)
         self.stage_ids = pm.stage_ids
         self.schedule = pm.schedule
         self.eval_schedule = pm.eval_schedule  # forward-only passes (see ParallelModel)
@@ -295,7 +276,7 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
 
     def _loss_ctx(self) -> ExitStack:
         """Around a loss and its backward: tensor parallelism's vocabulary-parallel loss.
-        Autocast is not here: it wraps the model parts' forwards (``autocast_forward``)."""
+        Autocast is not here: it wraps the model parts' forwards (``Precision.wrap_forward``)."""
         stack = ExitStack()
         if self.tp_enabled:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -307,8 +288,9 @@ class Engine(RoutingPasses, StateViews, FullStateGather):
         """A micro-batch's loss: the mean cross-entropy over its counted labels, or, under
         document masking, their sum times ``_loss_scale`` (its share of the step's mean over
         every counted label: micro-batches and cp shards count different numbers)."""
-        with torch.autocast(device_type=labels.device.type, enabled=False):
-            logits, labels = logits.float().flatten(0, 1), labels.flatten()
+        region = fp32_region("loss", labels.device.type)  # fp32 logits (model.precision)
+        with region.autocast_off():
+            logits, labels = region.cast(logits).flatten(0, 1), labels.flatten()
             if self._loss_scale is None:
                 return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
             ce = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

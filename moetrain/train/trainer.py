@@ -34,6 +34,7 @@ from moetrain.kernels.fp8 import resolve_backend as resolve_fp8_backend
 from moetrain.model import Transformer, meta_model
 from moetrain.model.fp8 import convert_to_fp8
 from moetrain.model.masks import document_lengths
+from moetrain.model.precision import Precision
 from moetrain.parallel.dims import ParallelDims
 from moetrain.train.announce import BENCHMARK_TAG, announce_start
 from moetrain.train.checkpoint import CheckpointError, CheckpointManager, verify_checkpoint
@@ -70,11 +71,6 @@ from moetrain.train.start import Start, find_start
 
 log = logging.getLogger("moetrain")
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """bf16 autocast on CUDA, fp32 on CPU (unless asked otherwise)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
 @dataclass
@@ -102,7 +98,9 @@ class Trainer:
         self.cfg = cfg
         tcfg = cfg.train
         self.device = pick_device(tcfg.device)
-        self.dtype = pick_dtype(tcfg.dtype, self.device)
+        # The compute dtype, chosen once (moetrain.model.precision): the engine enters it.
+        self.precision = Precision.choose(tcfg.dtype, self.device.type)
+        self.dtype = self.precision.dtype
         if cfg.model.attention_backend == "flex" and self.device.type == "cpu":
             raise ConfigError(
                 "model.attention_backend: flex trains on CUDA only (FlexAttention has no "
@@ -187,7 +185,7 @@ class Trainer:
         # existed has every weight drawn, then overwritten, as all starts once did).
         names = getattr(start, "names", None)
         loaded = names() if names is not None else ()
-        self.engine = Engine(cfg, model, dims, meshes, self.device, self.dtype, loaded)
+        self.engine = Engine(cfg, model, dims, meshes, self.device, self.precision, loaded)
         del model
         if start is not None:  # every rank reads only the slices it holds
             start.load(self.engine)

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from faults import plant
 from moetrain.kernels import resolve_backend
 from moetrain.kernels.grouped_gemm import torch_backend as gemm_torch
 from multirank import micro_config
@@ -130,18 +131,13 @@ def test_the_grouped_gemm_operands_pass_torchs_cuda_checks(torch_step) -> None:
     assert not c.contract_failures, c.report()
 
 
-def test_the_census_sees_an_fp32_grouped_gemm_and_cudas_refusal() -> None:
-    """The checks above can fail: the experts' GEMMs forced to fp32 (what the code did before
-    the policy: weights cast to the fp32 rows' dtype) are fp32 FLOPs the policy does not
-    name, and CUDA's kernel refuses them."""
-    from moetrain.model import experts
-
-    real = experts.compute_dtype
-    experts.compute_dtype = lambda x: torch.float32
-    try:
-        c, trainer = _step("moe.kernels=torch", contracts=True)
-    finally:
-        experts.compute_dtype = real
+def test_the_census_sees_an_fp32_grouped_gemm_and_cudas_refusal(monkeypatch) -> None:
+    """The checks above can fail: the experts' GEMMs in fp32 (what the code did before the
+    policy: the routed tokens left in fp32 and the weights cast to their dtype,
+    ``routed_rows_in_fp32`` of tests/faults.py) are fp32 FLOPs the policy does not name, and
+    CUDA's kernel refuses them."""
+    plant("routed_rows_in_fp32", monkeypatch.setattr)
+    c, trainer = _step("moe.kernels=torch", contracts=True)
     assert c.flops_by_dtype()[torch.float32] > _named_fp32_flops(trainer)
     assert ("_grouped_mm", torch.float32) in c.matmul_flops
     assert any("BF16" in msg for _op, msg in c.contract_failures), c.contract_failures
@@ -159,11 +155,7 @@ def test_fp8_high_precision_parts_run_in_bf16() -> None:
     assert scaled > 0, c.report()
 
 
-def test_each_weight_is_rounded_to_bf16_once_per_micro_batch(torch_step) -> None:
-    """Every parameter the policy computes in bf16 is cast to it exactly once per micro-batch
-    (never zero: its GEMM would run in fp32; never twice), the gates and the embeddings
-    never; no parameter is cast to any other dtype."""
-    c, trainer = torch_step
+def _assert_each_weight_rounded_once(c: StepCensus, trainer: Trainer) -> None:
     n = trainer.engine.n_micro
     names = [name for name, _ in trainer.engine.parts[0].named_parameters()]
     to_bf16 = {name: c.weight_casts[(name, torch.float32, BF16)] for name in names}
@@ -175,6 +167,27 @@ def test_each_weight_is_rounded_to_bf16_once_per_micro_batch(torch_step) -> None
     assert not wrong, f"casts to bf16 in a step of {n} micro-batches: {wrong}"
     other = {k: v for k, v in c.weight_casts.items() if k[1:] != (torch.float32, BF16)}
     assert not other, other
+
+
+def test_each_weight_is_rounded_to_bf16_once_per_micro_batch(torch_step) -> None:
+    """Every parameter the policy computes in bf16 is cast to it exactly once per micro-batch
+    (never zero: its GEMM would run in fp32; never twice), the gates and the embeddings
+    never; no parameter is cast to any other dtype."""
+    _assert_each_weight_rounded_once(*torch_step)
+
+
+def test_a_dropped_fp32_region_is_caught(monkeypatch) -> None:
+    """A planted policy change: the ``router_gate`` fp32 region dropped from the policy's
+    registry (``router_gate_in_bf16`` of tests/faults.py). The checks above name it: the
+    gates' GEMMs are bf16 FLOPs where the policy names fp32 ones, and each gate's weight is
+    rounded to bf16 once per micro-batch. (tests/model/test_precision.py drops every region
+    in turn against its fp32 reference.)"""
+    plant("router_gate_in_bf16", monkeypatch.setattr)
+    c, trainer = _step("moe.kernels=torch")
+    with pytest.raises(AssertionError, match=r"fp32 matmul FLOPs [\d,]+, the policy names"):
+        _assert_bf16_but_the_named(c, trainer)
+    with pytest.raises(AssertionError, match=r"casts to bf16 .*ffn\.router\.gate\.weight"):
+        _assert_each_weight_rounded_once(c, trainer)
 
 
 def test_under_full_activation_checkpointing_the_recompute_rounds_again() -> None:
