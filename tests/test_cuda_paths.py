@@ -171,7 +171,7 @@ def test_scan_finds_a_new_cuda_branch():
     function with one, are both reported; an annotation naming "cuda" is not a site."""
     found = scan_package()
     doc = documented()
-    key = ("moetrain/train/trainer.py", "pick_device")
+    key = ("moetrain/train/runtime.py", "pick_device")
     assert found[key] == doc[key][0]
     extra = scan_source(
         "def pick_device(name):\n"
