@@ -58,11 +58,11 @@ from typing import Any
 
 
 def _per_micro_batch_counts(setattr_: Callable[..., None]) -> None:
-    from moetrain.model.moe import MoELayer
+    from moetrain.model.losses import GlobalBalanceLoss
 
     # The engine's step-wide counts never reach the layers: each backward falls back to the
-    # counts of its own forward (MoELayer._global_f).
-    setattr_(MoELayer, "set_global_counts", lambda self, counts_E: None)
+    # counts of its own forward (GlobalBalanceLoss.e_times_f).
+    setattr_(GlobalBalanceLoss, "set_step_counts", lambda self, counts_E: None)
 
 
 def _breadth_first_ignored(setattr_: Callable[..., None]) -> None:
