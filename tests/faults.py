@@ -188,20 +188,21 @@ def _stage_inputs_uninitialised(setattr_: Callable[..., None]) -> None:
     real = transformer.Transformer.forward
 
     def forward(self: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.zero_stage_input and not self.embeds_input:
+        ctx = self.step_context
+        if ctx.zero_stage_input and not self.embeds_input:
             # What torch.empty hands a stage is whatever its memory held (often zeros from a
             # fresh page, not always): here each rank's own numbers, every time.
             import torch
             import torch.distributed as dist
 
-            self.zero_stage_input = False
+            ctx.zero_stage_input = False
             g = torch.Generator().manual_seed(dist.get_rank())
             with torch.no_grad():
                 tokens.copy_(torch.randn(tokens.shape, generator=g))
             try:
                 return real(self, tokens, *args, **kwargs)
             finally:
-                self.zero_stage_input = True
+                ctx.zero_stage_input = True
         return real(self, tokens, *args, **kwargs)
 
     setattr_(transformer.Transformer, "forward", forward)
