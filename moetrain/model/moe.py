@@ -167,8 +167,8 @@ class Router(nn.Module):
 
 class MoELayer(nn.Module):
     """An MoE feed-forward layer (module doc). ``context``: the step context it reads (a
-    ``Transformer`` hands every layer its own; None: a context of its own, for a layer used
-    alone)."""
+    ``Transformer`` hands all its layers its one context; None: a context of its own, for a
+    layer used alone)."""
 
     def __init__(
         self, dim: int, cfg: MoEConfig, layer_id: int = 0, context: StepContext | None = None

@@ -31,6 +31,8 @@ engine itself:
                ``zero1_state``)
     full       ``full_state.FullStateGather``: full-size gathers for the layout oracle and
                export
+    inputs     ``batches.MicroBatchInputs``: a micro-batch as this rank feeds it to the
+               model, and the loss scale of document masking
 
 The model reads the step through its ``StepContext`` (``moetrain.model.step_context``), which
 the engine takes from the model before parallelizing it and alone writes: the aux-loss scale
@@ -302,7 +304,6 @@ class Engine:
     def _set_loss_scale(self, micro_batches: list[Batch]) -> None:
         """The step's ``_loss_scale`` (collective; ``MicroBatchInputs.loss_scale``)."""
         self._loss_scale = self.inputs.loss_scale(micro_batches)
-
 
     # ------------------------------------------------------------------ steps
 
