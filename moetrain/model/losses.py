@@ -132,7 +132,8 @@ class GlobalBalanceLoss(nn.Module):
        balancing losses (``AuxLossInjector``). Its forward value is 0 and its backward gives P
        the gradient coef * E * f, f read when backward runs (``_StepFrequencyGradient``), which
        may be after a later forward. A layer used without an engine (no counts handed) uses
-       its forward's own f.
+       its forward's own f. Under torch.compile the term runs eagerly: AOT autograd would
+       trace its backward when it compiles the forward, with the f of that moment.
     4. ``value``: the loss's value for the logs, from the step's statistics once their counts
        are summed (``moetrain.train.metrics.layer_summary``).
     """
@@ -167,6 +168,10 @@ class GlobalBalanceLoss(nn.Module):
         self.step_counts_E.copy_(counts_E)
         self.step_counts_set = True
 
+    # Eager under torch.compile (a graph break where the loss is on): AOT autograd traces a
+    # backward when it compiles the forward, and would read f then -- this forward's own, not
+    # the step's that the engine hands over later.
+    @torch.compiler.disable
     def term(self, mean_probs_E: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """A micro-batch's share of the loss, for its gradient: 0 in value, coef * E * f to
         ``mean_probs_E`` (P) in backward. ``counts_E``: this forward's choices (f when no
