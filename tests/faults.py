@@ -93,11 +93,11 @@ from typing import Any
 
 
 def _per_micro_batch_counts(setattr_: Callable[..., None]) -> None:
-    from moetrain.model.moe import MoELayer
+    from moetrain.model.losses import GlobalBalanceLoss
 
     # The engine's step-wide counts never reach the layers: each backward falls back to the
-    # counts of its own forward (MoELayer._global_f).
-    setattr_(MoELayer, "set_global_counts", lambda self, counts_E: None)
+    # counts of its own forward (GlobalBalanceLoss.e_times_f).
+    setattr_(GlobalBalanceLoss, "set_step_counts", lambda self, counts_E: None)
 
 
 def _breadth_first_ignored(setattr_: Callable[..., None]) -> None:
@@ -246,20 +246,21 @@ def _stage_inputs_uninitialised(setattr_: Callable[..., None]) -> None:
     real = transformer.Transformer.forward
 
     def forward(self: Any, tokens: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.zero_stage_input and not self.embeds_input:
+        ctx = self.step_context
+        if ctx.zero_stage_input and not self.embeds_input:
             # What torch.empty hands a stage is whatever its memory held (often zeros from a
             # fresh page, not always): here each rank's own numbers, every time.
             import torch
             import torch.distributed as dist
 
-            self.zero_stage_input = False
+            ctx.zero_stage_input = False
             g = torch.Generator().manual_seed(dist.get_rank())
             with torch.no_grad():
                 tokens.copy_(torch.randn(tokens.shape, generator=g))
             try:
                 return real(self, tokens, *args, **kwargs)
             finally:
-                self.zero_stage_input = True
+                ctx.zero_stage_input = True
         return real(self, tokens, *args, **kwargs)
 
     setattr_(transformer.Transformer, "forward", forward)

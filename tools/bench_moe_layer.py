@@ -73,7 +73,7 @@ def build_layer(num_experts: int, hidden: int, ffn: int, top_k: int, backend: st
     ])  # fmt: skip
     torch.manual_seed(0)
     layer = MoELayer(hidden, cfg.moe).to(device)
-    layer.dispatcher = RecordingDispatcher(layer.dispatcher)
+    layer.install_dispatcher(RecordingDispatcher(layer.dispatcher))
     return layer
 
 

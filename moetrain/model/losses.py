@@ -16,6 +16,7 @@ Shape legend: T tokens, E experts, K top-k, G token groups.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 
 def balance_probs(scores_TE: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -108,25 +109,107 @@ def router_entropy(probs_TE: torch.Tensor, w_GT: torch.Tensor | None = None) -> 
     return token_mean(-(p * p.log()).sum(-1), w_GT)
 
 
-class DeferredBalanceLoss(torch.autograd.Function):
-    """The global-batch balancing loss ``E * sum_e f_e * P_e`` of one micro-batch, for its
-    gradient only: ``f`` (expert frequencies over the whole step) is read when backward runs.
+class GlobalBalanceLoss(nn.Module):
+    """The global-batch balancing loss of one MoE layer (``moe.global_aux_loss_coef``,
+    Megatron-Core's global aux loss), the whole computation:
 
-    ``f`` carries no gradient, so d/dP_e = E * f_e and nothing else of the loss is needed:
-    ``read_Ef()`` returns E * f, and the engine makes it the step's global frequencies before
-    any backward of the step, which may be after this forward (a step of one forward per
-    rank: no pre-pass). The forward value is 0 -- the loss's value is computed from the
-    statistics once the step's counts are known (``moetrain.train.metrics.layer_summary``).
+        L = E * sum_e f_e * P_e
+
+    f_e: the fraction of the step's expert choices (every micro-batch and data-parallel rank,
+    before drops, counted tokens only) that picked e, without gradient; P_e: the mean routing
+    probability of e over a micro-batch's counted tokens. f is known once every forward of
+    the step has counted, and only d/dP_e = E * f_e is needed for the gradient:
+
+    1. ``count``: each training forward adds its choices to ``counts_E`` (this rank's, this
+       step; ``begin_step`` zeroes them).
+    2. ``set_step_counts``: the engine sums every layer's ``counts_E`` over dp x cp and hands
+       the sum back before the step's first backward -- after a no-grad counting pass over
+       the step's micro-batches, or, with one forward per rank and step, between that forward
+       and its backward (``moetrain.train.routing_passes.RoutingPasses``: no forward is added
+       where there was none). Every layout then uses the counts of one process on the whole
+       global batch.
+    3. ``term``: a micro-batch's share, coef * L with P its own, injected with the other
+       balancing losses (``AuxLossInjector``). Its forward value is 0 and its backward gives P
+       the gradient coef * E * f, f read when backward runs (``_StepFrequencyGradient``), which
+       may be after a later forward. A layer used without an engine (no counts handed) uses
+       its forward's own f. Under torch.compile the term runs eagerly: AOT autograd would
+       trace its backward when it compiles the forward, with the f of that moment.
+    4. ``value``: the loss's value for the logs, from the step's statistics once their counts
+       are summed (``moetrain.train.metrics.layer_summary``).
     """
 
+    def __init__(self, num_experts: int, coef: float) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.coef = coef
+        E = num_experts
+        self.register_buffer("counts_E", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.register_buffer("step_counts_E", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.step_counts_set = False
+
+    def init_buffers(self) -> None:
+        """Counts start at zero (``moetrain.model.init.init_buffers``)."""
+        self.begin_step()
+        self.step_counts_E.zero_()
+
+    def begin_step(self) -> None:
+        """Before a step's first forward: forget the previous step's counts."""
+        self.counts_E.zero_()
+        self.step_counts_set = False
+
+    @torch.no_grad()
+    def count(self, counts_E: torch.Tensor) -> None:
+        """A training forward's expert choices (of its counted tokens, before drops)."""
+        self.counts_E += counts_E
+
+    def set_step_counts(self, counts_E: torch.Tensor) -> None:
+        """The step's choices over every micro-batch and data-parallel rank (the f of every
+        micro-batch's gradient); before the step's first backward."""
+        self.step_counts_E.copy_(counts_E)
+        self.step_counts_set = True
+
+    # Eager under torch.compile (a graph break where the loss is on): AOT autograd traces a
+    # backward when it compiles the forward, and would read f then -- this forward's own, not
+    # the step's that the engine hands over later.
+    @torch.compiler.disable
+    def term(self, mean_probs_E: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's share of the loss, for its gradient: 0 in value, coef * E * f to
+        ``mean_probs_E`` (P) in backward. ``counts_E``: this forward's choices (f when no
+        step counts are handed)."""
+        local_f_E = counts_E.float() / counts_E.sum().clamp_min(1)
+        return self.coef * _StepFrequencyGradient.apply(mean_probs_E, self, local_f_E)
+
+    def e_times_f(self, local_f_E: torch.Tensor) -> torch.Tensor:
+        """E * f, read when backward runs: the step's frequencies, or this forward's own."""
+        if not self.step_counts_set:
+            return self.num_experts * local_f_E
+        counts = self.step_counts_E.to(local_f_E.device, torch.float64)
+        return (self.num_experts * counts / counts.sum().clamp_min(1)).to(local_f_E.dtype)
+
     @staticmethod
-    def forward(ctx, probs_E: torch.Tensor, read_Ef) -> torch.Tensor:  # type: ignore[override]
-        ctx.read_Ef = read_Ef
+    def value(tokens_per_expert_E: torch.Tensor, probs_sum_E: torch.Tensor,
+              forwards: float) -> float:
+        """E * sum_e f_e * P_e of a step: f_e from its expert counts summed over every
+        micro-batch and rank, P_e its forwards' mean routing probability."""
+        load_E = tokens_per_expert_E.double()
+        f_E = load_E / load_E.sum().clamp_min(1)
+        probs_E = probs_sum_E.double() / max(float(forwards), 1.0)
+        return float(load_E.numel() * (f_E * probs_E).sum())
+
+
+class _StepFrequencyGradient(torch.autograd.Function):
+    """``GlobalBalanceLoss.term``: 0 in forward; in backward, ``grad * E f`` to P with f the
+    owner's step frequencies as they are then (``GlobalBalanceLoss.e_times_f``)."""
+
+    @staticmethod
+    def forward(ctx, probs_E: torch.Tensor, owner: GlobalBalanceLoss,  # type: ignore[override]
+                local_f_E: torch.Tensor) -> torch.Tensor:
+        ctx.owner, ctx.local_f_E = owner, local_f_E
         return probs_E.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad * ctx.read_Ef(), None
+        return grad * ctx.owner.e_times_f(ctx.local_f_E), None, None
 
 
 class AuxLossInjector(torch.autograd.Function):

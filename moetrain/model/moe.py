@@ -3,14 +3,16 @@
     route -> plan (capacity) -> dispatch (permute) -> experts -> combine (unpermute)
     (+ shared experts) -> balancing losses
 
-Aux losses reach the optimizer through ``AuxLossInjector`` (their gradient rides on the
-layer output) and their values, token counts and drop counts accumulate in this module's
-buffers until the trainer reads them with ``pop_stats()``: nothing goes through globals.
-The global-batch balancing loss reads the step's expert counts, which the engine hands over
-before any backward (``set_global_counts``); the routing of a training step can be replayed
-(``replay_BSK``) and recorded (``record_BSK``), both indexed by the layout-independent
-sequence index of the step. Offline ablation changes routing at eval time through
-``Router.routing_override``.
+What reaches the layer from outside is explicit: its config section at construction, the
+``StepContext`` it reads (``moetrain.model.step_context``: routing replay and record, eval
+routing, the engine's counting pass, the aux-loss scale, the sequence shard; set by whoever
+runs the steps, never by the layer), the jitter key of the step (``set_jitter_key``) and the
+dispatcher (``install_dispatcher``: the seam of expert parallelism). What it accumulates
+lives in two objects others read by name: its statistics (``stats``, a ``MoEStats``, popped
+with ``pop_stats()``) and the global-batch balancing loss with its step counts
+(``global_balance``, a ``GlobalBalanceLoss``). Aux losses reach the optimizer through
+``AuxLossInjector`` (their gradient rides on the layer output): nothing goes through
+globals. Offline ablation changes routing at eval time through ``Router.routing_override``.
 
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, E experts, K top-k,
 N buffer rows.
@@ -18,7 +20,6 @@ N buffer rows.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,7 @@ from moetrain.model.experts import FeedForward, GroupedExperts
 from moetrain.model.jitter import feature_hashes, jitter_factors
 from moetrain.model.losses import (
     AuxLossInjector,
-    DeferredBalanceLoss,
+    GlobalBalanceLoss,
     balance_probs,
     load_balancing_loss,
     router_entropy,
@@ -46,12 +47,12 @@ from moetrain.model.losses import (
     token_weights,
     z_loss,
 )
+from moetrain.model.moe_stats import SCORE_HIST_BINS, STAT_NAMES, MoEStats
 from moetrain.model.precision import as_compute, fp32_region
 from moetrain.model.sequence_shard import SequenceShard
+from moetrain.model.step_context import StepContext
 
-STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
-SCORE_HIST_BINS = 20
-"""Router-score histogram: fixed bins over [0, 1] (softmax and sigmoid scores both lie there)."""
+__all__ = ["SCORE_HIST_BINS", "STAT_NAMES", "MoELayer", "Router", "RoutingOverride"]
 
 
 @dataclass
@@ -167,11 +168,18 @@ class Router(nn.Module):
 
 
 class MoELayer(nn.Module):
-    def __init__(self, dim: int, cfg: MoEConfig, layer_id: int = 0):
+    """An MoE feed-forward layer (module doc). ``context``: the step context it reads (a
+    ``Transformer`` hands all its layers its one context; None: a context of its own, for a
+    layer used alone)."""
+
+    def __init__(
+        self, dim: int, cfg: MoEConfig, layer_id: int = 0, context: StepContext | None = None
+    ):
         super().__init__()
         self.cfg = cfg
         self.layer_id = layer_id
         self.num_experts = cfg.num_experts
+        self.step_context = context if context is not None else StepContext()
         self.router = Router(dim, cfg)
         self.experts = GroupedExperts(
             cfg.num_experts, dim, cfg.expert_ffn_dim, cfg.top_k, bias=cfg.expert_ffn_bias,
@@ -185,64 +193,40 @@ class MoELayer(nn.Module):
         self.shared_expert_gate: nn.Linear | None = (
             nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         )
-        # The seam for expert parallelism: moetrain.parallel swaps in an all-to-all dispatcher.
+        # The seam for expert parallelism (``install_dispatcher``).
         self.dispatcher: Dispatcher = LocalDispatcher()
-        # Shared experts computed while the dispatcher's all-to-all is in flight (set with
-        # an expert-parallel dispatcher that has ``dispatch_overlapped``).
+        # Shared experts computed while the dispatcher's all-to-all is in flight.
         self.overlap_shared = False
-        # Context parallelism: this process holds some positions of every sequence; capacity,
-        # the balancing statistics and the jitter keys are those of the whole sequences.
-        self.seq_shard: SequenceShard | None = None
-        self.aux_loss_scale = 1.0
         # Where this step's tokens are in the run, for layout-independent router jitter
         # (``set_jitter_key``): (seed, optimizer step, this layer, the global index of this
         # rank's first sequence of the step). A tensor, not ints: a compiled layer reads it
         # as an input, where ints would be compiled in as constants and recompiled for every
         # step and every layer.
         self.register_buffer("jitter_key", torch.tensor([0, 0, layer_id, 0]), persistent=False)
-        # Sequences this layer saw in training forwards of the current step: the next
-        # micro-batch's offset (a stat_ buffer, so activation checkpointing's recompute
-        # restores it and draws the same jitter).
-        self.register_buffer("stat_rows", torch.zeros((), dtype=torch.int64), persistent=False)
-        # Statistics since the last pop_stats(), training forwards only.
-        E = cfg.num_experts
-        self.register_buffer("stat_tokens_per_expert", torch.zeros(E), persistent=False)
-        self.register_buffer("stat_sums", torch.zeros(len(STAT_NAMES)), persistent=False)
-        # calls, assignments, dropped
-        self.register_buffer("stat_counts", torch.zeros(3), persistent=False)
-        self.register_buffer("stat_score_hist", torch.zeros(SCORE_HIST_BINS), persistent=False)
-        # Sum over training forwards of the mean routing probability of each expert (the P of
-        # the balancing losses): with the step's global counts it gives the global-batch
-        # balancing loss's value (``moetrain.train.metrics.layer_summary``).
-        self.register_buffer("stat_probs_sum", torch.zeros(E), persistent=False)
+        # What training forwards count since the last pop_stats(), the sequence counter too
+        # (the next micro-batch's first sequence).
+        self.stats = MoEStats(cfg.num_experts)
+        # The global-batch balancing loss and this step's expert counts.
+        self.global_balance = GlobalBalanceLoss(cfg.num_experts, cfg.global_aux_loss_coef)
 
-        # Global-batch balancing (``moe.global_aux_loss_coef``). ``route_counts``: the expert
-        # choices of this step's training forwards on this rank (the engine reads and reduces
-        # them); ``global_counts``: the step's choices over every micro-batch and
-        # data-parallel rank, which the engine sets before any backward of the step.
-        self.register_buffer("route_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
-        self.register_buffer("global_counts", torch.zeros(E, dtype=torch.int64), persistent=False)
-        self.global_counts_ready = False
-        # The engine's counting pre-pass: route and compute as in training, count the choices,
-        # record nothing else.
-        self.counting = False
-        # Routing replay in training: the step's expert ids, (global batch, S, K), indexed by
-        # the global sequence index of the step (``moetrain.train.replay``). None: the router
-        # chooses.
-        self.replay_BSK: torch.Tensor | None = None
-        # Routing record of a training step: the same shape, filled by training forwards.
-        self.record_BSK: torch.Tensor | None = None
-        # Eval-time routing record: each eval forward appends its ids (T, K) on the CPU.
-        self.eval_record: list[torch.Tensor] | None = None
+    @property
+    def seq_shard(self) -> SequenceShard | None:
+        """Context parallelism: this process's positions of every sequence (the context's)."""
+        return self.step_context.seq_shard
 
     def init_buffers(self) -> None:
-        """Every buffer of the layer is a counter or a statistic: all start at zero
-        (``moetrain.model.init.init_buffers``)."""
-        for b in self._buffers.values():
-            if b is not None:
-                b.zero_()
+        """The jitter key's layer (``moetrain.model.init.init_buffers``; the statistics and
+        counts are their own objects')."""
+        self.jitter_key.zero_()
         self.jitter_key[2] = self.layer_id
-        self.global_counts_ready = False
+
+    def install_dispatcher(self, dispatcher: Dispatcher, overlap_shared: bool = False) -> None:
+        """The seam of expert parallelism (``moetrain.parallel.expert_parallel``): the
+        dispatcher that moves token rows to the experts and back. ``overlap_shared``: compute
+        the shared experts while its all-to-all is in flight (``dispatch_overlapped``; the
+        same numbers)."""
+        self.dispatcher = dispatcher
+        self.overlap_shared = overlap_shared and self.shared_experts is not None
 
     def set_jitter_key(self, seed: int, step: int, seq_offset: int) -> None:
         """Before a step's forwards: the run's seed, the optimizer step, and the global index
@@ -250,30 +234,11 @@ class MoELayer(nn.Module):
         # Filled from host scalars: a copy from a host tensor would wait for the device.
         for i, value in enumerate((seed, step, self.layer_id, seq_offset)):
             self.jitter_key[i] = value
-        self.stat_rows.zero_()
-
-    def begin_step(self) -> None:
-        """Before a step's first forward: forget the previous step's routing counts."""
-        self.route_counts.zero_()
-        self.global_counts_ready = False
-
-    def set_global_counts(self, counts_E: torch.Tensor) -> None:
-        """The step's expert choices over every micro-batch and data-parallel rank (the
-        global-batch balancing loss's f); set by the engine before the step's backward."""
-        self.global_counts.copy_(counts_E)
-        self.global_counts_ready = True
-
-    def _global_f(self, local_f_E: torch.Tensor) -> torch.Tensor:
-        """E * f for the global-batch loss's gradient, read when backward runs: the step's
-        global frequencies, or (a layer used outside the engine) the forward's own."""
-        if not self.global_counts_ready:
-            return self.num_experts * local_f_E
-        counts = self.global_counts.to(local_f_E.device, torch.float64)
-        return (self.num_experts * counts / counts.sum().clamp_min(1)).to(local_f_E.dtype)
+        self.stats.rows.zero_()
 
     def _first_row(self, device: torch.device) -> torch.Tensor:
         """Global index, in the step's global batch, of this forward's first sequence."""
-        return (self.jitter_key[3] + self.stat_rows).to(device)
+        return (self.jitter_key[3] + self.stats.rows).to(device)
 
     def _token_coords(self, B: int, S: int, device: torch.device):
         """(sequence index in the step's global batch, position) of each of this forward's
@@ -325,24 +290,12 @@ class MoELayer(nn.Module):
                                  score_func=self.cfg.score_func)  # fmt: skip
         valid_T, valid_all_T = self._valid(valid_BS, x_TD.device)
 
-        replay_TK = None
-        if self.training and self.replay_BSK is not None:
-            dev = self.replay_BSK.device
-            rows_B = self._first_row(dev) + torch.arange(B, device=dev)
-            replay_BSK = self.replay_BSK.index_select(0, rows_B)
-            if self.seq_shard is not None:  # this process's positions of every sequence
-                replay_BSK = replay_BSK[:, self.seq_shard.positions(dev)]
-            replay_TK = replay_BSK.reshape(B * S, -1)
+        ctx = self.step_context
+        replay_TK = self._replayed(B, S) if self.training and ctx.replay is not None else None
         if self.cfg.force_load_balancing:
             replay_TK = self._balanced_ids(B, S, x_TD.device)
         r = self.router(x_TD, backend, self._jitter_at(B, S, x_TD.device), replay_TK)
-        if self.training and self.record_BSK is not None and not self.counting:
-            dev = self.record_BSK.device
-            rows_B = self._first_row(dev) + torch.arange(B, device=dev)
-            self.record_BSK.index_copy_(0, rows_B, self._whole_sequences(r.ids_TK, B).to(dev))
-        if not self.training and self.eval_record is not None:
-            ids_BSK = self._whole_sequences(r.ids_TK.detach(), B)
-            self.eval_record.append(ids_BSK.flatten(0, 1).to("cpu", torch.int16))
+        self._record(r.ids_TK, B)
         ids_all_TK, plan = self._plan(r, B)
         # The routed tokens in the compute dtype (moetrain.model.precision): cast once,
         # before the dispatch, so that an expert-parallel all-to-all carries them in it and
@@ -365,14 +318,39 @@ class MoELayer(nn.Module):
 
         counts_E = self._counted(r.ids_TK, plan, valid_T)
         if self.training:
+            self.global_balance.count(counts_E)
+        if ctx.counting:  # the engine's counting pass: counted, nothing else recorded
             with torch.no_grad():
-                self.route_counts += counts_E
-        if self.counting:  # the engine's pre-pass: counted, nothing else recorded
-            with torch.no_grad():
-                self.stat_rows += B
+                self.stats.rows += B
             return y_TD.view(B, S, D)
         y_TD = self._balance(y_TD, r, plan, B, ids_all_TK, counts_E, valid_T, valid_all_T)
         return y_TD.view(B, S, D)
+
+    def _replayed(self, B: int, S: int) -> torch.Tensor:
+        """This forward's (T, K) rows of the step's replayed routing (``StepContext.replay``),
+        by the global index of its sequences (and under context parallelism this process's
+        positions of them)."""
+        replay_GSK = self.step_context.replay[self.layer_id]
+        dev = replay_GSK.device
+        rows_B = self._first_row(dev) + torch.arange(B, device=dev)
+        replay_BSK = replay_GSK.index_select(0, rows_B)
+        if self.seq_shard is not None:  # this process's positions of every sequence
+            replay_BSK = replay_BSK[:, self.seq_shard.positions(dev)]
+        return replay_BSK.reshape(B * S, -1)
+
+    def _record(self, ids_TK: torch.Tensor, B: int) -> None:
+        """Write this forward's expert choices where the context asks: a training forward
+        into the step's record (its sequences' rows, whole sequences), an eval forward onto
+        the eval routing list. The counting pass records nothing."""
+        ctx = self.step_context
+        if self.training and ctx.record is not None and not ctx.counting:
+            record_GSK = ctx.record[self.layer_id]
+            dev = record_GSK.device
+            rows_B = self._first_row(dev) + torch.arange(B, device=dev)
+            record_GSK.index_copy_(0, rows_B, self._whole_sequences(ids_TK, B).to(dev))
+        if not self.training and ctx.eval_record is not None:
+            ids_BSK = self._whole_sequences(ids_TK.detach(), B)
+            ctx.eval_record[self.layer_id].append(ids_BSK.flatten(0, 1).to("cpu", torch.int16))
 
     def _valid(
         self, valid_BS: torch.Tensor | None, device: torch.device
@@ -463,58 +441,38 @@ class MoELayer(nn.Module):
                 total = coef * value if total is None else total + coef * value
             stats.append(value.detach().float())
         if cfg.global_aux_loss_coef > 0 and torch.is_grad_enabled() and self.training:
-            # E * sum_e f_e * P_e with f over the whole step (every micro-batch and dp rank):
-            # f has no gradient, so only d/dP = E * f is needed, read at backward time.
-            local_f_E = counts_E.float() / counts_E.sum().clamp_min(1)
-            term = DeferredBalanceLoss.apply(mean_probs_E,
-                                             functools.partial(self._global_f, local_f_E))
-            term = cfg.global_aux_loss_coef * term
+            term = self.global_balance.term(mean_probs_E, counts_E)
             total = term if total is None else total + term
         if total is not None:
-            y_TD = AuxLossInjector.apply(y_TD, total, self.aux_loss_scale)
+            y_TD = AuxLossInjector.apply(y_TD, total, self.step_context.aux_loss_scale)
         if self.training:
             with torch.no_grad():
-                self.stat_rows += batch
-                self.stat_sums += torch.stack(stats)
-                self.stat_tokens_per_expert += counts_E.float()
                 scores_TE, dropped = r.scores_TE.detach(), plan.dropped
                 assignments = torch.full((), float(r.ids_TK.numel()), device=y_TD.device)
                 if valid_T is not None:
-                    # Left out of the histogram below by a value outside its range (boolean
+                    # Left out of the score histogram by a value outside its range (boolean
                     # indexing would size its output on the host).
                     scores_TE = scores_TE.masked_fill(~valid_T[:, None], -1.0)
                     dropped = ((plan.dest_TK < 0) & valid_T[:, None]).sum()
                     assignments = valid_T.sum() * r.ids_TK.shape[1]
-                self.stat_counts += torch.stack([
+                counts = torch.stack([
                     torch.ones((), device=y_TD.device), assignments.float(), dropped.float()])
-                # All T*E router scores, binned: the TensorBoard score histograms.
-                self.stat_score_hist += torch.histc(scores_TE.float(),
-                                                    bins=SCORE_HIST_BINS, min=0.0, max=1.0)
-                self.stat_probs_sum += mean_probs_E.detach().float()
+                self.stats.add(batch, stats, counts_E, counts, scores_TE, mean_probs_E)
         return y_TD
 
     @torch.no_grad()
     def pop_stats(self) -> dict[str, torch.Tensor]:
-        """Statistics accumulated by training forwards since the last call, then reset.
+        """Statistics accumulated by training forwards since the last call, then reset
+        (``MoEStats.pop``), with the expert bias and the token bytes this rank's dispatcher
+        sent to other expert-parallel ranks (``a2a_bytes``, 0 locally).
 
         Returns sums (divide by ``calls`` for per-micro-batch means), so that the trainer can
         add them across micro-batches and ranks before normalising.
         """
-        out = {name: self.stat_sums[i].clone() for i, name in enumerate(STAT_NAMES)}
-        out["tokens_per_expert"] = self.stat_tokens_per_expert.clone()
-        out["calls"], out["assignments"], out["dropped"] = self.stat_counts.clone().unbind()
+        out = self.stats.pop()
         out["expert_bias"] = self.router.expert_bias.clone()
-        # Expert-parallel telemetry: token bytes this rank sent to other EP ranks (0 locally).
         out["a2a_bytes"] = torch.full((), self.dispatcher.pop_comm_bytes(),
-                                      device=self.stat_sums.device)
-        out["score_hist"] = self.stat_score_hist.clone()
-        out["probs_sum"] = self.stat_probs_sum.clone()
-        self.stat_probs_sum.zero_()
-        self.stat_score_hist.zero_()
-        self.stat_rows.zero_()
-        self.stat_sums.zero_()
-        self.stat_tokens_per_expert.zero_()
-        self.stat_counts.zero_()
+                                      device=self.stats.sums.device)
         return out
 
     @torch.no_grad()

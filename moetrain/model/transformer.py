@@ -34,6 +34,7 @@ from moetrain.model.mtp import mtp_loss
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope, fill_rope_tables, rope_tables
 from moetrain.model.sequence_shard import SequenceShard
+from moetrain.model.step_context import StepContext
 
 __all__ = [
     "MTPBlock",
@@ -42,6 +43,7 @@ __all__ = [
     "KVCache",
     "LatentAttention",
     "RMSNorm",
+    "StepContext",
     "Transformer",
     "TransformerBlock",
     "apply_rope",
@@ -54,7 +56,13 @@ __all__ = [
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, layer_id: int, cfg: ModelConfig, moe_cfg: MoEConfig):
+    def __init__(
+        self,
+        layer_id: int,
+        cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        context: StepContext | None = None,
+    ):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -62,7 +70,7 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe_enabled = is_moe_layer(layer_id, moe_cfg)
         self.ffn: nn.Module = (
-            MoELayer(cfg.dim, moe_cfg, layer_id)
+            MoELayer(cfg.dim, moe_cfg, layer_id, context)
             if self.moe_enabled
             else FeedForward(cfg.dim, cfg.ffn_dim)
         )
@@ -93,8 +101,14 @@ class MTPBlock(TransformerBlock):
     """A multi-token-prediction module (``moetrain.model.mtp``): TRM_k with M_k
     (``eh_proj``), the norms of its two inputs and its head's norm."""
 
-    def __init__(self, layer_id: int, cfg: ModelConfig, moe_cfg: MoEConfig):
-        super().__init__(layer_id, cfg, moe_cfg)
+    def __init__(
+        self,
+        layer_id: int,
+        cfg: ModelConfig,
+        moe_cfg: MoEConfig,
+        context: StepContext | None = None,
+    ):
+        super().__init__(layer_id, cfg, moe_cfg, context)
         self.enorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
@@ -127,24 +141,24 @@ class Transformer(nn.Module):
                 "model.vocab_size must be set (build_model fills it from the tokenizer)"
             )
         self.cfg = cfg
+        # What the model reads of the step it runs in, shared by every MoE layer: whoever
+        # runs the steps sets its fields (``moetrain.model.step_context``).
+        self.step_context = StepContext()
+        ctx = self.step_context
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A ModuleDict keyed by layer index: a pipeline stage deletes the layers it does not own
         # and keeps the original names, so checkpoints stay layout-independent.
         self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(i, cfg, moe_cfg) for i in range(cfg.n_layers)}
+            {str(i): TransformerBlock(i, cfg, moe_cfg, ctx) for i in range(cfg.n_layers)}
         )
         # Multi-token prediction: module k is layer n_layers + k - 1 (as in DeepSeek's and
         # GLM's checkpoints), so that every per-layer transform and service covers it.
         for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
-            self.layers[str(i)] = MTPBlock(i, cfg, moe_cfg)
-        self.mtp_loss_scale = 1.0
+            self.layers[str(i)] = MTPBlock(i, cfg, moe_cfg, ctx)
         # Whether ``forward`` embeds token ids (False on the pipeline stages after the first,
         # which take hidden states). The last stage of a pipeline with multi-token prediction
         # keeps an embedding all the same, for the modules' inputs (``pipeline_split``).
         self.embeds_input = True
-        # Set while the engine warms a pipeline up: a stage after the first zeroes the hidden
-        # states it is handed (``forward``).
-        self.zero_stage_input = False
         # The multi-token-prediction loss of training forwards since the last pop_mtp_loss():
         # (sum of lambda / D * sum_k L^k, forwards).
         self.register_buffer("stat_mtp", torch.zeros(2), persistent=False)
@@ -153,9 +167,6 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        # Context parallelism (installed from outside): this process holds some positions of
-        # every sequence, and RoPE rotates each token by its own position.
-        self.seq_shard: SequenceShard | None = None
         if cfg.tie_embeddings:  # one tensor, initialised (and trained) as the embedding
             self.output.weight = self.tok_embeddings.weight
 
@@ -188,7 +199,7 @@ class Transformer(nn.Module):
         ``labels`` (B, S) (the next tokens; training with ``model.mtp_depth``): the
         multi-token-prediction modules run too, and their loss lambda / D * sum_k L^k reaches
         the optimizer through the returned logits' backward (``AuxLossInjector``, scaled like
-        the balancing losses by ``set_aux_loss_scale``).
+        the balancing losses by the step context's ``aux_loss_scale``).
 
         ``cache`` (generation): the keys and values of the ``cache.length`` positions before
         ``tokens``; this call appends the new ones and advances ``cache.length`` by S.
@@ -197,7 +208,7 @@ class Transformer(nn.Module):
         ``model.document_positions``; None: one document per sequence. ``valid``: bool
         (B, S) over the whole sequences, False for the tokens left out of the LM loss, which
         the MoE layers leave out of their balancing losses and statistics; None: all."""
-        if not self.embeds_input and self.zero_stage_input:
+        if not self.embeds_input and self.step_context.zero_stage_input:
             # torch.distributed.pipelining's shape inference hands a stage after the first
             # uninitialised tensors (torch.empty): with zeros instead, every rank of a tensor-
             # or expert-parallel group routes the same tokens, and the collectives whose
@@ -231,7 +242,7 @@ class Transformer(nn.Module):
             loss = mtp_loss(blocks, hidden, labels, self.tok_embeddings, self.output, cos, sin)
             loss = loss * (self.cfg.mtp_loss_weight / len(blocks))
             if self.training and torch.is_grad_enabled():  # not the engine's counting pass
-                logits = AuxLossInjector.apply(logits, loss, self.mtp_loss_scale)
+                logits = AuxLossInjector.apply(logits, loss, self.step_context.aux_loss_scale)
                 with torch.no_grad():
                     self.stat_mtp += torch.stack([loss.detach().float(), loss.new_ones(())])
         return logits
@@ -293,12 +304,11 @@ class Transformer(nn.Module):
         """The MoE layers this module holds, by layer index (a pipeline stage holds some)."""
         return {int(i): b.ffn for i, b in self.layers.items() if isinstance(b.ffn, MoELayer)}
 
-    def set_aux_loss_scale(self, scale: float) -> None:
-        """Scale of the balancing losses' injected gradient: 1 / gradient-accumulation steps,
-        so that aux losses are averaged over micro-batches exactly like the LM loss."""
-        for layer in self.moe_layers().values():
-            layer.aux_loss_scale = scale
-        self.mtp_loss_scale = scale
+    @property
+    def seq_shard(self) -> SequenceShard | None:
+        """Context parallelism: this process's positions of every sequence, by which RoPE
+        rotates each token (the step context's; None: whole sequences)."""
+        return self.step_context.seq_shard
 
     def num_params(self, active: bool = False) -> int:
         """Parameter count (tied weights once). active=True counts only the top_k routed

@@ -5,9 +5,11 @@
                activation-memory formula, cheap to recompute next to the MoE FFN)
     full       recompute every block: only block inputs are kept
 
-MoE layers record router statistics as a side effect of forward; a recomputed forward
-would count them twice, so the recompute runs inside a context that restores those buffers
-afterwards (the injected aux-loss gradient is recomputed like any other activation).
+MoE layers count router statistics as a side effect of forward (``MoELayer.stats``, a
+``moetrain.model.moe_stats.MoEStats``); a recomputed forward would count them twice, so the
+recompute runs inside a context that snapshots that object and restores it afterwards, and
+starts from the sequence counter of the original forward so that it routes as the forward
+did (the injected aux-loss gradient is recomputed like any other activation).
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ def _moe_layers(module: nn.Module) -> list[MoELayer]:
 
 class _NoteRows:
     """Around the original forward: remember each MoE layer's sequence counter as it was
-    (router jitter is keyed by it, ``MoELayer.set_jitter_key``)."""
+    (``MoEStats.rows``: router jitter, routing replay and record are keyed by it)."""
 
     def __init__(self, layers: list[MoELayer], rows: list[torch.Tensor]) -> None:
         self.layers, self.rows = layers, rows
 
     def __enter__(self) -> None:
-        self.rows[:] = [m.stat_rows.clone() for m in self.layers]
+        self.rows[:] = [m.stats.rows.clone() for m in self.layers]
 
     def __exit__(self, *exc: object) -> None:
         return None
@@ -41,7 +43,7 @@ class _NoteRows:
 
 class _KeepMoEStats:
     """Around each recomputation in backward: a recomputed block must not count its MoE
-    statistics twice, so every ``stat_*`` buffer (and the dispatcher's byte counter) is
+    statistics twice, so each layer's ``MoEStats`` (and its dispatcher's byte counter) is
     snapshotted and restored after; the recompute starts from the sequence counter of the
     original forward, so that it draws the same router jitter and routes as the forward did.
     Re-enterable: zero-bubble schedules recompute a block twice, once for the input gradient
@@ -52,26 +54,13 @@ class _KeepMoEStats:
         self.saved: list[list[tuple[dict[str, torch.Tensor], float]]] = []
 
     def __enter__(self) -> None:
-        self.saved.append(
-            [
-                (
-                    {
-                        n: b.clone()
-                        for n, b in m.named_buffers(recurse=False)
-                        if n.startswith("stat_")
-                    },
-                    m.dispatcher.bytes_sent,
-                )
-                for m in self.layers
-            ]
-        )
+        self.saved.append([(m.stats.snapshot(), m.dispatcher.bytes_sent) for m in self.layers])
         for m, before in zip(self.layers, self.rows, strict=True):
-            m.stat_rows.copy_(before)
+            m.stats.rows.copy_(before)
 
     def __exit__(self, *exc: object) -> None:
-        for m, (buffers, bytes_sent) in zip(self.layers, self.saved.pop(), strict=True):
-            for name, value in buffers.items():
-                getattr(m, name).copy_(value)
+        for m, (stats, bytes_sent) in zip(self.layers, self.saved.pop(), strict=True):
+            m.stats.restore(stats)
             m.dispatcher.bytes_sent = bytes_sent
 
 

@@ -33,8 +33,10 @@ its own tokens, an equal share of each sequence, so the mean of the cp ranks' lo
 whole sequences' mean, and gradients are averaged over dp x cp (the engine's ``dp_cp``
 group; ZeRO shards over dp_shard x cp).
 
-The model never sees a process group: ``apply_cp`` installs a ``ContextShard`` (the
-``moetrain.model.sequence_shard.SequenceShard`` seam) and the attention function.
+The model never sees a process group: ``apply_cp`` installs the attention function and
+returns a ``ContextShard`` (the ``moetrain.model.sequence_shard.SequenceShard`` seam), which
+the caller puts in the model's step context (``StepContext.seq_shard``: RoPE, router jitter
+and the MoE layers read it there).
 
 Shape legend: B batch, s positions this rank holds, S whole sequence, H heads, Dh head dim.
 """
@@ -50,7 +52,6 @@ from torch import nn
 from moetrain.model.attention import Attention, LatentAttention
 from moetrain.model.ep_dispatch import AllGatherFunction
 from moetrain.model.masks import AttentionMask, attend
-from moetrain.model.moe import MoELayer
 
 
 def sequence_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -155,21 +156,19 @@ class ContextParallelAttention:
 
 def apply_cp(model: nn.Module, cp_mesh: Any, seq_len: int) -> ContextShard | None:
     """Context parallelism on ``model`` (a Transformer or a pipeline chunk of one) over
-    ``cp_mesh`` (1-D), for sequences of ``seq_len`` positions: RoPE at this rank's
-    positions, every attention's ``attend`` replaced by ``ContextParallelAttention``, every
-    MoE layer planning over whole sequences. A no-op at cp = 1. Call it before activation
-    checkpointing wraps the attention modules."""
+    ``cp_mesh`` (1-D), for sequences of ``seq_len`` positions: every attention's ``attend``
+    replaced by ``ContextParallelAttention``. Returns the ``ContextShard``, which the model
+    reads from its step context (``StepContext.seq_shard``, set by the engine): RoPE at this
+    rank's positions, every MoE layer planning over whole sequences. A no-op (None) at
+    cp = 1. Call it before activation checkpointing wraps the attention modules."""
     if cp_mesh is None or cp_mesh.size() == 1:
         return None
     shard = ContextShard(cp_mesh.get_group(), seq_len)
-    model.seq_shard = shard
     for block in model.layers.values():
         attention = block.attention
         if not isinstance(attention, Attention | LatentAttention):
             raise TypeError(f"apply_cp: unexpected attention module {type(attention).__name__}")
         attention.attend = ContextParallelAttention(shard)
-        if isinstance(block.ffn, MoELayer):
-            block.ffn.seq_shard = shard
     return shard
 
 

@@ -184,12 +184,12 @@ def apply_ep(
             setattr(experts, name, local)
         experts.num_experts = L
         cls = AllToAllDispatcher if dispatcher == "all_to_all" else AllGatherDispatcher
-        layer.dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
+        ep_dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
         if etp_group is not None:
-            layer.dispatcher = ExpertTPDispatcher(layer.dispatcher, etp_group)
+            ep_dispatcher = ExpertTPDispatcher(ep_dispatcher, etp_group)
             experts.amax_reduce = AmaxOverGroup(etp_group)
         # Shared experts computed while the all-to-all is in flight (same numbers).
-        layer.overlap_shared = overlap and layer.shared_experts is not None
+        layer.install_dispatcher(ep_dispatcher, overlap_shared=overlap)
         for name in names:
             p = getattr(experts, name)
             p._moetrain_expert = True  # type: ignore[attr-defined]

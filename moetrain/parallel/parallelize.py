@@ -44,6 +44,9 @@ class ParallelModel:
     expert_params: list[nn.Parameter] = field(default_factory=list)
     """This rank's expert parameters (ep > 1): kept out of the dp reduction, reduced over
     the expert-data-parallel group by the engine (``reduce_expert_grads``)."""
+    seq_shard: Any = None
+    """Context parallelism (cp > 1): the ``ContextShard`` of this rank's positions of every
+    sequence, for the model's step context (``StepContext.seq_shard``); None at cp = 1."""
 
 
 def expert_parallel_hook(
@@ -81,10 +84,11 @@ def parallelize(
     the sequence length context parallelism splits."""
     parts, ids = pipeline_split(model, pp_rank, cfg)
     expert_params: list[nn.Parameter] = []
+    seq_shard = None
     for part in parts:
         if meshes is not None:
             apply_tp(part, meshes.tp, cfg)
-            apply_cp(part, meshes.cp, seq_len)
+            seq_shard = apply_cp(part, meshes.cp, seq_len) or seq_shard
         experts = expert_parallel_hook(part, meshes, cfg)
         expert_params += experts
         apply_ac(part, cfg.activation_checkpointing)
@@ -110,4 +114,4 @@ def parallelize(
             for _ in range(2)
         )
         forward_only(eval_schedule)
-    return ParallelModel(parts, ids, schedule, eval_schedule, expert_params)
+    return ParallelModel(parts, ids, schedule, eval_schedule, expert_params, seq_shard)

@@ -123,7 +123,8 @@ def pipeline_split(
     model: nn.Module, pp_rank: int, cfg: ParallelConfig
 ) -> tuple[list[nn.Module], list[int]]:
     """This pp rank's model chunks (deep copies of ``model`` without the other stages'
-    layers) and their stage indices. pp=1: ``[model]`` itself."""
+    layers) and their stage indices. pp=1: ``[model]`` itself. The chunks share ``model``'s
+    step context (``moetrain.model.step_context``): its owner's settings reach them all."""
     if cfg.pp == 1:
         return [model], [0]
     num_stages = cfg.pp * cfg.pp_virtual_stages
@@ -131,7 +132,8 @@ def pipeline_split(
     mtp_depth = model.cfg.mtp_depth
     parts, ids = [], stage_ids(pp_rank, cfg.pp, cfg.pp_virtual_stages, cfg.pp_schedule)
     for s in ids:
-        part = copy.deepcopy(model)
+        context = model.step_context
+        part = copy.deepcopy(model, {id(context): context})
         blocks, first, last = stage_modules(n_layers, mtp_depth, num_stages, s, cfg.pp_stage_layers)
         keep = {str(i) for i in blocks}
         for name in list(part.layers.keys()):

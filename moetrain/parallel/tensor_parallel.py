@@ -167,7 +167,7 @@ def _shard_experts(moe: MoELayer, tp_mesh: DeviceMesh) -> None:
     experts = moe.experts
     for name, dim in experts.ffn_dims().items():
         _shard_parameter(experts, name, tp_mesh, dim)
-    moe.dispatcher = ExpertTPDispatcher(moe.dispatcher, tp_mesh.get_group())
+    moe.install_dispatcher(ExpertTPDispatcher(moe.dispatcher, tp_mesh.get_group()))
     experts.amax_reduce = AmaxOverGroup(tp_mesh.get_group())
 
 

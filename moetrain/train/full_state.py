@@ -2,28 +2,55 @@
 AdamW moments under the single-process names, as CPU tensors (collectives). The layout oracle
 compares them with one process; export and tools read the parameters.
 
-``FullStateGather`` is a mixin of ``moetrain.train.engine.Engine`` (its parts, meshes, groups,
-ZeRO-1 gradient shards and ``app_state``).
+``FullStateGather`` is a collaborator of ``moetrain.train.engine.Engine``, handed what it
+reads: the rank's model chunks and expert parameters, the EP (and expert-TP) meshes, the step's
+groups, ZeRO-1's gradient sync and a function returning the optimizer state (the checkpoint
+views').
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from moetrain.parallel.data_parallel import GradientSync
 from moetrain.parallel.expert_parallel import (
     gather_expert_tensors,
     gather_experts,
     is_expert_param,
 )
+from moetrain.train.step_groups import StepGroups
 from moetrain.train.tensors import MOMENTS, fqn, full_cpu, like_param, local
 
 
 class FullStateGather:
-    """Full-state gathers of ``Engine``."""
+    """Full-size gathers of a rank's model chunks (``parts``). ``zero1``: ZeRO-1's gradient
+    sync when the gradients live in its reduce-scattered slices; ``optimizer_state``: the
+    flattened optimizer state under full-model names (``CheckpointViews.optimizer_state``)."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        expert_params: list[nn.Parameter],
+        ep_mesh: Any,
+        etp_mesh: Any,
+        groups: StepGroups,
+        zero1: GradientSync | None,
+        optimizer_state: Callable[[], dict[str, Any]],
+        device: torch.device,
+    ) -> None:
+        self.parts = parts
+        self.expert_params = expert_params
+        self.ep_mesh = ep_mesh
+        self.etp_mesh = etp_mesh
+        self.groups = groups
+        self.zero1 = zero1
+        self.optimizer_state = optimizer_state
+        self.device = device
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's parameters and persistent buffers as CPU tensors, gathered over
@@ -37,11 +64,7 @@ class FullStateGather:
             if self.expert_params:  # the experts, gathered over EP (and TP under expert TP)
                 full = gather_experts(part, self.ep_mesh, self.etp_mesh)
                 mine.update({fqn(k): v.cpu().clone() for k, v in full.items()})
-        if self.pp_group is None:
-            return mine
-        gathered: list[Any] = [None] * self.dims.pp
-        dist.all_gather_object(gathered, mine, group=self.pp_group)
-        return {k: v for d in gathered for k, v in d.items()}
+        return self.groups.merge_stages(mine)
 
     @torch.no_grad()
     def full_grad_dict(self) -> dict[str, torch.Tensor]:
@@ -50,15 +73,14 @@ class FullStateGather:
         and gets it). Valid between the reduction and the optimizer step (``grad_hook``)."""
         mine: dict[str, torch.Tensor] = {}
         zero1: dict[int, torch.Tensor] = {}
-        if self.zero_stage == 1:
-            assert self.grad_sync is not None
-            for shard in self.grad_sync.shards:  # ZeRO-1 holds reduce-scattered slices only
+        if self.zero1 is not None:
+            for shard in self.zero1.shards:  # ZeRO-1 holds reduce-scattered slices only
                 if not shard.params:
                     continue
                 mine_flat = shard.grad_shard
                 if mine_flat is None:
                     mine_flat = torch.zeros(shard.size, device=self.device)
-                pieces = shard.gather_flat(mine_flat, self.grad_sync.shard_group)
+                pieces = shard.gather_flat(mine_flat, self.zero1.shard_group)
                 for p, piece in zip(shard.params, pieces, strict=True):
                     zero1[id(p)] = piece.view_as(local(p))
         for part in self.parts:
@@ -74,25 +96,17 @@ class FullStateGather:
             if experts:  # gathered over EP (and TP under expert TP), like the weights
                 full = gather_expert_tensors(experts, self.ep_mesh, self.etp_mesh)
                 mine.update({fqn(k): full_cpu(v) for k, v in full.items()})
-        return self._merge_stages(mine)
+        return self.groups.merge_stages(mine)
 
     @torch.no_grad()
     def full_optimizer_state(self) -> dict[str, torch.Tensor]:
         """AdamW's ``exp_avg`` and ``exp_avg_sq`` of every parameter, full size, on CPU, keyed
         ``<single-process name>.<moment>`` (collective; every rank gets it)."""
-        state = self.app_state()["optim"]
-        self._shadows = None
+        state = self.optimizer_state()
         mine: dict[str, torch.Tensor] = {}
         for key, value in state.items():
             if not key.startswith("state.") or not key.endswith(MOMENTS):
                 continue
             if isinstance(value, torch.Tensor):
                 mine[fqn(key.removeprefix("state."))] = full_cpu(value)
-        return self._merge_stages(mine)
-
-    def _merge_stages(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.pp_group is None:
-            return mine
-        gathered: list[Any] = [None] * self.dims.pp
-        dist.all_gather_object(gathered, mine, group=self.pp_group)
-        return {k: v for d in gathered for k, v in d.items()}
+        return self.groups.merge_stages(mine)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from moetrain.config import LogConfig
+from moetrain.model.losses import GlobalBalanceLoss
 from moetrain.plan.hardware import gpu_of_device
 
 log = logging.getLogger("moetrain")
@@ -56,10 +57,7 @@ def global_aux_loss(stats: dict[str, torch.Tensor]) -> float:
     probability over the step's micro-batches. Computed whatever its coefficient."""
     if "probs_sum" not in stats:
         return float("nan")
-    load_E = stats["tokens_per_expert"].double()
-    f_E = load_E / load_E.sum().clamp_min(1)
-    probs_E = stats["probs_sum"].double() / max(float(stats["calls"]), 1.0)
-    return float(load_E.numel() * (f_E * probs_E).sum())
+    return GlobalBalanceLoss.value(stats["tokens_per_expert"], stats["probs_sum"], stats["calls"])
 
 
 def merge_stats(

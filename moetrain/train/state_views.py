@@ -1,10 +1,11 @@
 """The engine's checkpoint views: model and optimizer state under full-model names, the same
 keys under every layout (DCP reshards them on load), and the way back.
 
-``StateViews`` is a mixin of ``moetrain.train.engine.Engine``: it reads the engine's parts,
-optimizers, meshes and expert parameters. ZeRO-1's flat optimizer slices are saved through
-full-size shadows (``moetrain.train.zero1_state``); expert slices under expert parallelism
-as DTensor views over the EP (and TP) mesh.
+``CheckpointViews`` is a collaborator of ``moetrain.train.engine.Engine``, handed what it
+reads: the rank's model chunks, their optimizers and schedulers, the ZeRO-1 gradient sync,
+the meshes and the parallel and optimizer config sections. ZeRO-1's flat optimizer slices are
+saved through full-size shadows (``moetrain.train.zero1_state``); expert slices under expert
+parallelism as DTensor views over the EP (and TP) mesh.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -21,6 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from moetrain.config import OptimConfig, ParallelConfig
+from moetrain.parallel.data_parallel import GradientSync
+from moetrain.parallel.dims import Meshes
 from moetrain.parallel.expert_parallel import expert_layouts
 from moetrain.train.tensors import MOMENTS
 from moetrain.train.zero1_state import zero1_restore, zero1_shadow
@@ -28,17 +33,42 @@ from moetrain.train.zero1_state import zero1_restore, zero1_shadow
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-class StateViews:
-    """Checkpoint views of ``Engine``."""
+class CheckpointViews:
+    """Checkpoint views of a rank's model chunks (``parts``) and their ``optimizers`` (one
+    per chunk, or ZeRO-1's over ``grad_sync``'s slices when ``zero_stage`` is 1)."""
+
+    def __init__(
+        self,
+        parts: list[nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: list[Any],
+        grad_sync: GradientSync | None,
+        zero_stage: int,
+        meshes: Meshes | None,
+        has_experts: bool,
+        parallel: ParallelConfig,
+        optim: OptimConfig,
+        device: torch.device,
+    ) -> None:
+        self.parts = parts
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.grad_sync = grad_sync
+        self.zero_stage = zero_stage
+        self.meshes = meshes
+        self.has_experts = has_experts
+        self.parallel = parallel
+        self.optim = optim
+        self.device = device
+        # ZeRO-1's gathered shadows between ``app_state`` and ``load_app_state``.
+        self._shadows: list[torch.optim.Optimizer] | None = None
 
     def _part_optimizers(self) -> list[torch.optim.Optimizer]:
         """Per model chunk, the optimizer whose state dict a checkpoint holds: the live ones,
         or ZeRO-1's gathered shadows."""
         if self.zero_stage != 1:
             return self.optimizers
-        return zero1_shadow(
-            self.grad_sync, self.optimizers, self.parts, self.cfg.optim, self.device
-        )
+        return zero1_shadow(self.grad_sync, self.optimizers, self.parts, self.optim, self.device)
 
     def app_state(self) -> dict[str, Any]:
         """Model and optimizer state keyed by full-model names (flattened optimizer state), the
@@ -65,14 +95,21 @@ class StateViews:
 
     def _expert_layouts(self) -> list[tuple[str, Any, tuple[Any, ...]]]:
         """(full-model name, mesh, placements) of each expert parameter of this rank."""
-        if not self.expert_params:
+        if not self.has_experts:
             return []
-        found = expert_layouts(self.parts, self.meshes, self.cfg.parallel)
+        found = expert_layouts(self.parts, self.meshes, self.parallel)
         return [(name, mesh, placements) for name, (mesh, placements) in found.items()]
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer half of ``app_state()`` (ZeRO-1's shadows not kept for a load)."""
+        state = self.app_state()["optim"]
+        self._shadows = None
+        return state
 
     def load_app_state(self, state: dict[str, Any]) -> None:
         """Load what ``app_state()`` returned after DCP filled it."""
         shadows = self._shadows
+        assert shadows is not None, "load_app_state: call app_state() first"
         experts = {full_name for full_name, _, _ in self._expert_layouts()}
         expert_keys = experts | {f"state.{f}.{k}" for f in experts for k in MOMENTS}
         for sd in (state["model"], state["optim"]):  # the expert DTensor views: local again

@@ -88,7 +88,7 @@ def _train(model, seqs: slice, dp: int, ep_mesh=None, edp_mesh=None) -> dict:
     global-batch view of the run is (means / sums over the dp ranks)."""
     tokens = _tokens()[:, seqs]
     n_mb = tokens.shape[1] // MB_SEQS
-    model.set_aux_loss_scale(1.0 / n_mb)
+    model.step_context.aux_loss_scale = 1.0 / n_mb
     experts = [p for p in model.parameters() if is_expert_param(p)]
     others = [p for p in model.parameters() if not is_expert_param(p)]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)

@@ -41,13 +41,11 @@ def _model(document_mask: bool, **model):
 def _routing(model, tokens, **kwargs):
     """Logits and every MoE layer's expert ids (T, K) of one forward."""
     layers = model.moe_layers()
-    for layer in layers.values():
-        layer.eval_record = []
+    model.step_context.eval_record = {i: [] for i in layers}
     with torch.no_grad():
         logits = model(tokens, **kwargs)
-    ids = {i: torch.cat(layer.eval_record) for i, layer in layers.items()}
-    for layer in layers.values():
-        layer.eval_record = None
+    ids = {i: torch.cat(model.step_context.eval_record[i]) for i in layers}
+    model.step_context.eval_record = None
     return logits, ids
 
 

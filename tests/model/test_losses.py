@@ -179,7 +179,7 @@ def test_moe_layer_injects_loss_gradient(
     )
     torch.manual_seed(0)
     layer = MoELayer(D, cfg).train()
-    layer.aux_loss_scale = scale
+    layer.step_context.aux_loss_scale = scale
     x_BSD = torch.randn(B, S, D)
 
     out_BSD = layer(x_BSD)

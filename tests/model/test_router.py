@@ -250,7 +250,7 @@ def test_jitter_keys_follow_the_layers_sequence_counter():
     layer = MoELayer(D, cfg, layer_id=3).train()
     layer.set_jitter_key(seed=7, step=2, seq_offset=10)
     _, seq_a, pos_a = layer._jitter_at(2, S, torch.device("cpu"))
-    layer.stat_rows += 2  # what a training forward of 2 sequences leaves behind
+    layer.stats.rows += 2  # what a training forward of 2 sequences leaves behind
     _, seq_b, _ = layer._jitter_at(2, S, torch.device("cpu"))
     layer.set_jitter_key(seed=7, step=2, seq_offset=10)
     key, seq_all, pos_all = layer._jitter_at(4, S, torch.device("cpu"))

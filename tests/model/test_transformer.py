@@ -141,12 +141,24 @@ def test_num_params_hand_count(tie):
     assert model.flops_per_token(seq_len) == 6 * matmul_active + 6 * 2 * 8 * seq_len
 
 
-def test_set_aux_loss_scale_reaches_every_moe_layer():
+def test_the_step_contexts_aux_loss_scale_reaches_every_moe_layer(assert_close):
+    """Every MoE layer reads the model's one step context: the balancing losses' injected
+    gradient of each layer's router follows the context's ``aux_loss_scale``."""
     model_cfg, moe_cfg = tiny_cfgs(n_layers=3)
-    model = build_model(model_cfg, moe_cfg, seed=0)
-    model.set_aux_loss_scale(0.25)
-    scales = {i: moe.aux_loss_scale for i, moe in model.moe_layers().items()}
-    assert scales == {0: 0.25, 1: 0.25, 2: 0.25}
+    model = build_model(model_cfg, moe_cfg, seed=0).train()
+    layers = model.moe_layers()
+    assert all(m.step_context is model.step_context for m in layers.values())
+    tokens = torch.randint(0, V, (2, 8), generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for scale in (1.0, 0.25):
+        model.zero_grad()
+        model.step_context.aux_loss_scale = scale
+        (model(tokens) * 0).sum().backward()  # the balancing losses' gradient alone
+        grads[scale] = {i: m.router.gate.weight.grad.clone() for i, m in layers.items()}
+    assert sorted(grads[1.0]) == [0, 1, 2]
+    for i, g in grads[1.0].items():
+        assert g.abs().max() > 0, f"layer {i}: no balancing-loss gradient"
+        assert_close(grads[0.25][i], 0.25 * g, dtype=torch.float32, what=f"layer {i}'s gate")
 
 
 def test_init_is_deterministic_in_seed():

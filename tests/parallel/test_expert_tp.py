@@ -118,7 +118,7 @@ def test_pipeline_first_step_runs_stages_on_uninitialised_inputs() -> None:
     not the activation the previous stage sends (materialised from metadata). The four real
     micro-batches of the start-up step are identical (zeros), so their activations are. The
     engine's start-up steps hand the blocks zeros instead of either
-    (``Transformer.zero_stage_input``), so every rank computes on the same numbers."""
+    (``StepContext.zero_stage_input``), so every rank computes on the same numbers."""
     got = run_ranks(_record_stage_inputs, 2, timeout=100)[1]
     handed = got["handed"]
     # The training schedule, then the forward-only one (evaluation): each 1 metadata

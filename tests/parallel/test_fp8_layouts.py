@@ -139,7 +139,7 @@ def test_a_pipeline_infers_its_shapes_from_the_same_tokens_on_every_expert_tp_ra
     rowwise, each rank's per-row amax of the routed rows is all-reduced over the TP group, so
     two ranks routing different garbage disagree on its size and gloo aborts (found by the
     equivalence matrix: pp2 x ep2 x tp2, FP8 rowwise, capacity 1). The engine's warm-up
-    zeroes those inputs (``Transformer.zero_stage_input``): the run then equals one process;
+    zeroes those inputs (``StepContext.zero_stage_input``): the run then equals one process;
     with the garbage handed on (``stage_inputs_uninitialised``, tests/faults.py) a rank dies."""
     case = Case("pp2 x ep2 x tp2 interleaved, FP8 rowwise, capacity 1", PIPELINE_EP_TP,
                 ROWWISE_DROPPING)  # fmt: skip

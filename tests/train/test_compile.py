@@ -94,7 +94,7 @@ INDUCTOR_LAYER = textwrap.dedent("""
         x = torch.randn(2, 32, 64, requires_grad=True)
 
         def step(x_BSD):
-            layer.stat_rows.zero_()  # the same sequences each call, so the same jitter
+            layer.stats.rows.zero_()  # the same sequences each call, so the same jitter
             return layer(x_BSD)
 
         outs = []

@@ -151,3 +151,62 @@ def test_micro_batch_frequencies_would_give_another_gradient() -> None:
     name = next(n for n in exact if n.endswith("router.gate.weight"))
     rel = (exact[name] - local[name]).abs().max() / exact[name].abs().max()
     assert rel > 100 * TOL, rel
+
+
+def _layer_gate_gradient(compiled: bool, step_counts_E: torch.Tensor) -> torch.Tensor:
+    """The router gate's gradient of one MoE layer with only the global-batch loss, the step
+    counts handed over after the forward and before the backward (as the engine does with
+    one forward per rank); ``compiled``: the layer under torch.compile (AOT autograd)."""
+    import torch._dynamo
+
+    from moetrain.config import MoEConfig
+    from moetrain.model.moe import MoELayer
+
+    cfg = MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=16, kernels="torch",
+                    global_aux_loss_coef=COEF, aux_loss_coef=0.0, seq_aux_loss_coef=0.0,
+                    z_loss_coef=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    layer = MoELayer(16, cfg).train()
+    torch._dynamo.reset()
+    run = torch.compile(layer, backend="aot_eager") if compiled else layer
+    layer.global_balance.begin_step()
+    y = run(torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)))
+    layer.global_balance.set_step_counts(step_counts_E)
+    (y * 0).sum().backward()
+    return layer.router.gate.weight.grad
+
+
+def _gate_gradient_by_definition(step_counts_E: torch.Tensor) -> torch.Tensor:
+    """d/dW of coef * E * sum_e f_e * P_e, f from ``step_counts_E``, P the mean softmax of
+    the gate's logits (float64)."""
+    torch.manual_seed(0)
+    from moetrain.config import MoEConfig
+    from moetrain.model.moe import MoELayer
+
+    w = MoELayer(16, MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=16)).router.gate.weight
+    w = w.detach().double().requires_grad_()
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1)).double().flatten(0, 1)
+    f_E = step_counts_E.double() / step_counts_E.sum()
+    loss = COEF * 4 * (f_E * torch.softmax(x @ w.T, -1).mean(0)).sum()
+    return torch.autograd.grad(loss, w)[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_step_counts_handed_after_the_forward_reach_its_backward(compiled: bool) -> None:
+    """The micro-batch's gradient reads f when its backward runs, compiled too: AOT autograd
+    traces a backward when it compiles the forward, and read this forward's own f then (the
+    term now runs eagerly: ``GlobalBalanceLoss.term``)."""
+    counts = torch.tensor([100, 1, 1, 1])
+    want = _gate_gradient_by_definition(counts)
+    got = _layer_gate_gradient(compiled, counts)
+    err = (got.double() - want).abs().max().item()
+    assert err <= TOL * want.abs().max().item(), f"gate gradient off by {err:.3g}"
+
+
+def test_a_compiled_term_that_reads_f_at_trace_time_is_caught(monkeypatch) -> None:
+    """The check above can fail: the term traced with the forward (no eager break)."""
+    from moetrain.model.losses import GlobalBalanceLoss
+
+    monkeypatch.setattr(GlobalBalanceLoss, "term", GlobalBalanceLoss.term.__wrapped__)
+    with pytest.raises(AssertionError, match="gate gradient off by"):
+        test_step_counts_handed_after_the_forward_reach_its_backward(compiled=True)

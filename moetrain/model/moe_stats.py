@@ -1,0 +1,134 @@
+"""What an MoE layer's training forwards count, in one object that others read by name.
+
+``MoEStats`` holds every counter a training forward of ``MoELayer`` adds to (a small
+``nn.Module`` of non-persistent buffers, so that it follows the layer to its device and
+stays out of checkpoints):
+
+    rows               sequences seen this step (where the next micro-batch starts: router
+                       jitter, routing replay and record are keyed by it)
+    sums               the balancing losses' and the router entropy's values (``STAT_NAMES``)
+    tokens_per_expert  assignments per expert of the tokens that count (before dropping)
+    counts             forwards, assignments, dropped assignments (``COUNT_NAMES``)
+    score_hist         every router score, binned over [0, 1] (``SCORE_HIST_BINS``)
+    probs_sum          sum over forwards of the mean routing probability of each expert
+
+The trainer pops them once per step (``MoELayer.pop_stats``: sums, so micro-batches and ranks
+add up before dividing; ``moetrain.train.metrics`` turns them into figures). A forward
+repeated for another reason must leave them as they were: activation checkpointing's
+recompute and the engine's counting pass take a ``snapshot`` and ``restore`` it
+(``moetrain.parallel.activation_checkpoint``), field by field as named in ``FIELDS``.
+
+``STAT_LAYOUT`` is the order a step's statistics travel in, one float64 row per layer
+(``pack`` / ``unpack``): what the engine sums over ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
+COUNT_NAMES = ("calls", "assignments", "dropped")
+SCORE_HIST_BINS = 20
+"""Router-score histogram: fixed bins over [0, 1] (softmax and sigmoid scores both lie there)."""
+
+
+class MoEStats(nn.Module):
+    """The counters of one MoE layer's training forwards since the last ``pop`` (module
+    doc). ``E``: experts of the layer."""
+
+    FIELDS = ("rows", "sums", "tokens_per_expert", "counts", "score_hist", "probs_sum")
+
+    def __init__(self, num_experts: int) -> None:
+        super().__init__()
+        E = num_experts
+        self.register_buffer("rows", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("sums", torch.zeros(len(STAT_NAMES)), persistent=False)
+        self.register_buffer("tokens_per_expert", torch.zeros(E), persistent=False)
+        self.register_buffer("counts", torch.zeros(len(COUNT_NAMES)), persistent=False)
+        self.register_buffer("score_hist", torch.zeros(SCORE_HIST_BINS), persistent=False)
+        self.register_buffer("probs_sum", torch.zeros(E), persistent=False)
+
+    def init_buffers(self) -> None:
+        """Every counter starts at zero (``moetrain.model.init.init_buffers``)."""
+        for name in self.FIELDS:
+            getattr(self, name).zero_()
+
+    @torch.no_grad()
+    def add(
+        self,
+        sequences: int,
+        values: list[torch.Tensor],
+        tokens_per_expert_E: torch.Tensor,
+        counts: torch.Tensor,
+        scores_TE: torch.Tensor,
+        mean_probs_E: torch.Tensor,
+    ) -> None:
+        """One training forward of ``sequences`` sequences: its ``STAT_NAMES`` values, the
+        assignments per expert of its counted tokens, its (calls, assignments, dropped) and
+        router scores (an excluded token's at -1, outside the histogram's range)."""
+        self.rows += sequences
+        self.sums += torch.stack(values)
+        self.tokens_per_expert += tokens_per_expert_E.float()
+        self.counts += counts
+        # All T*E router scores, binned: the TensorBoard score histograms.
+        self.score_hist += torch.histc(scores_TE.float(), bins=SCORE_HIST_BINS, min=0.0, max=1.0)
+        self.probs_sum += mean_probs_E.detach().float()
+
+    @torch.no_grad()
+    def pop(self) -> dict[str, torch.Tensor]:
+        """The sums since the last call (``STAT_NAMES``, ``tokens_per_expert``,
+        ``COUNT_NAMES``, ``score_hist``, ``probs_sum``), then every counter reset."""
+        out = {name: self.sums[i].clone() for i, name in enumerate(STAT_NAMES)}
+        out["tokens_per_expert"] = self.tokens_per_expert.clone()
+        out.update(zip(COUNT_NAMES, self.counts.clone().unbind(), strict=True))
+        out["score_hist"] = self.score_hist.clone()
+        out["probs_sum"] = self.probs_sum.clone()
+        self.init_buffers()
+        return out
+
+    @torch.no_grad()
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of every counter, by name (``restore`` puts it back)."""
+        return {name: getattr(self, name).clone() for name in self.FIELDS}
+
+    @torch.no_grad()
+    def restore(self, saved: dict[str, torch.Tensor]) -> None:
+        for name in self.FIELDS:
+            getattr(self, name).copy_(saved[name])
+
+
+def stat_layout(num_experts: int) -> list[tuple[str, int | None]]:
+    """(name, width; None for a scalar) of a layer's statistics in one packed row, in order.
+    The expert bias, a state that every data-parallel rank holds identically, comes last (the
+    engine divides that slice by the ranks it summed over)."""
+    E = num_experts
+    return [
+        *((name, None) for name in STAT_NAMES),
+        ("tokens_per_expert", E),
+        *((name, None) for name in COUNT_NAMES),
+        ("a2a_bytes", None),
+        ("score_hist", SCORE_HIST_BINS),
+        ("probs_sum", E),
+        ("expert_bias", E),
+    ]
+
+
+def pack(stats: dict[str, torch.Tensor], num_experts: int) -> torch.Tensor:
+    """One float64 row of ``MoELayer.pop_stats()``'s tensors in ``stat_layout`` order."""
+    return torch.cat([stats[name].double().reshape(-1) for name, _ in stat_layout(num_experts)])
+
+
+def unpack(row: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
+    """``pack``'s inverse: views of ``row`` by name."""
+    out: dict[str, torch.Tensor] = {}
+    start = 0
+    for name, width in stat_layout(num_experts):
+        out[name] = row[start] if width is None else row[start : start + width]
+        start += 1 if width is None else width
+    return out
+
+
+def packed_width(num_experts: int) -> int:
+    """Elements of one packed row."""
+    return sum(1 if w is None else w for _, w in stat_layout(num_experts))

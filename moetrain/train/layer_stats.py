@@ -1,0 +1,79 @@
+"""A step's MoE statistics over the whole job, and the expert-bias update that reads them.
+
+Every MoE layer counts its training forwards in its ``MoEStats`` (``moetrain.model.moe_stats``)
+and hands them over with ``pop_stats()``; ``LayerStats`` packs every layer's into one float64
+row per layer (``moe_stats.pack``, fields by name), sums them over dp x cp and pp in two
+collectives, and reads them to the host in one copy, whatever the number of layers.
+
+``LayerStats`` is a collaborator of ``moetrain.train.engine.Engine``, handed this rank's MoE
+layers, the whole model's MoE layer indices, the expert count, the step's groups and the
+device.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moetrain.model.moe import MoELayer
+from moetrain.model.moe_stats import pack, packed_width, unpack
+from moetrain.train.step_groups import StepGroups
+
+
+class LayerStats:
+    def __init__(
+        self,
+        layers: dict[int, MoELayer],
+        layer_ids: list[int],
+        num_experts: int,
+        groups: StepGroups,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.layer_ids = layer_ids
+        self.num_experts = num_experts
+        self.groups = groups
+        self.device = device
+        # The last ``pop`` result and its token counts on the device.
+        self._loads_on_device: tuple[object, dict[int, torch.Tensor]] = (None, {})
+
+    @torch.no_grad()
+    def pop(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Pop every MoE layer's statistics and return them for all layers, summed over dp
+        and pp (each layer lives on one pp rank; tp ranks hold identical copies, not summed).
+        Token counts are counted on the source rank over all experts, so summing over dp
+        counts each assignment once under expert parallelism too; ``a2a_bytes`` (token bytes
+        sent to other EP ranks in forward) is summed over dp and pp but not tp: under tp > 1
+        it is the bytes of one tp index (every tp rank sends the same). The expert bias is a
+        state, identical over dp: returned as is."""
+        ids = self.layer_ids
+        if not ids:
+            return {}
+        E = self.num_experts
+        packed = torch.zeros(len(ids), packed_width(E), dtype=torch.float64, device=self.device)
+        for row, i in enumerate(ids):
+            if i in self.layers:
+                packed[row] = pack(self.layers[i].pop_stats(), E)
+        g = self.groups
+        if g.dp is not None:  # dp x cp: cp ranks count their own tokens
+            dist.all_reduce(packed, group=g.dp)
+            packed[:, -E:] /= g.dp_cp_size  # the expert bias (last)
+        if g.pp is not None:
+            dist.all_reduce(packed, group=g.pp)
+        # The expert-bias update reads the counts where they are (``update_expert_bias``).
+        loads = {i: unpack(packed[row], E)["tokens_per_expert"].float()
+                 for row, i in enumerate(ids)}  # fmt: skip
+        host = packed.float().cpu()  # every layer's statistics in one read (a host sync)
+        out = {i: unpack(host[row], E) for row, i in enumerate(ids)}
+        self._loads_on_device = (out, loads)
+        return out
+
+    def update_expert_bias(self, stats: dict[int, dict[str, torch.Tensor]]) -> None:
+        """Aux-loss-free balancing from the GLOBAL token counts: every rank moves the bias of
+        the layers it holds identically."""
+        last, loads = self._loads_on_device
+        for i, layer in self.layers.items():
+            # ``pop``'s own result: its counts still on the device (a copy back from the host
+            # would wait for the device to finish).
+            load_E = loads[i] if stats is last else stats[i]["tokens_per_expert"].to(self.device)
+            layer.update_expert_bias(load_E)
