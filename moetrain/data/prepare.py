@@ -8,6 +8,11 @@ to ``--out`` (``.<name>.partial``); each finished shard is recorded there, so an
 interrupted run started again redoes only the unfinished shards. When every shard is
 written, the manifest goes in and the staging directory is renamed to ``--out`` in one
 step: a dataset directory with a manifest is always complete.
+
+One module (about 600 lines) because it is one command read top to bottom: the shard plan,
+the staging directory and its resume, the worker pool and the publish share the staging
+state and the failure handling; the per-shard tokenizer runs in
+``moetrain.data.tokenize_worker`` and the reader in ``moetrain.data.prepared``.
 """
 
 from __future__ import annotations

@@ -4,6 +4,12 @@ This is the one place where config sections, model, data, optimizer, checkpoints
 logging meet. Each piece receives only its own config section. The step itself goes through
 ``moetrain.train.engine.Engine``, which hides the parallel layout; the layout is validated
 before the process group starts, and rank 0 alone logs and writes TensorBoard.
+
+The ``Trainer`` is one class (the module is about 600 lines) because it is the composition
+root: its methods are the run's phases in order (build, train step, evaluate, checkpoint and
+resume, log, close), each a few lines over the collaborators beside it -- ``runtime``
+(device, process group, RNG), ``fingerprint``, ``memory_check``, ``announce``, ``engine``
+(the step), ``checkpoint``, ``metrics`` and ``resilience``.
 """
 
 from __future__ import annotations
