@@ -220,6 +220,17 @@ class MoELayer(nn.Module):
         self.jitter_key.zero_()
         self.jitter_key[2] = self.layer_id
 
+    def keep_counters(self) -> tuple[dict[str, torch.Tensor], float]:
+        """What forwards count, as it is now: the statistics (``MoEStats``) and the
+        dispatcher's bytes sent; ``restore_counters`` puts it back after forwards that must
+        not count (a recompute in backward, the engine's counting pass)."""
+        return self.stats.snapshot(), self.dispatcher.bytes_sent
+
+    def restore_counters(self, kept: tuple[dict[str, torch.Tensor], float]) -> None:
+        stats, bytes_sent = kept
+        self.stats.restore(stats)
+        self.dispatcher.bytes_sent = bytes_sent
+
     def install_dispatcher(self, dispatcher: Dispatcher, overlap_shared: bool = False) -> None:
         """The seam of expert parallelism (``moetrain.parallel.expert_parallel``): the
         dispatcher that moves token rows to the experts and back. ``overlap_shared``: compute

@@ -54,14 +54,13 @@ class _KeepMoEStats:
         self.saved: list[list[tuple[dict[str, torch.Tensor], float]]] = []
 
     def __enter__(self) -> None:
-        self.saved.append([(m.stats.snapshot(), m.dispatcher.bytes_sent) for m in self.layers])
+        self.saved.append([m.keep_counters() for m in self.layers])
         for m, before in zip(self.layers, self.rows, strict=True):
             m.stats.rows.copy_(before)
 
     def __exit__(self, *exc: object) -> None:
-        for m, (stats, bytes_sent) in zip(self.layers, self.saved.pop(), strict=True):
-            m.stats.restore(stats)
-            m.dispatcher.bytes_sent = bytes_sent
+        for m, kept in zip(self.layers, self.saved.pop(), strict=True):
+            m.restore_counters(kept)
 
 
 def _wrap(module: nn.Module) -> nn.Module:

@@ -134,7 +134,7 @@ class RoutingPasses:
         as the training forwards (same parameters, jitter keys and replayed ids), counted by
         the MoE layers and summed over dp. Nothing else of it is kept: statistics, the
         sequence counter and byte counters are left as they were."""
-        kept = {i: (m.stats.snapshot(), m.dispatcher.bytes_sent) for i, m in self.layers.items()}
+        kept = {i: m.keep_counters() for i, m in self.layers.items()}
         self.context.counting = True
         try:
             for start in range(0, len(micro_batches), breadth):
@@ -142,9 +142,7 @@ class RoutingPasses:
         finally:
             self.context.counting = False
             for i, layer in self.layers.items():
-                stats, bytes_sent = kept[i]
-                layer.stats.restore(stats)  # the training forwards start from sequence 0
-                layer.dispatcher.bytes_sent = bytes_sent
+                layer.restore_counters(kept[i])  # the training forwards start from sequence 0
         self.hand_over_counts()
 
     def hand_over_counts(self) -> None:
