@@ -1,4 +1,4 @@
-"""The multi-rank process harness: run a function on N spawned CPU processes with gloo.
+"""The multi-rank process harness: run a function on N CPU processes with gloo.
 
     def _worker(rank: int, world_size: int, x: int) -> float:
         ...  # the default process group is initialised (gloo), torch uses one thread
@@ -6,7 +6,8 @@
 
     results = run_ranks(_worker, 4, 3, timeout=120)   # [rank 0's result, rank 1's, ...]
 
-``fn`` must be a module-level function (spawn pickles it by reference). Each run gets its own
+``fn`` must be a module-level function (it is pickled by reference). Ranks are forked from a
+fork server that imported torch once (``_context``). Each run gets its own
 rendezvous file in a fresh temporary directory, the process group a short timeout, and the
 parent a wall-clock deadline: if any rank raises, dies or the deadline passes, every child is
 killed and ``RankFailure`` is raised with the failing rank's traceback and its output (each
@@ -23,6 +24,7 @@ import io
 import os
 import queue
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -56,6 +58,7 @@ def _entry(
     init_pg: bool,
     environ: dict[str, str],
     log: str,
+    forked: bool,
 ) -> None:
     import torch.distributed as dist
 
@@ -81,6 +84,8 @@ def _entry(
     )
     torch.set_num_threads(ORACLE_THREADS)  # as every run it is compared with (tests/threads.py)
     try:
+        if forked:
+            forked_from_one_thread()
         if init_pg:
             dist.init_process_group(
                 "gloo",
@@ -199,20 +204,59 @@ def _shorten(text: str) -> str:
     return "\n".join([head, gap, *kept, "[...]", tail])
 
 
-def _context() -> Any:
-    """Each rank is a freshly spawned interpreter (about 6 s of CPU to import torch, its
-    distributed packages and moetrain).
+RANK_SERVER = "rank_server"
+"""The module the fork server imports before it forks ranks (tests/rank_server.py)."""
 
-    Ranks forked from a fork server that imported those once were a third faster on 2 cores,
-    and were retired: in 2 of 7 full runs one rank of one test died of SIGABRT, a different
-    test each time and never on a rerun, while spawned ranks have never shown it. The server
-    forked a process holding a native thread (pyarrow's jemalloc ``jemalloc_bg_thd``,
-    started when ``datasets`` is imported), and POSIX leaves a forked child of a
-    multi-threaded process undefined beyond async-signal-safe calls until it execs: an
-    allocator whose background thread is gone in the child is exactly what that rules out.
-    ``_entry`` still sets the caller's environment, so a rank's does not depend on how it
-    started."""
-    return mp.get_context("spawn")
+
+def _context() -> Any:
+    """Ranks are forked from a fork server (one per test process) that imported torch, its
+    compiler stack and its distributed packages once (``RANK_SERVER``): a spawned rank spends
+    about 6 s of CPU importing them, a forked one about 1.5 (moetrain and ``datasets``, which
+    start threads and so are imported after the fork). The server holds one thread when it
+    forks, so each fork is well defined (tests/rank_server.py says why, and what an earlier
+    server that held two lost); ``_entry`` checks it. ``MOETRAIN_TEST_SPAWN=1`` spawns a
+    fresh interpreter per rank instead. Either way ``_entry`` sets the caller's environment,
+    so a rank's does not depend on how it started."""
+    if os.environ.get("MOETRAIN_TEST_SPAWN") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([RANK_SERVER])
+    _ensure_server()
+    return ctx
+
+
+def _ensure_server() -> None:
+    """Start the fork server unless it runs, with this directory on its ``PYTHONPATH``: the
+    server imports ``RANK_SERVER`` by name from its own ``sys.path`` (Python 3.11's server
+    ignores the caller's) and ignores an ImportError, which ``forked_from_one_thread`` then
+    reports from the first rank."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(Path(__file__).parent), before)))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
+def forked_from_one_thread() -> None:
+    """In a rank forked from the fork server: raise unless the server held one thread (a
+    server whose preload failed, or that started a thread, forks undefined children)."""
+    server = sys.modules.get(RANK_SERVER)
+    if server is None:
+        raise RuntimeError(
+            f"this rank was forked from a fork server that did not import {RANK_SERVER} "
+            "(tests/rank_server.py): its import failed there; MOETRAIN_TEST_SPAWN=1 spawns ranks"
+        )
+    if server.THREADS != 1:
+        raise RuntimeError(
+            f"the fork server held {server.THREADS} threads when it forked this rank: a fork "
+            "is defined only from one thread (tests/rank_server.py)"
+        )
 
 
 def run_ranks(
@@ -222,7 +266,7 @@ def run_ranks(
     timeout: float = 240,
     init_pg: bool = True,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes (``_context``).
 
     Returns the ranks' results in rank order. ``init_pg=False`` leaves the process group to
     ``fn`` (``MASTER_ADDR``/``MASTER_PORT`` are not set; pass an ``init_method``). Raises
@@ -244,7 +288,7 @@ def run_ranks(
             ctx.Process(
                 target=_entry,
                 args=(rank, world_size, rendezvous, fn, args_bytes, results, init_pg,
-                      dict(os.environ), _log(tmp, rank)),
+                      dict(os.environ), _log(tmp, rank), ctx.get_start_method() != "spawn"),
                 daemon=True,
             )
             for rank in range(world_size)

@@ -140,3 +140,54 @@ def test_parameter_slack_is_only_for_gradients_below_the_noise_floor() -> None:
     compare_runs(_report(torch.tensor([0.3 + 5e-3, 0.3 + 3e-3]), grads, [1e-3, 2e-3]), ref)
     with pytest.raises(AssertionError, match=r"slack 0.004"):
         compare_runs(_report(torch.tensor([0.3, 0.3 + 5e-3]), grads, [1e-3, 2e-3]), ref)
+
+
+def _server_threads(rank: int, world_size: int) -> tuple[int, bool]:
+    import sys
+
+    server = sys.modules.get("rank_server")
+    return (server.THREADS if server else -1), "datasets" in sys.modules
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.environ.get("MOETRAIN_TEST_SPAWN") == "1", reason="ranks are spawned")
+def test_ranks_are_forked_from_a_server_that_held_one_thread() -> None:
+    """Each rank is a fork of the fork server after it imported torch (tests/rank_server.py),
+    which then held one thread: nothing it imported started one, ``datasets`` among them."""
+    assert run_ranks(_server_threads, 2, timeout=60, init_pg=False) == [(1, False), (1, False)]
+
+
+def test_a_fork_from_a_server_holding_a_thread_or_without_its_imports_is_refused(
+    monkeypatch,
+) -> None:
+    import sys
+    import types
+
+    import harness
+
+    monkeypatch.setitem(sys.modules, "rank_server", types.SimpleNamespace(THREADS=1))
+    harness.forked_from_one_thread()
+    monkeypatch.setitem(sys.modules, "rank_server", types.SimpleNamespace(THREADS=2))
+    with pytest.raises(RuntimeError, match="held 2 threads"):
+        harness.forked_from_one_thread()
+    monkeypatch.delitem(sys.modules, "rank_server")
+    with pytest.raises(RuntimeError, match="did not import rank_server"):
+        harness.forked_from_one_thread()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts /proc/self/task (Linux)")
+def test_the_servers_thread_count_sees_what_datasets_starts() -> None:
+    """The count ``_entry`` checks can fail: the server's imports plus ``datasets`` (pyarrow's
+    jemalloc thread, what an earlier server held when ranks died of SIGABRT) are more than
+    one thread. Counted in a fresh interpreter, as the server imports."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    probe = "import rank_server, datasets; print(rank_server.THREADS, rank_server.thread_count())"
+    env = {**os.environ, "PYTHONPATH": tests}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         check=True, timeout=120).stdout.split()  # fmt: skip
+    assert int(out[0]) == 1 and int(out[1]) > 1, out
