@@ -6,11 +6,13 @@ layout and compares it on every rank with the single-process run of the same opt
 (``check_cases`` of tests/multirank.py: losses, MoE statistics, every gradient of every
 step, the optimizer's state, final parameters, and the layout facts), within ``TOLERANCES``.
 
-- CI part: a pairwise covering design per layout -- every pair of option values that can
-  go together meets every layout at least once (about 16 rows per layout, one spawned job
-  per world size).
-- Slow part (``-m slow``, deselected otherwise: tests/conftest.py): every row of the design
-  under every layout where it is valid (the design's rows x the layouts).
+- The design: a pairwise covering design per layout -- every pair of option values that can
+  go together meets every layout at least once (about 16 rows per layout).
+- CI part: every option value under every layout (``_ci_rows``: a layout's fewest rows that
+  hold every value, the compositions sharing theirs), one job per world size; and a slice
+  of the rest, rotating with the commit (``slices``).
+- Exhaustive part (``-m exhaustive``, deselected otherwise: tests/conftest.py): the rest of
+  the pairwise designs, and every row of the design under every layout where it is valid.
 - Refusals: a combination the code does not support is refused by config validation with a
   message naming the key; the design asks only for what validation accepts.
 """
@@ -148,36 +150,6 @@ def test_a_request_that_forms_no_layout_is_no_witness() -> None:
     assert witnesses("cp", needs_cp) == []
 
 
-VALUE_ROWS_IN_CI = frozenset({
-    "dp2 zero0",
-    "dp2 zero1",
-    "dp2 zero2",
-    "dp2 zero3",
-    "tp2",
-    "tp2 SP replicated experts",
-    "pp2 gpipe",
-    "pp2 1f1b",
-    "pp2 zero_bubble v2",
-    "ep2 all_gather zero3",
-    "cp2",
-    "ep2 shared experts overlapped with the all-to-all",
-    "cp2 zero3, breadth-first passes of 2",
-    "pp2 looped_bfs v2, 2 depth-first passes",
-    "pp2 zbv, 2 pipeline micro-batches of 4",
-    "pp2 dualpipev, 4 micro-batches",
-    "pp2 1f1b, stages of 3 + 1 layers",
-    "pp2 dualpipev, stages of 1, 2, 1, 0 layers (the head alone)",
-})  # fmt: skip
-"""Two-rank layouts that vary an axis the CI part already crosses pairwise with every option
-(tp without SP and replicated experts beside tp + SP with expert TP, the all-gather
-dispatcher beside the all-to-all, every schedule beside interleaved 1F1B, uneven stages
-beside equal ones, an overlap beside the plain all-to-all), and data and context
-parallelism, which the compositions on 4 and 8 ranks cross with tp, ep and pp: in CI they run
-the rows holding every option value, the rest of their pairwise rows in the rotating slices
-and under ``-m exhaustive`` -- the suite's budget (262 two-rank cells took 343 s on two
-cores, the whole suite 30 min; now 142)."""
-
-
 @functools.cache
 def shared_value_rows(world: int) -> dict[str, tuple]:
     """The CI rows of the compositions on ``world`` ranks: every option value valid under
@@ -205,18 +177,21 @@ def shared_value_rows(world: int) -> dict[str, tuple]:
 
 
 def _ci_rows(layout):
+    """What CI runs under ``layout``: on two ranks the fewest of its pairwise rows that hold
+    every option value (``md.value_rows``), on 4 and 8 the rows the compositions share; the
+    rest of its pairwise rows runs in the rotating slices and under ``-m exhaustive``. (All of
+    the two-rank pairwise designs in CI, 142 cells, took 560 s of a 32-minute suite on two
+    AVX2 cores, tp2 + SP at 9 s a cell; 262 cells had taken 343 s earlier.)"""
     if layout.world > 2:
         return shared_value_rows(layout.world)[layout.name]
-    return md.value_rows(layout) if layout.name in VALUE_ROWS_IN_CI else md.design()[layout]
+    return md.value_rows(layout)
 
 
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
-def test_pairwise_design_under_every_two_rank_layout() -> None:
-    """Every pair of option values meets tp2 + SP (expert TP), pp2 interleaved 1F1B and ep2's
-    all-to-all on two ranks; the other two-rank layouts (``VALUE_ROWS_IN_CI``) meet every
-    value, and their other pairs run in the rotating slices."""
-    assert VALUE_ROWS_IN_CI <= {layout.name for layout in md.LAYOUTS if layout.world == 2}
+def test_every_option_value_under_every_two_rank_layout() -> None:
+    """Every option value valid under a two-rank layout meets it (``_ci_rows``); each pair of
+    values meets it in the rotating slices."""
     check_cases(2, _cases(2, _ci_rows), md.STEPS, timeout=880)
 
 
@@ -269,9 +244,10 @@ def test_every_row_under_every_layout(world: int) -> None:
 CELL_COST_S = {2: 1.5, 4: 6.0, 8: 12.0}
 """Estimated seconds of one exhaustive cell on two cores, by world size (two-rank cells
 measured at 1.2 s, compositions 3-11 s: the docstrings above)."""
-SLICE_BUDGET_S = 60
+SLICE_BUDGET_S = 40
 """Estimated cell seconds of one rotating slice. With the single-process references and one
-spawned job per world size, about a minute and a half on two idle cores (slice 0 at 150
+job per world size, about a minute on two idle cores (60 estimated seconds took 135 s in a
+full run on two AVX2 cores (slice 0 at 150
 estimated seconds, 34 cells, passed in 12 minutes on a machine loaded twentyfold; 120
 estimated seconds measured 131 s on two idle cores, 80 measured 111 s)."""
 
@@ -582,16 +558,13 @@ def render_page() -> str:
         "facts (`tests/parallel/test_oracle.py` plants all three, `tests/faults.py`).",
         "",
         f"{len(md.NAMES)} option factors, {len(md.LAYOUTS)} layouts, "
-        f"{len(md.all_rows())} distinct option rows. CI runs, for every layout of one axis,",
-        "a pairwise covering design (every pair of option values that validation accepts",
-        "together meets the layout at least once) -- for the variants of an axis that CI",
-        "already crosses pairwise (`VALUE_ROWS_IN_CI`: tp without SP and with replicated",
-        "experts, the all-gather dispatcher, every schedule but interleaved 1F1B, uneven",
-        "pipeline stages, the overlapped all-to-all; and dp and cp, which the compositions",
-        "cross with tp, ep and pp), the fewest of its pairwise rows that hold every option",
-        "value; the compositions of axes share such rows (`shared_value_rows`: every option",
-        "value meets some composition on 4 and on 8 ranks, every composition runs). The rest of",
-        "the pairwise designs and every row under every layout where it is valid (the exhaustive",
+        f"{len(md.all_rows())} distinct option rows. Each layout has a pairwise covering design",
+        "(every pair of option values that validation accepts together meets the layout at",
+        "least once). CI runs, for every layout of one axis, the fewest of its pairwise rows",
+        "that hold every option value; the compositions of axes share such rows",
+        "(`shared_value_rows`: every option value meets some composition on 4 and on 8 ranks,",
+        "every composition runs). The rest of the pairwise designs and every row under every",
+        "layout where it is valid (the exhaustive",
         f"cells, {len(exhaustive_cells())} of them) run under `-m exhaustive`, and in CI as a",
         f"rotating slice: cut into {len(slices())} slices of about {SLICE_BUDGET_S} s",
         f"(estimated), a commit runs slice `git rev-list --count HEAD` modulo {len(slices())}, so",
