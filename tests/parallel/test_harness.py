@@ -145,7 +145,9 @@ def test_parameter_slack_is_only_for_gradients_below_the_noise_floor() -> None:
 def _server_threads(rank: int, world_size: int) -> tuple[int, bool]:
     import sys
 
-    server = sys.modules.get("rank_server")
+    from harness import RANK_SERVER
+
+    server = sys.modules.get(RANK_SERVER)
     return (server.THREADS if server else -1), "datasets" in sys.modules
 
 

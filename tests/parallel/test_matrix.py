@@ -246,10 +246,9 @@ CELL_COST_S = {2: 1.5, 4: 6.0, 8: 12.0}
 measured at 1.2 s, compositions 3-11 s: the docstrings above)."""
 SLICE_BUDGET_S = 40
 """Estimated cell seconds of one rotating slice. With the single-process references and one
-job per world size, about a minute on two idle cores (60 estimated seconds took 135 s in a
-full run on two AVX2 cores (slice 0 at 150
-estimated seconds, 34 cells, passed in 12 minutes on a machine loaded twentyfold; 120
-estimated seconds measured 131 s on two idle cores, 80 measured 111 s)."""
+job per world size, about a minute on two idle cores. Measured before: 60 estimated seconds
+took 135 s in a full run on two AVX2 cores, 80 took 111 s and 120 took 131 s on two idle
+cores, and slice 0 at 150 (34 cells) passed in 12 minutes on a machine loaded twentyfold."""
 
 
 def cell_id(layout: md.Layout, row: md.Row) -> str:
