@@ -14,9 +14,10 @@ may start a thread:
   (``OPENBLAS_NUM_THREADS=1`` while torch is imported here) starts none.
   Ranks compute with torch, whose intra-op pool the harness sets; numpy's BLAS in a rank is
   single-threaded.
-- ``datasets`` (and moetrain, which imports it) starts pyarrow's jemalloc background thread
-  on import: each rank imports it after the fork. An earlier fork server that preloaded it
-  lost a rank to SIGABRT in 2 of 7 full runs.
+- ``datasets`` starts pyarrow's jemalloc background thread on import. Nothing here imports
+  it, and moetrain imports it only where it reads a split (a run over the default corpus's
+  token cache never does): a rank that needs it imports it after the fork. An earlier fork
+  server that preloaded it lost a rank to SIGABRT in 2 of 7 full runs.
 
 ``THREADS`` records how many threads the server had once the imports were done; ranks forked
 from it check it is one before they run anything (``_entry`` in tests/harness.py).

@@ -18,20 +18,22 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
-from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 
 from moetrain.config import DataConfig
 from moetrain.data._cache import cache_root
 from moetrain.data.corpus import corpus_files
 from moetrain.data.errors import DataError
 
+if TYPE_CHECKING:  # ``datasets`` (and pyarrow) load only where a split is read: a run over
+    # the default corpus's token cache or a prepared dataset never imports them (1.7 s)
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+
+    AnyDataset = Dataset | IterableDataset
+
 Role = Literal["train", "eval"]
-AnyDataset = Dataset | IterableDataset
 
 FORMATS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 """File extension -> ``datasets`` builder, used when ``data.format`` is null."""
@@ -156,6 +158,8 @@ def load_local_files(
 ) -> DatasetDict | IterableDatasetDict:
     """``datasets.load_dataset(builder, data_files=files)``: the one path for local files and
     the default corpus. Arrow caches go under ``<cache_dir>/datasets``."""
+    import datasets
+
     data_files = files if isinstance(files, dict) else {"train": files}
     # Zero-byte files hold no rows, and some builders stumble on them (json raises
     # StopIteration): leave them out, and call a split made only of them empty.
@@ -226,6 +230,8 @@ def _load(source: Source, split: str, key: str, cfg: DataConfig) -> AnyDataset:
 
 
 def _load_hub(name: str, split: str, key: str, cfg: DataConfig) -> AnyDataset:
+    import datasets
+
     kwargs: dict[str, Any] = {}
     if cfg.trust_remote_code:
         if "trust_remote_code" not in inspect.signature(datasets.load_dataset).parameters:
@@ -260,8 +266,11 @@ def _load_hub(name: str, split: str, key: str, cfg: DataConfig) -> AnyDataset:
 
 
 def _check_rows(ds: AnyDataset, cfg: DataConfig, what: str) -> None:
+    import datasets
+    import pyarrow.compute as pc
+
     col = cfg.text_column
-    if isinstance(ds, Dataset):
+    if isinstance(ds, datasets.Dataset):
         if col not in ds.column_names:
             raise DataError(
                 f"data.text_column: {what} has no column {col!r}; its columns are "
@@ -320,6 +329,8 @@ def is_held_out(index: int | Any, fraction: float) -> bool | Any:
 
 
 def _hold_out(ds: AnyDataset, fraction: float, keep_held_out: bool, what: str) -> AnyDataset:
+    from datasets import IterableDataset
+
     if isinstance(ds, IterableDataset):
         return ds.filter(
             lambda _, i: bool(is_held_out(i, fraction)) == keep_held_out, with_indices=True

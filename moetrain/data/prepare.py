@@ -32,13 +32,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute as pc
 from datasets import Dataset
 
 from moetrain.config import DataConfig
-from moetrain.data.dataset import AnyDataset, check_text, load_split, resolve_source
+from moetrain.data.dataset import check_text, load_split, resolve_source
 from moetrain.data.errors import DataError
 from moetrain.data.fast_bpe import choose_engine
 from moetrain.data.prepared import (
@@ -56,6 +56,9 @@ from moetrain.data.prepared import (
 from moetrain.data.tokenize_worker import ShardTokenizer, init_worker, write_shard
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
 from moetrain.data.verify import check_files, record_verified, stamp_file, verify_checksums
+
+if TYPE_CHECKING:
+    from moetrain.data.dataset import AnyDataset
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,9 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
-from datasets import Dataset, IterableDataset
 
 from moetrain.config import DataConfig
 from moetrain.data._cache import cache_root, short_hash
@@ -31,6 +30,9 @@ from moetrain.data.errors import DataError
 from moetrain.data.prepared import PreparedSplit, is_prepared, read_manifest, token_dtype
 from moetrain.data.tokenizer import Tokenizer
 from moetrain.data.verify import check_files, check_tokenizer
+
+if TYPE_CHECKING:  # datasets loads only where a split is read (moetrain.data.dataset)
+    from datasets import IterableDataset
 
 log = logging.getLogger(__name__)
 
@@ -239,6 +241,8 @@ def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:
     if is_prepared(cfg.dataset):
         return open_prepared(cfg.dataset, tokenizer, role)
     if cfg.streaming:
+        from datasets import IterableDataset
+
         ds = load_split(cfg, role)
         assert isinstance(ds, IterableDataset)
         # Eval reads its documents in stored order: the same sequences whatever data.seed
@@ -247,11 +251,10 @@ def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:
         return StreamingDocs(
             ds, tokenizer, cfg.text_column, seed, literal_special_tokens=cfg.literal_special_tokens
         )
-    path = None
-    if cfg.dataset == "default":
-        split, _, _ = plan_split(cfg, role, "default")
-        path = _token_cache(cfg, corpus_dir(cfg.cache_dir).name, split, tokenizer)
+    path = default_token_cache(cfg, tokenizer, role) if cfg.dataset == "default" else None
     if path is None or not is_prepared(path):
+        from datasets import Dataset
+
         ds = load_split(cfg, role)
         assert isinstance(ds, Dataset)
         if path is None:
@@ -265,6 +268,13 @@ def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:
             )
     manifest = read_manifest(path, "data.dataset", splits=(role,))
     return PreparedSplit(manifest, role)
+
+
+def default_token_cache(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Path:
+    """Where ``role``'s split of the default corpus is (or will be) tokenized by ``tokenizer``:
+    known without loading the corpus."""
+    split, _, _ = plan_split(cfg, role, "default")
+    return _token_cache(cfg, corpus_dir(cfg.cache_dir).name, split, tokenizer)
 
 
 def _token_cache(cfg: DataConfig, data_key: str, split: str, tokenizer: Tokenizer) -> Path:

@@ -86,3 +86,35 @@ def test_publish_is_atomic_and_first_writer_wins(tmp_path: Path):
     publish(target, lambda f: f.write(b"second"))
     assert target.read_bytes() == b"first"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
+
+
+def test_a_run_over_the_tokenized_corpus_loads_neither_datasets_nor_the_corpus(
+    cache_dir, tokenizer
+) -> None:
+    """Once both splits are in the token cache, checking the data and reading its batches
+    import no ``datasets`` (1-2 s of a process's start, and pyarrow's allocator thread): what
+    every rank of a multi-process run and every restart does."""
+    import subprocess
+    import sys
+
+    from moetrain.config import DataConfig
+    from moetrain.data.sources import build_doc_source, default_token_cache
+
+    cfg = DataConfig(cache_dir=cache_dir)
+    for role in ("train", "eval"):
+        build_doc_source(cfg, tokenizer, role)
+        assert (default_token_cache(cfg, tokenizer, role) / "manifest.json").is_file()
+    probe = (
+        "import sys\n"
+        "from moetrain.config import DataConfig\n"
+        "from moetrain.data import check_data, load_tokenizer\n"
+        "from moetrain.data.sources import build_doc_source\n"
+        f"cfg = DataConfig(cache_dir={cache_dir!r})\n"
+        "check_data(cfg)\n"
+        "tok = load_tokenizer('default', cfg.cache_dir)\n"
+        "docs = [build_doc_source(cfg, tok, role) for role in ('train', 'eval')]\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('datasets', 'pyarrow')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=300).stdout  # fmt: skip
+    assert out.strip() == "[]", out
