@@ -169,22 +169,68 @@ def conflict(row: Row) -> str | None:
     return None
 
 
+def _value_bits() -> tuple[list[list[int]], list[list[int]]]:
+    """Each option value as a bit of one integer (``bit[k][v]``), and the other factors'
+    values it cannot go with (``clash[k][v]``: they set one of its keys differently), so that
+    ``_conflicts`` tests a row with a few integer operations: the design tests ~10^6 rows."""
+    bit, n = [], 0
+    for levels in LEVELS:
+        bit.append([1 << (n + v) for v in range(levels)])
+        n += levels
+    clash = [[0] * levels for levels in LEVELS]
+    for k, j in itertools.permutations(range(len(LEVELS)), 2):
+        for a, b in itertools.product(range(LEVELS[k]), range(LEVELS[j])):
+            theirs = dict(_SETTINGS[j][b])
+            if any(theirs.get(key, value) != value for key, value in _SETTINGS[k][a]):
+                clash[k][a] |= bit[j][b]
+    return bit, clash
+
+
+_BIT, _CLASH = _value_bits()
+_FORBIDDEN_BITS = [sum(_BIT[k][v] for k, v in values) for values, _ in _FORBIDDEN]
+
+
+def _conflicts(row: Row) -> bool:
+    """Whether ``conflict(row)`` is not None: two values set one key differently, or the row
+    holds a ``FORBIDDEN`` combination."""
+    bits = clash = 0
+    for k, v in enumerate(row):
+        bits |= _BIT[k][v]
+        clash |= _CLASH[k][v]
+    return bool(bits & clash) or any(bits & f == f for f in _FORBIDDEN_BITS)
+
+
 @functools.cache
 def refusal(row: Row, layout: Layout) -> str | None:
     """Why the row is not valid under the layout (a conflict or config validation's error
     message), or None when it is."""
-    reason = conflict(row)
-    if reason is not None:
-        return reason
+    return conflict(row) if _conflicts(row) else _validation_error(row, layout)
+
+
+def _valid(row: Row, layout: Layout) -> bool:
+    """``refusal(row, layout) is None``, without the message of a conflicting row."""
+    return not _conflicts(row) and _validation_error(row, layout) is None
+
+
+@functools.cache
+def _validation_error(row: Row, layout: Layout) -> str | None:
+    """Config validation's message for a row with no conflict under the layout, or None."""
     from moetrain.config import ConfigError
     from moetrain.parallel.dims import ParallelDims
 
     try:
-        cfg = _load([*row_overrides(row), *layout.overrides])
+        settings = [s for k, v in enumerate(row) for s in _parsed(k, v)]
+        cfg = _load([*settings, *map(_setting, layout.overrides)])
         ParallelDims.from_config(cfg.parallel, layout.world).validate(cfg)
     except ConfigError as exc:
         return str(exc)
     return None
+
+
+@functools.cache
+def _parsed(k: int, v: int) -> tuple[tuple[str, str, object], ...]:
+    """The typed settings of value ``v`` of factor ``k`` (``_setting`` of each override)."""
+    return tuple(map(_setting, _OVERRIDES[k][v]))
 
 
 @functools.cache
@@ -207,33 +253,52 @@ def _base():
     return load_config(None, [*MICRO, *BASE, f"model.vocab_size={VOCAB}"])
 
 
-def _load(overrides: list[str]):
+def _load(settings: list[tuple[str, str, object]]):
     """``load_config(None, [*MICRO, *BASE, *overrides])`` -- what a cell runs, with the
-    default tokenizer's vocabulary -- built from a copy of the base config: the design
-    validates ~10^5 rows."""
-    import copy
-
-    cfg = copy.copy(_base())
+    default tokenizer's vocabulary -- from the overrides' parsed ``settings`` (``_setting``),
+    set on a shallow copy of the base config: the design validates ~10^5 rows."""
+    cfg = _clone(_base())
     sections = {}
-    for o in overrides:
-        section, key, value = _setting(o)
+    for section, key, value in settings:
         if section not in sections:
-            sections[section] = copy.copy(getattr(cfg, section))
+            sections[section] = _clone(getattr(cfg, section))
             setattr(cfg, section, sections[section])
         setattr(sections[section], key, value)
     return cfg.validate()
+
+
+def _clone(obj):
+    """A shallow copy of a config dataclass (``copy.copy`` without its ``__reduce_ex__``)."""
+    out = object.__new__(type(obj))
+    out.__dict__.update(obj.__dict__)
+    return out
 
 
 def _pairs(row: Row) -> set[tuple[int, int, int, int]]:
     return {(i, row[i], j, row[j]) for i, j in itertools.combinations(range(len(row)), 2)}
 
 
+def _draw_row(rng: random.Random) -> list[int]:
+    """A random value of every factor, each drawn as Python 3.11's ``rng.randrange(levels)``
+    draws it (rejection sampling over ``getrandbits``)."""
+    bits = rng.getrandbits
+    row = []
+    for levels, width in _WIDTHS:
+        r = bits(width)
+        while r >= levels:
+            r = bits(width)
+        row.append(r)
+    return row
+
+
+_WIDTHS = [(levels, levels.bit_length()) for levels in LEVELS]
+
+
 def _random_valid_rows(layout: Layout, n: int, rng: random.Random) -> list[Row]:
     out = []
-    draw = rng._randbelow  # what rng.randrange(k) returns for k > 0, without its checks
     for _ in range(n * 20):
-        row = tuple(draw(k) for k in LEVELS)
-        if refusal(row, layout) is None:
+        row = tuple(_draw_row(rng))
+        if _valid(row, layout):
             out.append(row)
             if len(out) == n:
                 break
@@ -255,14 +320,15 @@ def coverable_pairs(layout: Layout) -> frozenset[tuple[int, int, int, int]]:
 
 def _complete(layout: Layout, fixed: dict[int, int], rng: random.Random) -> Row | None:
     """A valid row with the ``fixed`` values: baseline first, then random completions."""
-    base = tuple(fixed.get(k, 0) for k in range(len(LEVELS)))
-    if refusal(base, layout) is None:
-        return base
-    draw = rng._randbelow  # rng.randrange's draw (the same sequence), without its checks
+    base = [fixed.get(k, 0) for k in range(len(LEVELS))]
+    if _valid(tuple(base), layout):
+        return tuple(base)
     for _ in range(40):
-        row = tuple(fixed.get(k, draw(n)) for k, n in enumerate(LEVELS))
-        if refusal(row, layout) is None:
-            return row
+        row = _draw_row(rng)
+        for k, v in fixed.items():
+            row[k] = v
+        if _valid(tuple(row), layout):
+            return tuple(row)
     return None
 
 
@@ -281,7 +347,7 @@ def _cover(layout: Layout, chosen: list[Row], rng: random.Random) -> tuple[Row, 
     uncovered = set(coverable_pairs(layout))
     rows: list[Row] = []
     while uncovered:
-        reusable = [r for r in chosen if r not in rows and refusal(r, layout) is None]
+        reusable = [r for r in chosen if r not in rows and _valid(r, layout)]
         best = max(reusable, key=lambda r: len(_pairs(r) & uncovered), default=None)
         if best is None or not _pairs(best) & uncovered:
             # A new row: seed it with an uncovered pair, then fill the rest greedily.
@@ -305,7 +371,7 @@ def _improve(row: Row, layout: Layout, uncovered: set, rng: random.Random) -> Ro
     for k in rng.sample(range(len(LEVELS)), len(LEVELS)):
         for v in range(LEVELS[k]):
             cand = best[:k] + (v,) + best[k + 1 :]
-            if cand == best or refusal(cand, layout) is not None:
+            if cand == best or not _valid(cand, layout):
                 continue
             s = len(_pairs(cand) & uncovered)
             if s > score:
