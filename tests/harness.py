@@ -211,8 +211,8 @@ RANK_SERVER = "rank_server"
 def _context() -> Any:
     """Ranks are forked from a fork server (one per test process) that imported torch, its
     compiler stack and its distributed packages once (``RANK_SERVER``): a spawned rank spends
-    about 6 s of CPU importing them, a forked one about 0.4 (moetrain, imported after the
-    fork: tests monkeypatch it per rank). The server holds one thread when it
+    about 6 s of CPU importing them, a forked one about 0.4 (moetrain's own modules). The
+    server holds one thread when it
     forks, so each fork is well defined (tests/rank_server.py says why, and what an earlier
     server that held two lost); ``_entry`` checks it. ``MOETRAIN_TEST_SPAWN=1`` spawns a
     fresh interpreter per rank instead. Either way ``_entry`` sets the caller's environment,

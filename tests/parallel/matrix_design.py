@@ -169,24 +169,25 @@ def conflict(row: Row) -> str | None:
     return None
 
 
-def _value_bits() -> tuple[list[list[int]], list[list[int]]]:
+def value_bits(settings) -> tuple[list[list[int]], list[list[int]]]:
     """Each option value as a bit of one integer (``bit[k][v]``), and the other factors'
-    values it cannot go with (``clash[k][v]``: they set one of its keys differently), so that
-    ``_conflicts`` tests a row with a few integer operations: the design tests ~10^6 rows."""
+    values it cannot go with (``clash[k][v]``: they set one of its keys differently), for
+    ``settings[k][v]`` = the (key, value) pairs of value v of factor k (``_SETTINGS``), so
+    that ``_conflicts`` tests a row with a few integer operations: the design tests ~10^6."""
     bit, n = [], 0
-    for levels in LEVELS:
-        bit.append([1 << (n + v) for v in range(levels)])
-        n += levels
-    clash = [[0] * levels for levels in LEVELS]
-    for k, j in itertools.permutations(range(len(LEVELS)), 2):
-        for a, b in itertools.product(range(LEVELS[k]), range(LEVELS[j])):
-            theirs = dict(_SETTINGS[j][b])
-            if any(theirs.get(key, value) != value for key, value in _SETTINGS[k][a]):
+    for factor in settings:
+        bit.append([1 << (n + v) for v in range(len(factor))])
+        n += len(factor)
+    clash = [[0] * len(factor) for factor in settings]
+    for k, j in itertools.permutations(range(len(settings)), 2):
+        for a, b in itertools.product(range(len(settings[k])), range(len(settings[j]))):
+            theirs = dict(settings[j][b])
+            if any(theirs.get(key, value) != value for key, value in settings[k][a]):
                 clash[k][a] |= bit[j][b]
     return bit, clash
 
 
-_BIT, _CLASH = _value_bits()
+_BIT, _CLASH = value_bits(_SETTINGS)
 _FORBIDDEN_BITS = [sum(_BIT[k][v] for k, v in values) for values, _ in _FORBIDDEN]
 
 

@@ -89,6 +89,26 @@ def test_combinations_left_out_are_refused_by_validation_with_a_message() -> Non
                     assert key.match(reason), (layout.name, md.row_label(row), reason)
 
 
+def test_the_designs_fast_conflict_test_agrees_with_conflict() -> None:
+    """The design tests rows with ``md._conflicts`` (bit masks) and writes messages with
+    ``md.conflict``: both say the same of every pair of values and of random rows."""
+    import random
+
+    rng = random.Random(0)
+    rows = [tuple(rng.randrange(n) for n in md.LEVELS) for _ in range(2000)]
+    for i, j in itertools.combinations(range(len(md.LEVELS)), 2):
+        for a, b in itertools.product(range(md.LEVELS[i]), range(md.LEVELS[j])):
+            rows.append(tuple(a if k == i else b if k == j else 0 for k in range(len(md.LEVELS))))
+    assert any(md._conflicts(r) for r in rows) and not all(md._conflicts(r) for r in rows)
+    for row in rows:
+        assert md._conflicts(row) == (md.conflict(row) is not None), md.row_label(row)
+    # No two factors set one key today (the conflicts above are FORBIDDEN's): the masks of
+    # keys set differently, on factors that do.
+    settings = [[(), (("moe.top_k", "1"),)], [(), (("moe.top_k", "2"),), (("moe.top_k", "1"),)]]
+    bit, clash = md.value_bits(settings)
+    assert clash == [[0, bit[1][1]], [0, bit[0][1], 0]], (bit, clash)
+
+
 def witnesses(key: str, expect=expected_layout) -> list[tuple[str, list[str]]]:
     """The layouts of the matrix that set ``parallel.<key>`` and whose expected facts
     (``expect``) differ without it: under the layout alone, or under some option value the
