@@ -7,7 +7,7 @@ from moetrain.data.dataset import load_split
 from moetrain.data.domains import check_domain_column
 from moetrain.data.errors import DataError
 from moetrain.data.prepared import is_prepared
-from moetrain.data.sources import default_token_cache
+from moetrain.data.sources import token_cache
 from moetrain.data.tokenizer import Tokenizer, load_tokenizer
 from moetrain.data.verify import check_prepared
 
@@ -21,8 +21,9 @@ def check_data(cfg: DataConfig, document_mask: bool = False) -> None:
     docs/data.md); nothing else is read, so this takes about a second at any size. Other
     data: both splits are loaded, and the path, splits, text column, row types and that
     there is text are checked, and ``data.domain_column`` when it is set. The default corpus
-    and tokenizer are built here on first use; once the corpus is in the token cache for this
-    tokenizer (it was checked when it was written), nothing is loaded.
+    and tokenizer are built here on first use. Once both splits of the default corpus or of
+    local files are in the token cache for this tokenizer (they were checked when it was
+    written; see ``token_cache``), nothing is loaded.
 
     ``document_mask`` (``model.document_mask``): a prepared dataset of format 1 is refused,
     since it encoded special-token text inside documents as special tokens.
@@ -45,18 +46,17 @@ def check_data(cfg: DataConfig, document_mask: bool = False) -> None:
                 "prepare it again with `moetrain prepare-data` (or set "
                 "model.document_mask=false)"
             )
-    if prepared or _default_corpus_tokenized(cfg, tokenizer):
+    if prepared or _tokenized(cfg, tokenizer):
         return
     for role in ("train", "eval"):
         load_split(cfg, role)
 
 
-def _default_corpus_tokenized(cfg: DataConfig, tokenizer: Tokenizer) -> bool:
-    """Whether both splits of the default corpus are in the token cache for ``tokenizer``:
-    they were loaded and checked (``load_split``) when it was written, so a run that reads
-    them needs neither ``datasets`` nor the corpus again."""
-    return (
-        cfg.dataset == "default"
-        and not cfg.streaming
-        and all(is_prepared(default_token_cache(cfg, tokenizer, r)) for r in ("train", "eval"))
-    )
+def _tokenized(cfg: DataConfig, tokenizer: Tokenizer) -> bool:
+    """Whether both splits are in the token cache for ``tokenizer``: they were loaded and
+    checked (``load_split``) when it was written, so a run that reads them needs neither
+    ``datasets`` nor the text again."""
+    if cfg.streaming:
+        return False
+    paths = [token_cache(cfg, tokenizer, role) for role in ("train", "eval")]
+    return all(path is not None and is_prepared(path) for path in paths)

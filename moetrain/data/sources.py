@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import random
 import threading
@@ -25,7 +26,7 @@ import numpy as np
 from moetrain.config import DataConfig
 from moetrain.data._cache import cache_root, short_hash
 from moetrain.data.corpus import corpus_dir
-from moetrain.data.dataset import check_text, load_split, plan_split
+from moetrain.data.dataset import check_text, load_split, plan_split, resolve_source
 from moetrain.data.errors import DataError
 from moetrain.data.prepared import PreparedSplit, is_prepared, read_manifest, token_dtype
 from moetrain.data.tokenizer import Tokenizer
@@ -251,7 +252,7 @@ def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:
         return StreamingDocs(
             ds, tokenizer, cfg.text_column, seed, literal_special_tokens=cfg.literal_special_tokens
         )
-    path = default_token_cache(cfg, tokenizer, role) if cfg.dataset == "default" else None
+    path = token_cache(cfg, tokenizer, role)
     if path is None or not is_prepared(path):
         from datasets import Dataset
 
@@ -270,11 +271,31 @@ def build_doc_source(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Any:
     return PreparedSplit(manifest, role)
 
 
-def default_token_cache(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Path:
-    """Where ``role``'s split of the default corpus is (or will be) tokenized by ``tokenizer``:
-    known without loading the corpus."""
-    split, _, _ = plan_split(cfg, role, "default")
-    return _token_cache(cfg, corpus_dir(cfg.cache_dir).name, split, tokenizer)
+def token_cache(cfg: DataConfig, tokenizer: Tokenizer, role: Role) -> Path | None:
+    """Where ``role``'s map-style split is (or will be) tokenized by ``tokenizer``, when that is
+    known without loading the split, else None.
+
+    Known for the default corpus (keyed by its name) and for local files, keyed by each file's
+    path, size and modification time, the builder and the hold-out: a file written again is
+    tokenized again. A hub dataset's key is ``datasets``' fingerprint of the loaded split.
+    """
+    if cfg.dataset == "default":
+        split, _, _ = plan_split(cfg, role, "default")
+        return _token_cache(cfg, corpus_dir(cfg.cache_dir).name, split, tokenizer)
+    source = resolve_source(cfg)
+    if source.kind != "local":
+        return None
+    assert source.files is not None
+    split, _, keep = plan_split(cfg, role, source.kind)
+    files = source.files.get(split)
+    if not files:
+        return None  # load_split names the missing split
+    stats = []
+    for f in files:
+        st = os.stat(f)
+        stats.append((os.path.abspath(f), st.st_size, st.st_mtime_ns))
+    holdout = None if keep is None else (keep, cfg.eval_fraction)
+    return _token_cache(cfg, short_hash(source.builder, stats, holdout), split, tokenizer)
 
 
 def _token_cache(cfg: DataConfig, data_key: str, split: str, tokenizer: Tokenizer) -> Path:

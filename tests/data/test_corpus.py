@@ -8,6 +8,8 @@ import random
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from moetrain.data import corpus_files, load_split
 from moetrain.data._cache import publish
 from moetrain.data.corpus import EVAL_FRACTION, corpus_dir, split_records, stdlib_dir
@@ -88,28 +90,41 @@ def test_publish_is_atomic_and_first_writer_wins(tmp_path: Path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin"]
 
 
-def test_a_run_over_the_tokenized_corpus_loads_neither_datasets_nor_the_corpus(
-    cache_dir, tokenizer
+def _local_docs(path: Path, texts: list[str]) -> str:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return str(path)
+
+
+@pytest.mark.parametrize("data", ["default", "local"])
+def test_a_run_over_tokenized_data_loads_neither_datasets_nor_the_text(
+    data, cache_dir, tokenizer, tmp_path
 ) -> None:
     """Once both splits are in the token cache, checking the data and reading its batches
     import no ``datasets`` (1-2 s of a process's start, and pyarrow's allocator thread): what
-    every rank of a multi-process run and every restart does."""
+    every rank of a multi-process run and every restart does. For the default corpus and
+    for local files (here one file, its eval split held out by ``data.eval_fraction``)."""
     import subprocess
     import sys
 
     from moetrain.config import DataConfig
-    from moetrain.data.sources import build_doc_source, default_token_cache
+    from moetrain.data.sources import build_doc_source, token_cache
 
-    cfg = DataConfig(cache_dir=cache_dir)
+    dataset = "default"
+    if data == "local":
+        dataset = _local_docs(tmp_path / "docs.jsonl", [f"doc {i} " * 20 for i in range(40)])
+    cfg = DataConfig(dataset=dataset, cache_dir=cache_dir)
+    caches = set()
     for role in ("train", "eval"):
         build_doc_source(cfg, tokenizer, role)
-        assert (default_token_cache(cfg, tokenizer, role) / "manifest.json").is_file()
+        caches.add(token_cache(cfg, tokenizer, role))
+        assert (token_cache(cfg, tokenizer, role) / "manifest.json").is_file()
+    assert len(caches) == 2  # the held-out documents are not the training ones
     probe = (
         "import sys\n"
         "from moetrain.config import DataConfig\n"
         "from moetrain.data import check_data, load_tokenizer\n"
         "from moetrain.data.sources import build_doc_source\n"
-        f"cfg = DataConfig(cache_dir={cache_dir!r})\n"
+        f"cfg = DataConfig(dataset={dataset!r}, cache_dir={cache_dir!r})\n"
         "check_data(cfg)\n"
         "tok = load_tokenizer('default', cfg.cache_dir)\n"
         "docs = [build_doc_source(cfg, tok, role) for role in ('train', 'eval')]\n"
@@ -118,3 +133,32 @@ def test_a_run_over_the_tokenized_corpus_loads_neither_datasets_nor_the_corpus(
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          check=True, timeout=300).stdout  # fmt: skip
     assert out.strip() == "[]", out
+
+
+def test_a_local_file_written_again_is_tokenized_again(cache_dir, tokenizer, tmp_path) -> None:
+    """The token cache of local files is keyed by their size and modification time (as
+    ``datasets``' own cache of them is), and by the hold-out: new text, or another eval
+    fraction, is never read from an old cache."""
+    import os
+
+    from moetrain.config import DataConfig
+    from moetrain.data.sources import build_doc_source, token_cache
+
+    path = tmp_path / "docs.jsonl"
+
+    def first_doc(texts, when):
+        _local_docs(path, texts)
+        os.utime(path, ns=(when, when))
+        cfg = DataConfig(dataset=str(path), cache_dir=cache_dir, eval_split="train")
+        doc = build_doc_source(cfg, tokenizer, "train").read(0, 0, 4).tolist()
+        return tokenizer.decode(doc), token_cache(cfg, tokenizer, "train")
+
+    first, key = first_doc(["alpha beta gamma delta"] * 3, 10**18)
+    assert first.startswith("alpha")
+    second, new_key = first_doc(["omega psi chi phi"] * 3, 2 * 10**18)
+    assert second.startswith("omega") and new_key != key
+    assert first_doc(["omega psi chi phi phi"] * 3, 2 * 10**18)[1] != new_key  # size alone
+    cfg = DataConfig(dataset=str(path), cache_dir=cache_dir)
+    held_out = DataConfig(dataset=str(path), cache_dir=cache_dir, eval_fraction=0.2)
+    assert token_cache(cfg, tokenizer, "eval") != token_cache(held_out, tokenizer, "eval")
+    assert token_cache(cfg, tokenizer, "eval") != token_cache(cfg, tokenizer, "train")
