@@ -39,7 +39,8 @@ class OptimConfig:
     """Decay after warm-up."""
     weight_decay: float = 0.1
     """Decoupled weight decay, p -= lr x weight_decay x p each step, of AdamW and Muon alike
-    (not applied to norms, 1-D biases and the router's expert bias)."""
+    (not applied to norms, biases of any shape -- the routed experts' (E, F) and (E, D) ones
+    included --, attention sinks and the router's expert bias)."""
     beta1: float = 0.9
     """AdamW beta1."""
     beta2: float = 0.95

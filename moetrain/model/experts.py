@@ -42,6 +42,10 @@ class GroupedExperts(nn.Module):
     rows of expert e; act is silu(g) * u, or gpt-oss's ``clamped_swiglu``; the biases only
     with ``bias``."""
 
+    BIASES = ("b1", "b3", "b2")
+    """The per-expert biases, (E, F) and (E, D): biases whatever their number of dimensions
+    (never weight-decayed, never Muon's, ``moetrain.train.optim``)."""
+
     def __init__(
         self,
         num_experts: int,

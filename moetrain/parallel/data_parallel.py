@@ -73,6 +73,43 @@ def apply_fsdp(
     # The root (embedding, final norm, output) follows the stage too, so that ZeRO-3 sends
     # exactly its 3 Psi: gathered for forward and again for backward.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policies.root, **kw)
+    reduce_unused_as_zeros(model)
+
+
+def reduce_unused_as_zeros(model: nn.Module) -> None:
+    """Make FSDP2 reduce-scatter a zero gradient for a parameter this rank's data left unused,
+    so that every rank issues the same collectives whatever its data used (torch >= 2.13,
+    ``set_reduce_scatter_unused_params``); the other reductions do the same
+    (``grads_or_zeros``). Older torch reduce-scatters only the gradients a rank has: a
+    parameter some ranks' data leave unused would stop the job there, so it is warned of."""
+    setter = getattr(model, "set_reduce_scatter_unused_params", None)
+    if setter is not None:
+        setter(True)
+        return
+    import warnings
+
+    warnings.warn(
+        f"torch {torch.__version__}: FSDP2 (parallel.zero_stage 2/3) reduces only the "
+        "gradients each rank has, so a parameter that some ranks' data leave unused would "
+        "stop the job; torch >= 2.13 reduces a zero gradient for it (docs/parallel.md)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def grads_or_zeros(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    """Each trainable parameter's gradient, a zero one created where this rank's data left the
+    parameter unused: every rank then reduces the same tensors, in the same buckets (a missing
+    gradient would shift every later one and desynchronize the collective). Parameters whose
+    gradient is not needed (``requires_grad`` False) are left out."""
+    out = []
+    for p in params:
+        if not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        out.append(p.grad)
+    return out
 
 
 def apply_ddp(model: nn.Module, dp_mesh: Any, zero_stage: int) -> None:
@@ -128,7 +165,7 @@ class GradientSync:
             return
         if self.dp == 1:
             return
-        grads = [_local(p.grad) for g in self.groups for p in g if p.grad is not None]
+        grads = [_local(g) for g in grads_or_zeros(p for group in self.groups for p in group)]
         bucket: list[torch.Tensor] = []
         size = 0
         for g in grads + [None]:

@@ -41,6 +41,7 @@ from moetrain.model.ep_dispatch import (
 from moetrain.model.experts import EXPERT_FFN_DIMS
 from moetrain.model.init import fqn
 from moetrain.model.moe import MoELayer
+from moetrain.parallel.data_parallel import grads_or_zeros
 
 DISPATCHERS = ("all_to_all", "all_gather")
 
@@ -240,9 +241,10 @@ def reduce_expert_grads(params: Iterable[nn.Parameter], edp_group, dp: int) -> N
     ``edp_group``: DeviceMesh or ProcessGroup of the ranks holding the same experts (None
     or size 1: no communication). ``dp``: the full data-parallel degree, the same divisor
     DDP/FSDP apply to the other parameters, so both halves of the model see exactly the
-    gradient of the global-batch mean loss. One coalesced all-reduce.
+    gradient of the global-batch mean loss. One coalesced all-reduce, of a zero gradient
+    where this rank's data left an expert parameter unused (``grads_or_zeros``).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = grads_or_zeros(params)
     if not grads:
         return
     group = _group(edp_group)

@@ -474,12 +474,14 @@ class Engine:
 
     @torch.no_grad()
     def optimizer_step(self, max_norm: float | None, loss: float = 0.0) -> float:
-        """Reduce gradients (stages 0/1), clip to ``max_norm``, step, all-gather (ZeRO-1),
-        zero the gradients. Returns the global gradient norm before clipping.
+        """Give unused parameters a zero gradient, reduce gradients (stages 0/1), clip to
+        ``max_norm``, step, all-gather (ZeRO-1), zero the gradients. Returns the global
+        gradient norm before clipping.
 
         When the norm or ``loss`` is not finite the update is skipped on every rank (the norm
         and loss are global, so all ranks agree): parameters and optimizer state stay as
         they were, the gradients are dropped and the schedule advances."""
+        self.grads.fill_unused()
         self.grads.match_placements()
         self._sync_embedding_copies()
         self.grads.reduce()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moetrain.parallel.data_parallel import GradientSync
+from moetrain.parallel.data_parallel import GradientSync, grads_or_zeros
 from moetrain.parallel.dims import Meshes
 from moetrain.parallel.expert_parallel import (
     expert_grad_sq_norm,
@@ -123,6 +123,15 @@ class Gradients:
             dist.all_reduce(total, group=self.embedding_group)
         for g in grads:
             g.copy_(total)
+
+    def fill_unused(self) -> None:
+        """A zero gradient for every trainable parameter the step's data left unused on this
+        rank, before any reduction: in every layout, one process included, each trainable
+        parameter then steps with the gradient of the data that used it (zero where none
+        did, as an expert that received no token), and every data-parallel rank reduces the
+        same set of gradients whichever parameters its own data used."""
+        for part in self.parts:
+            grads_or_zeros(part.parameters())
 
     def match_placements(self) -> None:
         """Give every DTensor gradient its parameter's placements. Some ops return a

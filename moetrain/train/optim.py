@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from moetrain.config import OptimConfig
+from moetrain.model.experts import GroupedExperts
 from moetrain.train.adamw import AdamW, BF16MomentsAdamW, adamw
 from moetrain.train.muon import build_muon, muon_matrices
 
@@ -46,12 +47,21 @@ __all__ = [
 def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """Split the trainable parameters into (decayed, not decayed).
 
-    Matrices and higher (linear weights, embeddings, the E x D x F expert weights, the router's
-    gate) are decayed; vectors (norm weights, biases) are not, since decaying a gain towards 0
-    fights the normalisation it parameterises. The router's expert-selection bias is a buffer,
-    not a parameter, so it never reaches the optimizer. Frozen parameters are left out; tied
-    parameters appear once (``named_parameters`` deduplicates them).
+    Weight matrices and higher (linear weights, embeddings, the E x D x F expert weights, the
+    router's gate) are decayed; norm weights and biases are not, whatever their shape -- the
+    routed experts' (E, F) and (E, D) biases (``GroupedExperts.BIASES``) included, as
+    Megatron-Core and torchtitan exempt them --, nor the 1-D attention sinks: decaying a gain
+    or an offset towards 0 fights what it parameterises. The router's expert-selection bias is
+    a buffer, not a parameter, so it never reaches the optimizer. Frozen parameters are left
+    out; tied parameters appear once (``named_parameters`` deduplicates them).
     """
+    biases = {
+        id(b)
+        for m in model.modules()
+        if isinstance(m, GroupedExperts)
+        for b in (getattr(m, name) for name in m.BIASES)
+        if b is not None
+    }
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
@@ -59,7 +69,7 @@ def param_groups(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
             continue
         # DTensor parameters (FSDP2 / TP) report their global ndim, so the split does not
         # depend on the parallel layout.
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        (decay if p.ndim >= 2 and id(p) not in biases else no_decay).append(p)
     return decay, no_decay
 
 
@@ -82,8 +92,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, **muon: Any) -> torch.op
     """The optimizer of ``model``'s trainable parameters, with its groups always in this
     order:
 
-    group 0: >= 2-D parameters, ``weight_decay = cfg.weight_decay`` (AdamW);
-    group 1: 1-D parameters, ``weight_decay = 0`` (AdamW);
+    group 0: weight matrices (>= 2-D, not biases), ``weight_decay = cfg.weight_decay``
+    (AdamW);
+    group 1: norm weights and biases (``param_groups``), ``weight_decay = 0`` (AdamW);
     group 2: under ``optim.name=muon`` only, the matrices Muon updates (taken out of group 0).
 
     Every group exists even when it is empty, so group indices (and checkpointed optimizer

@@ -100,10 +100,9 @@ def _reference(steps: int, seed: int = 0, round_buffers: bool = False) -> dict[s
         ns_coefficients=NS_COEFFICIENTS,
         adjust_lr_fn="match_rms_adamw",
     )
-    adam = torch.optim.AdamW(
-        [{"params": [params[n] for n in ADAM if params[n].ndim >= 2], "weight_decay": WD},
-         {"params": [params[n] for n in ADAM if params[n].ndim < 2], "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.95), eps=1e-8)  # fmt: skip
+    # Every AdamW parameter here is a bias: none decays, the experts' (E, F) ones included.
+    adam = torch.optim.AdamW([params[n] for n in ADAM], lr=LR, betas=(0.9, 0.95), eps=1e-8,
+                             weight_decay=0.0)  # fmt: skip
     for step in range(steps):
         _set_grads(net, step)
         for n in EXPERTS:
@@ -145,8 +144,8 @@ def test_groups_and_hyperparameters_reach_the_optimizer() -> None:
     decay, no_decay, matrices = opt.param_groups
     ids = lambda names: {id(params[n]) for n in names}  # noqa: E731
     assert {id(p) for p in matrices["params"]} == ids((*MATRICES, *EXPERTS))
-    assert {id(p) for p in decay["params"]} == ids(("moe.b1", "moe.b3", "moe.b2"))
-    assert {id(p) for p in no_decay["params"]} == ids(("up.bias",))
+    assert not decay["params"]  # biases of any shape are not decayed
+    assert {id(p) for p in no_decay["params"]} == ids(("up.bias", "moe.b1", "moe.b3", "moe.b2"))
     assert matrices["muon"] and matrices["momentum"] == MOMENTUM and matrices["ns_steps"] == 4
     assert matrices["update_rms"] == 0.3 and matrices["weight_decay"] == WD
     assert matrices["ns_dtype"] == "bf16" and no_decay["weight_decay"] == 0.0

@@ -70,6 +70,32 @@ def test_param_groups_membership() -> None:
     assert decay["betas"] == (0.9, 0.95) and decay["eps"] == 1e-8 and decay["lr"] == 3e-3
 
 
+def test_expert_biases_and_sinks_are_not_decayed_whatever_their_shape() -> None:
+    """The routed experts' biases are (E, F) and (E, D): biases, exempt from weight decay
+    like every other bias and norm (as in Megatron-Core and torchtitan); their weights are
+    decayed. Built from the real model with gpt-oss's options."""
+    from moetrain.config import ModelConfig, MoEConfig
+    from moetrain.model.transformer import Transformer
+
+    model = Transformer(
+        ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=32,
+                    attention_sinks=True, qkv_bias=True),
+        MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=8, expert_ffn_bias=True,
+                  router_bias=True),
+    )  # fmt: skip
+    decay, no_decay = build_optimizer(model, OptimConfig()).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    kept = {names[id(p)] for p in no_decay["params"]}
+    experts = "layers.0.ffn.experts."
+    assert {experts + b for b in ("b1", "b3", "b2")} <= kept
+    assert {experts + w for w in ("w1", "w3", "w2")} <= decayed
+    assert all(n.endswith(("bias", "b1", "b3", "b2", "weight", "sinks")) for n in kept)
+    assert not any(n.endswith(("bias", "b1", "b3", "b2", "norm.weight", "sinks"))
+                   for n in decayed)  # fmt: skip
+    assert all(p.ndim == 1 or names[id(p)].startswith(experts) for p in no_decay["params"])
+
+
 def test_tied_parameter_appears_once_and_empty_group_kept() -> None:
     emb = nn.Embedding(7, 3)
     head = nn.Linear(3, 7, bias=False)

@@ -1,0 +1,118 @@
+"""A parameter that some ranks' data leave unused: every data-parallel reduction still
+agrees on the set of gradients, and the step is one process's.
+
+ZeRO-0's bucketed all-reduce used to take only the gradients its own rank had, and FSDP2
+reduce-scatters only those (unless told otherwise): a parameter used on some ranks' data
+shifted every later gradient in the buckets, or left one rank out of a reduce-scatter, and
+the job stopped. Now every trainable parameter the data left unused gets a zero gradient
+before any reduction, in every layout and in one process alike (``Gradients.fill_unused``,
+``grads_or_zeros``, FSDP2's ``set_reduce_scatter_unused_params``).
+
+The planted model (``_install``) adds the routed experts' output bias ``b2`` to the tokens
+equal to one token id only, and leaves ``b2`` out of the graph of a micro-batch that holds
+none: token by token the same function in every layout. The token is one that rank 1's
+micro-batches hold and rank 0's never do (recorded from a first run), so rank 0's data never
+use ``b2`` and rank 1's do.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from multirank import compare_runs, micro_run, run_ranks
+
+pytestmark = pytest.mark.multirank
+
+STEPS = 2
+OPTIONS = ("moe.expert_ffn_bias=true",)
+LAYOUTS = {
+    "zero0 (bucketed all-reduce)": ("parallel.zero_stage=0",),
+    "zero1": ("parallel.zero_stage=1",),
+    "zero2 (FSDP2)": ("parallel.zero_stage=2",),
+    "zero3 (FSDP2)": ("parallel.zero_stage=3",),
+}
+
+
+def _install(token: int | None, setattr_: Callable[..., None]) -> set[int]:
+    """Record every token id the model's forwards see (returned, filled as they run); with
+    ``token``, plant the bias used on that token's rows only."""
+    from moetrain.model import experts, transformer
+
+    seen: set[int] = set()
+    current: dict[str, torch.Tensor] = {}
+    forward, output_bias = transformer.Transformer.forward, experts.GroupedExperts.output_bias
+
+    def recording_forward(self: Any, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not tokens.is_floating_point():
+            current["tokens"] = tokens
+            seen.update(tokens.unique().tolist())
+        return forward(self, tokens, *args, **kwargs)
+
+    def planted_output_bias(self: Any, ids_TK: Any, weights_TK: Any, dest_TK: Any) -> Any:
+        rows_T = current["tokens"].reshape(-1) == token
+        if not bool(rows_T.any()):  # b2 is not in this micro-batch's graph
+            return weights_TK.new_zeros(ids_TK.shape[0], self.b2.shape[-1])
+        return output_bias(self, ids_TK, weights_TK * rows_T[:, None].to(weights_TK), dest_TK)
+
+    setattr_(transformer.Transformer, "forward", recording_forward)
+    if token is not None:
+        setattr_(experts.GroupedExperts, "output_bias", planted_output_bias)
+    return seen
+
+
+def _run(token: int | None, overrides: tuple[str, ...]) -> tuple[dict[str, Any], set[int]]:
+    undo: list[Callable[[], None]] = []
+
+    def patch(obj: Any, attr: str, value: Any) -> None:
+        old = getattr(obj, attr)
+        setattr(obj, attr, value)
+        undo.append(lambda: setattr(obj, attr, old))
+
+    try:
+        seen = _install(token, patch)
+        with tempfile.TemporaryDirectory() as tmp:
+            got = micro_run(tmp, STEPS, *OPTIONS, *overrides, traffic=False)
+    finally:
+        for restore in reversed(undo):
+            restore()
+    got.pop("layout", None)
+    return got, seen
+
+
+def _worker(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch import nn
+
+    from moetrain.parallel.expert_parallel import reduce_expert_grads
+
+    _, mine = _run(None, next(iter(LAYOUTS.values())))
+    seen: list[set[int]] = [set(), set()]
+    dist.all_gather_object(seen, mine)
+    token = min(seen[1] - seen[0])
+    runs = {name: _run(token, layout)[0] for name, layout in LAYOUTS.items()}
+    # The expert-data-parallel reduction on its own: rank 0 lacks ``a``'s gradient.
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    b.grad = torch.full((2,), float(rank + 1))
+    if rank == 1:
+        a.grad = torch.full((3,), 4.0)
+    reduce_expert_grads([a, b], dist.group.WORLD, 2)
+    return {"token": token, "seen": seen, "runs": runs, "edp": (a.grad.tolist(), b.grad.tolist())}
+
+
+@pytest.mark.slow
+def test_a_parameter_unused_on_one_ranks_data_steps_as_in_one_process(monkeypatch) -> None:
+    results = run_ranks(_worker, 2, timeout=300)
+    token = results[0]["token"]
+    seen = results[0]["seen"]
+    assert token in seen[1] and token not in seen[0]  # b2 is used on rank 1's data only
+    ref, _ = _run(token, ())
+    used = [g for step in ref["grads"] for n, g in step.items() if n.endswith("experts.b2")]
+    assert any(g.abs().sum() > 0 for g in used)  # one process's b2 has a gradient
+    for rank, res in enumerate(results):
+        assert res["edp"] == ([2.0, 2.0, 2.0], [1.5, 1.5]), (rank, res["edp"])
+        for name, got in res["runs"].items():
+            compare_runs(got, ref, what=f"dp2 {name}, rank {rank}")
