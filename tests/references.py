@@ -198,6 +198,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "train.dtype": ("fp32 training of the same model over 20 steps", "tests/train/test_bf16.py::test_bf16_loss_tracks_fp32_over_20_steps"),
     "train.eval_batches": ("the same eval sequences every time", "tests/data/test_batches.py::test_eval_batches_are_identical_every_time_and_independent_of_the_seed"),
     "train.resume": ("the uninterrupted run", "resume"),
+    "train.checkpoint_async": ("the synchronous save's checkpoints, tensor for tensor, and the uninterrupted run after a kill during the save", "tests/train/test_async_checkpoint.py::test_the_trainers_asynchronous_checkpoints_are_the_synchronous_ones"),
     "train.nonfinite_policy": ("the parameters before the skipped step", "nonfinite"),
     "train.max_nonfinite_skips": ("the count of skipped steps", "nonfinite"),
     "train.routing_replay": ("the run's own routing replayed reproduces it exactly", "replay"),

@@ -77,6 +77,7 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
     "train.eval_batches": ("free", "evaluation size"),
     "train.checkpoint_every": ("free", "checkpoint cadence"),
     "train.keep_last": ("free", "checkpoint retention"),
+    "train.checkpoint_async": ("free", "how checkpoints are written"),
     "train.resume": ("free", "which checkpoint"),
     "train.resume_allow_changes": ("free", "this list"),
     "train.compile": ("free", "compute path"),

@@ -45,6 +45,14 @@ class TrainConfig:
     """Save a checkpoint every N steps (and at the end). 0: only at the end."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after a newer one is verified."""
+    checkpoint_async: bool = False
+    """Write the periodic checkpoints while training goes on: the state is staged (copied to
+    host memory, pinned on a GPU) at the step, then written, verified and published by a
+    background thread over a process group of its own. At most one save is in flight (the
+    next one waits, and the log says so); the final checkpoint, a preemption's and a
+    non-finite halt's are written synchronously after the one in flight. The staging copy
+    (parameters and optimizer state) is in ``moetrain plan`` and ``memory_check``
+    (docs/checkpoints.md)."""
     resume: str = "auto"
     """"auto": resume from the checkpoint ``<output_dir>/checkpoints/latest`` names, or else
     the newest one that verifies; start fresh when there is none; refuse when checkpoints

@@ -93,6 +93,10 @@ class RankState:
     expert_elements: int = 0
     optim_dtypes: dict[str, int] = field(default_factory=dict)
     """Optimizer state bytes by dtype name (what the optimizer chose)."""
+    checkpoint: int = 0
+    """Bytes of the tensors this rank's checkpoint holds: its parameters, persistent buffers
+    and every optimizer state tensor (the step counters too) -- what an asynchronous save
+    stages (``moetrain.train.checkpoint.write.Staging``)."""
     n_params: int = 0
     """The whole model's parameters (tied ones once)."""
     n_active: int = 0
@@ -295,13 +299,23 @@ def _read_state(
                     seen.add(key)
                     masters += _local(p).untyped_storage().nbytes()
     optim, by_dtype = _optimizer_state(optimizers)
-    buffers, seen_b = 0, set()
+    buffers, persistent, seen_b = 0, 0, set()
     for part in parts:
-        for b in part.buffers():
-            key = _storage_id(b)
-            if key not in seen_b:
-                seen_b.add(key)
-                buffers += b.untyped_storage().nbytes()
+        for module in part.modules():
+            for name, b in module.named_buffers(recurse=False):
+                key = _storage_id(b)
+                if key not in seen_b:
+                    seen_b.add(key)
+                    buffers += b.untyped_storage().nbytes()
+                    if name not in module._non_persistent_buffers_set:
+                        persistent += b.untyped_storage().nbytes()
+    scalars = sum(
+        _local(v).untyped_storage().nbytes()
+        for opt in optimizers
+        for state in opt.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() == 0
+    )
     gathered, exact = 0, True
     if fsdp:
         unit_bytes = _fsdp_units(parts)
@@ -318,6 +332,7 @@ def _read_state(
         "gathered_exact": exact,
         "buffers": buffers,
         "optim_dtypes": by_dtype,
+        "checkpoint": params + persistent + optim + scalars,
     }
 
 

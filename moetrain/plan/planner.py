@@ -44,6 +44,11 @@ class RankPlan:
     rope: int
     axes: list[Axis] = field(default_factory=list)
     estimate: Estimate | None = None
+    staging: int = 0
+    """Host bytes the asynchronous checkpoints stage into (``train.checkpoint_async``): a copy
+    of the rank's checkpoint tensors (``RankState.checkpoint``: parameters, persistent
+    buffers, optimizer state), allocated at the first save and kept. In host memory (pinned)
+    on a GPU, beside the rank's other memory on a CPU."""
 
     @property
     def steady(self) -> int:
@@ -88,12 +93,20 @@ class Plan:
         step, whichever is larger, plus the runtime's reserve on a GPU."""
         if rank is None:
             return max(self.peak(r) for r in self.ranks)
-        return max(self.start_up_of(rank), rank.steady) + self.reserve
+        return max(self.start_up_of(rank), rank.steady + self.staging_on_device(rank)) + (
+            self.reserve
+        )
+
+    def staging_on_device(self, rank: RankPlan) -> int:
+        """The asynchronous checkpoints' staging where it shares the rank's memory (a CPU
+        run); a GPU's rank stages into host memory instead (``memory_check`` checks it)."""
+        return rank.staging if self.device_type == "cpu" else 0
 
     def step_peak(self, rank: RankPlan | None = None) -> int:
         """A rank's peak during training steps (the worst rank's by default), plus the
         runtime's reserve on a GPU."""
-        steady = rank.steady if rank is not None else max(r.steady for r in self.ranks)
+        ranks = [rank] if rank is not None else self.ranks
+        steady = max(r.steady + self.staging_on_device(r) for r in ranks)
         return int(steady + self.reserve)
 
     @property
@@ -154,7 +167,9 @@ def plan_rank(
     kept = [act.input_only_bytes(cfg, sh, c) for c in state.chunks]
     peak, flight = act.peak_in_flight(cfg, dims, state.coords["pp"], stage_ids, per_mb, kept)
     rope = act.rope_bytes(cfg, sh) * (max(sum(flight), 1) if dims.cp > 1 else 1)
-    return RankPlan(state, per_mb, flight, peak, act.recompute_bytes(cfg, sh, state.chunks), rope)
+    staging = state.checkpoint if cfg.train.checkpoint_async else 0
+    return RankPlan(state, per_mb, flight, peak, act.recompute_bytes(cfg, sh, state.chunks), rope,
+                    staging=staging)  # fmt: skip
 
 
 def plan(
@@ -204,11 +219,11 @@ def available_memory(device: torch.device) -> tuple[float, str]:
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free memory of {torch.cuda.get_device_name(device)}"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    avail = _mem_available()
+    avail = host_memory_available()
     return avail / local, f"MemAvailable {avail / 1e9:.1f} GB / {local} local rank(s)"
 
 
-def _mem_available() -> float:
+def host_memory_available() -> float:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

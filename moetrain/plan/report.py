@@ -74,6 +74,9 @@ def memory_rows(plan: Plan, r: RankPlan) -> list[tuple[str, str, float]]:
     ]
     if r.recompute:
         rows.append(("recomputation (one block, checkpointing)", "est.", r.recompute))
+    if r.staging:
+        where = "its memory" if plan.device_type == "cpu" else "pinned host memory, not summed"
+        rows.append((f"checkpoint staging (train.checkpoint_async; {where})", "exact", r.staging))
     return rows
 
 
@@ -102,7 +105,8 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
         vals = "".join(f"{t[i][2] / GB:.2f}".rjust(width) for t in table)
         lines.append(f"  {what.ljust(label_w)}{kind:>6}{vals}")
     lines.append(f"  {'= at the step peak'.ljust(label_w)}{'':>6}"
-                 + "".join(f"{r.steady / GB:.2f}".rjust(width) for r in plan.ranks))  # fmt: skip
+                 + "".join(f"{(r.steady + plan.staging_on_device(r)) / GB:.2f}".rjust(width)
+                           for r in plan.ranks))  # fmt: skip
     lines.append(f"  {'start-up: local shards + one init block'.ljust(label_w)}{'exact':>6}"
                  + "".join(f"{plan.start_up_of(r) / GB:.2f}".rjust(width)
                            for r in plan.ranks))  # fmt: skip
@@ -266,6 +270,7 @@ def as_dict(plan: Plan, memory_gb: float | None) -> dict[str, Any]:
                 "recompute": r.recompute,
                 "in_flight": r.in_flight,
                 "steady": r.steady,
+                "staging": r.staging,
                 "start_up": plan.start_up_of(r),
                 "traffic": {a.name: a.bytes for a in r.axes},
                 "muon_sent": s.muon_sent,

@@ -34,16 +34,39 @@ def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> No
     need = planned.peak()
     gb = cfg.train.memory_per_rank_gb
     have, source = (gb * 1e9, "train.memory_per_rank_gb") if gb else available_memory(device)
-    if need <= have:
-        return
     r = planned.ranks[0]
+    if need <= have:
+        if r.staging and device.type != "cpu":
+            _check_host_staging(r.staging)
+        return
+    on_device = planned.staging_on_device(r)
+    staged = f", checkpoint staging {on_device / 1e9:.3g}" if on_device else ""
     tips = "; ".join(t.rstrip(".") for t in advice(planned, have / 1e9)[:-1])
     raise ConfigError(
         f"train.memory_check: rank {rank} needs about {need / 1e9:.3g} GB (start-up "
         f"{planned.start_up_of(r) / 1e9:.3g} GB: its shards and one init block; step peak "
         f"{r.steady / 1e9:.3g} GB: model state {r.state.model_state / 1e9:.3g}, activations "
-        f"{(r.activations + r.recompute) / 1e9:.3g}) but has {have / 1e9:.3g} GB ({source}). "
+        f"{(r.activations + r.recompute) / 1e9:.3g}"
+        f"{staged}) but has {have / 1e9:.3g} GB ({source}). "
         f"{tips + '. ' if tips else ''}`moetrain plan --config ... --world {dims.world_size}` "
         "shows every figure and --search the layouts that fit; train.memory_check=false starts "
         "anyway (docs/plan.md)"
+    )
+
+
+def _check_host_staging(per_rank: int) -> None:
+    """A GPU's ranks stage their asynchronous checkpoints in pinned host memory: refuse a
+    start whose node's ranks would need more than the host has available."""
+    from moetrain.plan.planner import host_memory_available
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    have = host_memory_available()
+    if per_rank * local <= have:
+        return
+    raise ConfigError(
+        f"train.checkpoint_async: the {local} rank(s) of this node stage "
+        f"{per_rank / 1e9:.3g} GB each of parameters and optimizer state in pinned host "
+        f"memory, {per_rank * local / 1e9:.3g} GB, but the host has {have / 1e9:.3g} GB "
+        "available (MemAvailable); set train.checkpoint_async=false to save synchronously, "
+        "or shard the state over more ranks (docs/checkpoints.md)"
     )

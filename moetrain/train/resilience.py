@@ -95,15 +95,19 @@ class NonFiniteGuard:
 
 
 class FaultInjector:
-    """``MOETRAIN_INJECT_FAULT="rank=R,step=S,kind=raise|exit|kill[,point=step|save][,once=F]"``:
-    rank R fails at step S — before running the step (``point=step``, the default), or while
-    saving the checkpoint of step S after every file is written but before it is published
-    (``point=save``). ``raise`` raises RuntimeError, ``exit`` calls os._exit(3), ``kill``
-    sends itself SIGKILL. With ``once=F`` the fault fires only if file F does not exist yet
-    and creates it, so a job restarted by ``torchrun --max-restarts`` runs through.
+    """``MOETRAIN_INJECT_FAULT="rank=R,step=S,kind=raise|exit|kill[,point=P][,once=F]"``:
+    rank R fails at step S, at point P of it: ``step`` (the default) before running the step;
+    while saving the checkpoint of step S, ``write`` once its tensor shards are written,
+    ``save`` once every file is written but before it is published, or (an asynchronous save,
+    ``train.checkpoint_async``) ``stage`` once the state is staged, before the background
+    write starts. ``raise`` raises RuntimeError, ``exit`` calls os._exit(3), ``kill`` sends
+    itself SIGKILL (from the writing thread too: the whole process dies). With ``once=F`` the
+    fault fires only if file F does not exist yet and creates it, so a job restarted by
+    ``torchrun --max-restarts`` runs through.
     Unset: nothing happens."""
 
     ENV = "MOETRAIN_INJECT_FAULT"
+    POINTS = ("step", "stage", "write", "save")
 
     def __init__(self, rank: int):
         spec = os.environ.get(self.ENV, "")
@@ -115,11 +119,12 @@ class FaultInjector:
                 fault.setdefault("point", "step")
                 if fault["kind"] not in ("raise", "exit", "kill"):
                     raise ValueError(fault["kind"])
-                if fault["point"] not in ("step", "save"):
+                if fault["point"] not in self.POINTS:
                     raise ValueError(fault["point"])
             except (KeyError, ValueError) as exc:
                 raise ValueError(f"{self.ENV}={spec!r}: expected rank=R,step=S,"
-                                 "kind=raise|exit|kill[,point=step|save][,once=FILE]") from exc
+                                 f"kind=raise|exit|kill[,point={'|'.join(self.POINTS)}]"
+                                 "[,once=FILE]") from exc
             if int(fault["rank"]) == rank:
                 self.fault = fault
 

@@ -195,7 +195,13 @@ class Trainer:
         del model
         if start is not None:  # every rank reads only the slices it holds
             start.load(self.engine)
-        self.ckpt = CheckpointManager(self.out_dir / "checkpoints", tcfg.keep_last)
+        # An asynchronous save's collectives run beside training's: on a group of their own.
+        ckpt_group = None
+        if tcfg.checkpoint_async and dist.is_available() and dist.is_initialized():
+            ckpt_group = dist.new_group(backend="gloo")
+        self.ckpt = CheckpointManager(
+            self.out_dir / "checkpoints", tcfg.keep_last, process_group=ckpt_group
+        )
         self.fingerprint = model_fingerprint(cfg, vocab)
         self.step = 0
         self.resumed_from: Path | None = None  # the checkpoint maybe_resume loaded
@@ -230,13 +236,18 @@ class Trainer:
         return self.engine.full_state_dict()
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
+        """Wait for a checkpoint still being written; flush and close the TensorBoard
+        writer."""
+        self.ckpt.close()
         self.writer.flush()
         self.writer.close()
 
     # ------------------------------------------------------------------ checkpoints
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, asynchronous: bool = False) -> Path | None:
+        """Save the checkpoint of this step and return its path once published; with
+        ``asynchronous`` (``train.checkpoint_async``), stage it and return None while a
+        background thread writes it. A synchronous save waits for the one in flight first."""
         extra = {
             "step": self.step,
             "scheduler": self.engine.scheduler_state(),
@@ -244,6 +255,12 @@ class Trainer:
             "rng": rng_state(),
             "config": self.cfg.to_dict(),
         }
+        if asynchronous:
+            self.ckpt.save_async(
+                self.step, self.engine.app_state(), extra, fingerprint=self.fingerprint
+            )
+            return None
+        self.ckpt.wait()
         path = self.ckpt.save(
             self.step, self.engine.app_state(), extra, fingerprint=self.fingerprint
         )
@@ -460,6 +477,7 @@ class Trainer:
         eval_loss = None
         with PreemptionGuard() as preempt:
             eval_loss = self._loop(end, window, bar, preempt)
+            self.ckpt.wait()  # a save in flight is published before the run ends
         if tcfg.steps == 0 and self.step == 0:
             # The starting model itself (an upcycled or imported start), for export.
             self.save_checkpoint()
@@ -561,10 +579,10 @@ class Trainer:
                 )
                 window = []
             saved = (tcfg.checkpoint_every and self.step % tcfg.checkpoint_every == 0) or last
-            if saved:
-                self.save_checkpoint()
+            if saved:  # the last one synchronously: the run ends with it on disk
+                self.save_checkpoint(asynchronous=tcfg.checkpoint_async and not last)
             if preempt.should_stop(self.device):
-                if not saved:
+                if not saved:  # after the save in flight, if any
                     self.save_checkpoint()
                 break
         return eval_loss

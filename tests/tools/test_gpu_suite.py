@@ -23,7 +23,7 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def _dry_run(out: Path, parts: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, DRY="1", OUT=str(out), PARTS=parts, BUDGET="300",
+    env = dict(os.environ, DRY="1", OUT=str(out), PARTS=parts, BUDGET="900",
                MOETRAIN_COMMIT="abc1234")  # fmt: skip
     env.pop("TRITON_INTERPRET", None)  # the suite sets it itself for a dry run
     return subprocess.run(["bash", str(TOOLS / "gpu_suite.sh")], cwd=REPO, env=env,

@@ -116,6 +116,31 @@ def test_kill_9_while_saving_keeps_the_last_complete_checkpoint(
     assert losses(out) == reference
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("point", ["stage", "write", "save"])
+def test_kill_9_during_an_asynchronous_save_keeps_the_last_published_checkpoint(
+        tmp_path: Path, reference: dict[int, float], point: str) -> None:
+    """``train.checkpoint_async``: the process is killed while step 4's checkpoint is being
+    saved beside training -- once it is staged, once its shards are written, once every file
+    is (before it is published); the kill comes from the writing thread for the last two."""
+    out = tmp_path / "run"
+    args = ("train.steps=8", "train.checkpoint_every=2", "train.checkpoint_async=true")
+    killed = subprocess.run(
+        cmd(out, *args), env=env(MOETRAIN_INJECT_FAULT=f"rank=0,step=4,kind=kill,point={point}"),
+        capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_00000002"
+    assert not (ckpts / "step_00000004").exists()
+    resumed = subprocess.run(cmd(out, *args), env=env(), capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "at step 2" in resumed.stdout
+    assert "written while training went on" in resumed.stdout + resumed.stderr
+    assert losses(out) == reference
+
+
 def _poison_grad_at(trainer: Trainer, bad_step: int) -> None:
     """Make one parameter's gradient NaN during step ``bad_step`` (1-based)."""
     param = next(p for p in trainer.engine.parts[0].parameters() if p.requires_grad)

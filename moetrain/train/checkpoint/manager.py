@@ -8,11 +8,14 @@ rank that fails never leaves the others waiting in the next collective.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
 import shutil
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -40,6 +43,7 @@ from moetrain.train.checkpoint.verify import (
     verify_checkpoint,
 )
 from moetrain.train.checkpoint.write import (
+    Staging,
     make_tmp_dir,
     quiet_single_process,
     serialize_extra,
@@ -124,6 +128,9 @@ class CheckpointManager:
         self.process_group = process_group
         self._rank = rank
         self._world_size = world_size
+        self._staging = Staging()
+        self._writer: ThreadPoolExecutor | None = None
+        self._in_flight: tuple[int, Future[Path]] | None = None
 
     # -------------------------------------------------------------- distributed plumbing
 
@@ -250,6 +257,7 @@ class CheckpointManager:
         try:
             blob = self._phase(lambda: self._prepare(extra, fingerprint, per_rank, tmp))
             self._phase(lambda: write_dcp(app_state, tmp, self.process_group, self.distributed))
+            FaultInjector(self.rank).maybe_fail(step, point="write")  # the shards are written
             self._phase(lambda: write_extra(tmp, blob, self.rank if per_rank else None))
             # Written, not yet published: where a crash must leave `latest` untouched.
             FaultInjector(self.rank).maybe_fail(step, point="save")
@@ -282,6 +290,85 @@ class CheckpointManager:
             prune(self.root, step, self.keep_last)
         self._barrier()
         return final
+
+    # -------------------------------------------------------------- saving while training
+
+    def save_async(
+        self,
+        step: int,
+        app_state: dict[str, Any],
+        extra: dict[str, Any],
+        *,
+        fingerprint: dict[str, Any] | None = None,
+        per_rank: bool = False,
+    ) -> None:
+        """Stage checkpoint ``step`` and let a background thread write, verify and publish it
+        (``save``) while training goes on; ``wait`` returns its path or raises its error.
+
+        Staging copies ``app_state``'s tensors into host buffers reused from one save to the
+        next (pinned on a GPU; ``Staging``) and ``extra`` as plain data: what training does
+        next cannot reach what is written. At most one save is in flight: a save still
+        running when the next one starts is waited for first, and the log says for how long.
+        The manager's process group must be one that nothing else uses while a save runs
+        (the trainer makes one): the save's collectives run beside training's.
+
+        Collective, like ``save``; a kill at any moment leaves the last published checkpoint
+        as it was (the save writes into ``.tmp-*`` and publishes by renames)."""
+        self._check_layout()
+        if self.busy:
+            assert self._in_flight is not None
+            start = time.perf_counter()
+            previous = self._in_flight[0]
+            self.wait()
+            log.info("checkpoint step %d: waited %.2f s for the save of step %d to finish "
+                     "(one save in flight at a time)", step, time.perf_counter() - start,
+                     previous)  # fmt: skip
+        self.wait()
+        staged = self._staging.stage(app_state)
+        extra = copy.deepcopy(extra)
+        FaultInjector(self.rank).maybe_fail(step, point="stage")
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="moetrain-checkpoint")
+
+        def write() -> Path:
+            path = self.save(step, staged, extra, fingerprint=fingerprint, per_rank=per_rank)
+            log.info("saved checkpoint %s (written while training went on)", path)
+            return path
+
+        self._in_flight = (step, self._writer.submit(write))
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the asynchronous save not yet waited for, or None."""
+        return None if self._in_flight is None else self._in_flight[0]
+
+    @property
+    def busy(self) -> bool:
+        """Whether the asynchronous save in flight is still being written."""
+        return self._in_flight is not None and not self._in_flight[1].done()
+
+    @property
+    def staging_bytes(self) -> int:
+        """Bytes of the host buffers the asynchronous saves stage into (0 before the first)."""
+        return self._staging.nbytes
+
+    def wait(self) -> Path | None:
+        """Block until the asynchronous save in flight (if any) is published and return its
+        path; raise its CheckpointError if it failed. None when no save is in flight."""
+        if self._in_flight is None:
+            return None
+        _, future = self._in_flight
+        self._in_flight = None
+        return future.result()
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the background thread."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
 
     def _save_failed(self, step: int, failures: _RankFailures) -> str:
         cause = failures.text(self.world_size)

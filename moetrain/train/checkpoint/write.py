@@ -16,12 +16,14 @@ import os
 import shutil
 import warnings
 from collections.abc import Iterator
+from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor
 
 from moetrain.train.checkpoint.layout import (
     TMP_PREFIX,
@@ -110,9 +112,14 @@ def make_tmp_dir(root: Path, tmp: Path) -> None:
 
 
 def write_dcp(app_state: dict[str, Any], tmp: Path, process_group: Any, distributed: bool) -> None:
-    """This rank's DCP shards (and, from the coordinator, ``.metadata``) into ``tmp``."""
+    """This rank's DCP shards (and, from the coordinator, ``.metadata``) into ``tmp``.
+
+    Without the CRC32 that ``torch.save`` computes over every byte by default: ``torch.load``
+    never checks it (a flipped byte loads either way), and computing it took a core for 4 s
+    per 1.3 GB -- most of a save's time, and what an asynchronous save took from the steps
+    beside it. The verification checks sizes and byte ranges (``verify.py``)."""
     writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
-    with quiet_single_process():
+    with quiet_single_process(), _without_crc32():
         dcp.save(
             app_state,
             storage_writer=writer,
@@ -121,8 +128,71 @@ def write_dcp(app_state: dict[str, Any], tmp: Path, process_group: Any, distribu
         )
 
 
+def _without_crc32() -> contextlib.AbstractContextManager[Any]:
+    """``torch.save`` without its CRC32 (torch's serialization config; process-wide while
+    it lasts), or nothing where this torch has no such setting."""
+    try:
+        from torch.utils.serialization import config
+
+        return config.patch({"save.compute_crc32": False})
+    except (ImportError, AttributeError):
+        return contextlib.nullcontext()
+
+
 def write_extra(tmp: Path, blob: bytes | None, rank: int | None) -> None:
     """The serialized extra state as ``extra.pt`` (``rank`` None) or ``extra_rank<r>.pt``;
     nothing when ``blob`` is None (a rank that holds no extra state)."""
     if blob is not None:
         write_file(tmp / extra_name(rank), blob)
+
+
+class Staging:
+    """Host buffers an asynchronous save writes from: ``stage(state)`` copies every tensor of
+    a (nested) state dict into them and returns the state dict made of the copies.
+
+    A buffer is kept per key path and reused while its shape and dtype stay the same, so a
+    run allocates its staging memory once (pinned host memory for tensors on a GPU, whose
+    copies then run as DMA; plain host memory on a CPU). A DTensor's local shard is copied
+    and wrapped again with its mesh and placements, so DCP writes each rank's shards where
+    it would have. Non-tensor leaves are deep-copied. ``nbytes``: the buffers' total."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, state: Any) -> Any:
+        cuda = False
+        staged_once: dict[tuple[Any, ...], torch.Tensor] = {}
+
+        def copy(x: Any, path: tuple[Any, ...]) -> Any:
+            nonlocal cuda
+            if isinstance(x, DTensor):
+                local = copy(x.to_local(), path)
+                return DTensor.from_local(local, x.device_mesh, x.placements, run_check=False,
+                                          shape=x.shape, stride=x.stride())  # fmt: skip
+            if isinstance(x, torch.Tensor):
+                alias = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape,
+                         x.stride(), x.dtype)  # fmt: skip
+                if alias in staged_once:  # a tied tensor under two names: one copy
+                    return staged_once[alias]
+                buf = self._buffers.get(path)
+                if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+                    buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
+                    self._buffers[path] = buf
+                cuda = cuda or x.is_cuda
+                buf.copy_(x.detach(), non_blocking=x.is_cuda)
+                staged_once[alias] = buf
+                return buf
+            if isinstance(x, dict):
+                return {k: copy(v, (*path, k)) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return type(x)(copy(v, (*path, i)) for i, v in enumerate(x))
+            return deepcopy(x)
+
+        staged = copy(state, ())
+        if cuda:
+            torch.cuda.synchronize()  # the copies are in host memory before anyone reads them
+        return staged
