@@ -357,6 +357,39 @@ def test_synchronize_and_peak_flops_on_cuda(fake_cuda):
     assert gpu_of_device("NVIDIA RTX 4090") is None and set(GPUS) >= {"b200", "l40"}
 
 
+class _SaysCuda(torch.Tensor):
+    """A CPU tensor that says it is on a GPU (``is_cuda``): what ``Staging`` branches on."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def test_checkpoint_staging_pins_copies_asynchronously_and_waits_once(fake_cuda, monkeypatch):
+    """An asynchronous checkpoint stages a GPU tensor into pinned host memory with a
+    non-blocking copy, and synchronizes once, after every copy was issued, before the
+    background thread reads them; a CPU tensor's buffer is plain memory. The buffers are
+    reused by the next save."""
+    from moetrain.train.checkpoint import write
+
+    pinned = []
+    empty = torch.empty
+
+    def fake_empty(*shape, pin_memory=False, **kw):
+        pinned.append(pin_memory)
+        return empty(*shape, **kw)  # a CPU-only torch has no pinned memory
+
+    monkeypatch.setattr(write.torch, "empty", fake_empty)
+    gpu = torch.Tensor._make_subclass(_SaysCuda, torch.arange(6.0).reshape(2, 3))
+    state = {"model": {"w": gpu, "b": torch.ones(2)}, "optim": {"lr": 0.1}}
+    staging = write.Staging()
+    staged = staging.stage(state)
+    assert pinned == [True, False] and fake_cuda.calls == [("synchronize", gpu.device)]
+    assert torch.equal(staged["model"]["w"], gpu) and staged["optim"] == {"lr": 0.1}
+    first = staged["model"]["w"]
+    assert staging.stage(state)["model"]["w"] is first and len(pinned) == 2
+
+
 def test_generate_defaults_to_cuda(fake_cuda, monkeypatch, capsys):
     from moetrain.config import ConfigError
     from moetrain.interop import cli

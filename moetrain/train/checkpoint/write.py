@@ -164,7 +164,7 @@ class Staging:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def stage(self, state: Any) -> Any:
-        cuda = False
+        cuda: torch.device | None = None  # the GPU the copies were issued on
         staged_once: dict[tuple[Any, ...], torch.Tensor] = {}
 
         def copy(x: Any, path: tuple[Any, ...]) -> Any:
@@ -182,7 +182,8 @@ class Staging:
                 if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
                     buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_cuda)
                     self._buffers[path] = buf
-                cuda = cuda or x.is_cuda
+                if x.is_cuda:
+                    cuda = x.device
                 buf.copy_(x.detach(), non_blocking=x.is_cuda)
                 staged_once[alias] = buf
                 return buf
@@ -193,6 +194,6 @@ class Staging:
             return deepcopy(x)
 
         staged = copy(state, ())
-        if cuda:
-            torch.cuda.synchronize()  # the copies are in host memory before anyone reads them
+        if cuda is not None:  # the copies are in host memory before anyone reads them
+            torch.cuda.synchronize(cuda)
         return staged
