@@ -114,10 +114,7 @@ class Gradients:
                  if part.embeds_input and part.tok_embeddings is not None]  # fmt: skip
         if not mine:
             return  # a stage in the middle
-        for p in mine:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [local(p.grad) for p in mine]
+        grads = [local(p.grad) for p in mine]  # every one has one (``fill_unused`` ran first)
         total = torch.stack(grads).sum(0)
         if self.embedding_group is not None:
             dist.all_reduce(total, group=self.embedding_group)

@@ -328,15 +328,12 @@ class CheckpointManager:
         Collective, like ``save``; a kill at any moment leaves the last published checkpoint
         as it was (the save writes into ``.tmp-*`` and publishes by renames)."""
         self._check_layout()
-        if self.busy:
-            assert self._in_flight is not None
-            start = time.perf_counter()
-            previous = self._in_flight[0]
-            self.wait()
+        busy, previous, start = self.busy, self.in_flight, time.perf_counter()
+        self.wait()  # raises a failed previous save's error here, even if it already ended
+        if busy:
             log.info("checkpoint step %d: waited %.2f s for the save of step %d to finish "
                      "(one save in flight at a time)", step, time.perf_counter() - start,
                      previous)  # fmt: skip
-        self.wait()
         staged = self._staging.stage(app_state)
         extra = copy.deepcopy(extra)
         FaultInjector(self.rank).maybe_fail(step, point="stage")
