@@ -6,10 +6,12 @@
 
 Builds the trainer of ``configs/tiny.yaml`` with wider, deeper experts (``MODEL``: about 110 M
 parameters, 1.3 GB of parameters and AdamW state in fp32), runs ``--warmup`` steps, then
-``--steps`` normal steps (their median is the normal step), then one step followed by a
-synchronous save (``train.checkpoint_async=false``: the step's time plus the save's, what
-training waits), then one step followed by an asynchronous save and the steps that run while it
-is written, each timed (the staging copy counts in the first of them). Reported: the normal
+``--steps`` normal steps, then one step followed by a synchronous save
+(``train.checkpoint_async=false``: the step's time plus the save's, what training waits), then
+one step followed by an asynchronous save and the steps that run while it is written, each timed
+(the staging copy counts in the first of them), then ``--steps`` normal steps again: the normal
+step is the median of the normal steps before and after, so that a drift of the machine's speed
+during the run weighs on neither side. Reported: the normal
 step, the synchronous save's step and its ratio, every step during the asynchronous save and
 the largest ratio (target: at most 1.25), the save's own duration, the staging bytes and the
 checkpoint's size on disk. Written to ``docs/data/bench_checkpoint.json`` with the hardware,
@@ -106,6 +108,7 @@ def _measure(overrides: list[str], warmup: int, steps: int) -> dict[str, Any]:
             during.append(_timed_step(trainer))
         trainer.ckpt.wait()
         async_save = time.perf_counter() - saved_at
+        normal += [_timed_step(trainer) for _ in range(steps)]  # the machine's drift: both sides
         staging = trainer.ckpt.staging_bytes
         trainer.close()
     median = statistics.median(normal)
@@ -177,8 +180,8 @@ def write_page(run: dict[str, Any], page: Path = PAGE) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a micro model (a smoke run)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=Path, default=JSON)
     parser.add_argument("--no-page", action="store_true", help="leave docs/checkpoints.md")
     parser.add_argument("--render", action="store_true", help="the page from the JSON only")
@@ -193,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
         "commit": _commit(),
         "torch": __import__("torch").__version__,
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, load "
-                   f"{os.getloadavg()[0]:.1f}",  # fmt: skip
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
         "model": QUICK if args.quick else MODEL,
         "figures": figures,
     }

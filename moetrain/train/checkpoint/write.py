@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from moetrain.train.checkpoint.layout import (
@@ -118,8 +119,9 @@ def write_dcp(app_state: dict[str, Any], tmp: Path, process_group: Any, distribu
     never checks it (a flipped byte loads either way), and computing it costs a core about
     1.3 s per 300 MB (``torch.save`` of 300 MB alone: 1.69 s with it, 0.37 s without), CPU
     that an asynchronous save would take from the steps beside it. The verification checks
-    sizes and byte ranges (``verify.py``)."""
-    writer = FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+    sizes and byte ranges (``verify.py``). The shards go to disk as they are written, a
+    chunk at a time (``SyncingStream``)."""
+    writer = _SyncingWriter(tmp, single_file_per_rank=True, sync_files=True)
     with quiet_single_process(), _without_crc32():
         dcp.save(
             app_state,
@@ -127,6 +129,79 @@ def write_dcp(app_state: dict[str, Any], tmp: Path, process_group: Any, distribu
             process_group=process_group,
             no_dist=not distributed,
         )
+
+
+SYNC_CHUNK = 64 << 20  # bytes written between two syncs of a shard file
+
+
+class SyncingStream:
+    """A shard file that goes to disk as it is written: every ``SYNC_CHUNK`` bytes it is
+    synced (``fdatasync``) and its pages dropped from the page cache.
+
+    Written whole and synced once at the end, a checkpoint first fills the page cache with
+    dirty pages (gigabytes, below the kernel's writeback threshold) and then waits for them
+    all in one ``fsync``; the copying into fresh cache pages, the burst of writeback and the
+    freeing of those pages at the next prune take CPU and memory bandwidth from the steps an
+    asynchronous save runs beside. Chunked, the write proceeds at the disk's pace and the
+    cache stays small. Measured with tools/bench_checkpoint.py's 1.27 GB state on a 2-core
+    machine: the largest step during an asynchronous save 1.05-1.24x a normal step (1.39-1.54x
+    written whole), and the synchronous write 1.1-1.3 s instead of 4.8-5.2 s."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self._fd = file.fileno()
+        self._unsynced = 0
+
+    def write(self, data: Any) -> int:
+        written = self._file.write(data)
+        self._unsynced += written
+        if self._unsynced >= SYNC_CHUNK:
+            self._sync()
+        return written
+
+    def _sync(self) -> None:
+        self._file.flush()
+        _datasync(self._fd)
+        if hasattr(os, "posix_fadvise"):  # clean pages now: dropping them loses nothing
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self._unsynced = 0
+
+    def close(self) -> None:
+        """Sync what is left and close. (DCP fsyncs a shard's descriptor before it closes
+        the buffered file, which leaves the buffer's last bytes unsynced; this sync has
+        them.)"""
+        self._sync()
+        self._file.close()
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+def _datasync(fd: int) -> None:
+    (os.fdatasync if hasattr(os, "fdatasync") else os.fsync)(fd)
+
+
+class _SyncingFileSystem(FileSystem):
+    """DCP's local file system, its shard files written through ``SyncingStream``."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
+        with super().create_stream(path, mode) as stream:
+            yield SyncingStream(stream) if "w" in mode else stream
+
+
+class _SyncingWriter(FileSystemWriter):
+    """DCP's ``FileSystemWriter`` over ``_SyncingFileSystem``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _SyncingFileSystem()
 
 
 def _without_crc32() -> contextlib.AbstractContextManager[Any]:
