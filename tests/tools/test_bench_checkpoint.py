@@ -27,5 +27,5 @@ def test_a_quick_run_measures_every_figure(tmp_path: Path) -> None:
                        "--no-page"]) == 0  # fmt: skip
     figures = json.loads(out.read_text())["figures"][-1]
     assert figures["staging_bytes"] > 0 and figures["checkpoint_bytes"] > 0
-    assert len(figures["normal_steps_s"]) == 2 and figures["async_steps_s"]
+    assert len(figures["normal_steps_s"]) == 2 * 2 and figures["async_steps_s"]  # before, after
     assert figures["sync_step_s"] > 0 and figures["async_save_s"] > 0
