@@ -81,6 +81,12 @@ tests/oracle.py).
 - ``welch_pooled_df``: Welch's unpaired interval takes the pooled n_a + n_b - 2 degrees of
   freedom instead of Welch-Satterthwaite's (``moetrain.ablation.stats.difference_interval``,
   its source mutated). Caught by the hand computation of tests/tools/test_stats.py.
+- ``quantile_counts_averaged``: the step's statistics reduction divides quantile balancing's
+  histogram by the data-parallel ranks along with the expert bias beside it (a state, which
+  it must average), so the counts are a mean where the target T*K/E counts every rank's
+  tokens (``LayerStats.pop``, its source mutated). One process has nothing to average; caught
+  by the expert bias and the histogram against one process's
+  (tests/parallel/test_quantile_layouts.py).
 """
 
 from __future__ import annotations
@@ -360,6 +366,13 @@ def _welch_pooled_df(setattr_: Callable[..., None]) -> None:
            "df = ia.n + ib.n - 2")  # fmt: skip
 
 
+def _quantile_counts_averaged(setattr_: Callable[..., None]) -> None:
+    from moetrain.train.layer_stats import LayerStats
+
+    mutate(setattr_, LayerStats, "pop", "packed[:, -E:] /= g.dp_cp_size",
+           "packed[:, -E * (bins + 1) :] /= g.dp_cp_size")  # fmt: skip
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "stage_layers_misassigned": _stage_layers_misassigned,
     "embedding_copies_unsynced": _embedding_copies_unsynced,
@@ -378,6 +391,7 @@ FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "muon_plain_momentum": _muon_plain_momentum,
     "fp8_tensorwise_grads_e4m3": _fp8_tensorwise_grads_e4m3,
     "grouped_mm_never_native": _grouped_mm_never_native,
+    "quantile_counts_averaged": _quantile_counts_averaged,
     "welch_pooled_df": _welch_pooled_df,
 }
 

@@ -62,6 +62,25 @@ class MoEConfig:
     """Aux-loss-free balancing (DeepSeek-V3): after each optimizer step every expert's
     selection bias moves by this rate toward balance (+rate if under-loaded, -rate if
     over-loaded). 0: off."""
+    quantile_balancing: bool = False
+    """Quantile balancing (Megatron-Core's ``quantile_balancing``, Kimi K3): loss-free
+    balancing through the same selection bias as ``expert_bias_rate``, set rather than
+    nudged. Each training token t records, for every expert e, the bias e would need to
+    enter its top-k: r_te = c_t - s_te, where s are the router's scores and c_t the (k+1)-th
+    highest biased score of t. After each optimizer step an expert's bias becomes the K/E
+    quantile of its r over the step's tokens (every micro-batch and data-parallel rank), the
+    bias at which exactly T*K/E of the step's T tokens would have chosen it, mean-centred.
+    The quantile is read from a histogram of ``quantile_balancing_bins`` bins over
+    [min(bias) - 1, max(bias) + 1] (where every r lies), interpolated within its bin: counts
+    summed exactly, so every layout computes the same bias. Exclusive with
+    ``expert_bias_rate`` and group-limited routing; needs top_k < num_experts. docs/moe.md."""
+    quantile_balancing_ema: float = 0.0
+    """Memory of quantile balancing: the new bias is ema * previous + (1 - ema) * the
+    step's estimate. 0: the step's estimate alone."""
+    quantile_balancing_bins: int = 1000
+    """Histogram bins per expert of quantile balancing: the estimate's resolution (about
+    (max(bias) - min(bias) + 2) / bins) against the bytes every step sums over the ranks
+    (8 * num_experts * bins per MoE layer)."""
     kernels: Literal["auto", "torch", "triton"] = "auto"
     """Compute path of the MoE layer: "triton" kernels, pure "torch" (each forced for every
     op), or "auto": on CUDA each op (grouped GEMM forward/dgrad/wgrad, router, permute,
@@ -121,6 +140,12 @@ class MoEConfig:
     useless: training refuses it unless ``train.benchmark`` is set, and the run is marked so
     in its logs and TensorBoard (docs/plan.md)."""
 
+    @property
+    def selects_with_bias(self) -> bool:
+        """Whether experts are selected by score + ``expert_bias`` (a bias that is updated,
+        by ``expert_bias_rate`` or quantile balancing, or one loaded and frozen)."""
+        return self.route_with_bias or self.expert_bias_rate > 0 or self.quantile_balancing
+
     def validate(self) -> None:
         if self.num_experts < 0:
             _fail("moe.num_experts", f"must be >= 0, got {self.num_experts}")
@@ -169,3 +194,22 @@ class MoEConfig:
                      "expert_bias_rate"):
             if getattr(self, name) < 0:
                 _fail(f"moe.{name}", f"must be >= 0, got {getattr(self, name)}")
+        if self.quantile_balancing:
+            self._validate_quantile_balancing()
+
+    def _validate_quantile_balancing(self) -> None:
+        if self.expert_bias_rate > 0:
+            _fail("moe.quantile_balancing", "sets the expert bias that moe.expert_bias_rate "
+                  f"would also move ({self.expert_bias_rate}): choose one")
+        if self.n_groups > 1:
+            _fail("moe.quantile_balancing", "is not defined for group-limited routing "
+                  f"(moe.n_groups={self.n_groups}): a token's cutoff would depend on its groups")
+        if self.top_k >= self.num_experts:
+            _fail("moe.quantile_balancing", f"needs moe.top_k < moe.num_experts (got top_k "
+                  f"{self.top_k} of {self.num_experts}): every token takes every expert")
+        if not 0 <= self.quantile_balancing_ema < 1:
+            _fail("moe.quantile_balancing_ema",
+                  f"must be in [0, 1), got {self.quantile_balancing_ema}")
+        if self.quantile_balancing_bins < 2:
+            _fail("moe.quantile_balancing_bins",
+                  f"must be >= 2, got {self.quantile_balancing_bins}")

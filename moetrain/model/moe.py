@@ -49,6 +49,7 @@ from moetrain.model.losses import (
 )
 from moetrain.model.moe_stats import SCORE_HIST_BINS, STAT_NAMES, MoEStats
 from moetrain.model.precision import as_compute, fp32_region
+from moetrain.model.quantile_balance import quantile_bias, required_bias_histogram
 from moetrain.model.sequence_shard import SequenceShard
 from moetrain.model.step_context import StepContext
 
@@ -89,6 +90,11 @@ class RoutingOverride:
             weights_TK = weights_TK.masked_fill(zero_E[ids_TK], 0.0)
         counts_E = bin_counts(ids_TK, r.scores_TE.shape[1])
         return RouteResult(weights_TK, ids_TK, r.scores_TE, r.lse_T, counts_E)
+
+
+def quantile_bins(cfg: MoEConfig) -> int:
+    """Quantile balancing's histogram bins per expert: 0 when it is off."""
+    return cfg.quantile_balancing_bins if cfg.quantile_balancing else 0
 
 
 class Router(nn.Module):
@@ -146,8 +152,7 @@ class Router(nn.Module):
         # The scores and top-k take fp32 logits (``route``'s contract): the gate's are.
         logits_TE = logits_TE.float()
         cfg = self.cfg
-        use_bias = cfg.expert_bias_rate > 0 or cfg.route_with_bias
-        bias = self.expert_bias if use_bias else None
+        bias = self.expert_bias if cfg.selects_with_bias else None
         # Group-limited routing has no Triton kernel: that one step runs the torch router.
         route_backend = "torch" if cfg.n_groups > 1 else backend
         r = route(logits_TE, cfg.top_k, score_func=cfg.score_func, expert_bias_E=bias,
@@ -205,7 +210,7 @@ class MoELayer(nn.Module):
         self.register_buffer("jitter_key", torch.tensor([0, 0, layer_id, 0]), persistent=False)
         # What training forwards count since the last pop_stats(), the sequence counter too
         # (the next micro-batch's first sequence).
-        self.stats = MoEStats(cfg.num_experts)
+        self.stats = MoEStats(cfg.num_experts, quantile_bins(cfg))
         # The global-batch balancing loss and this step's expert counts.
         self.global_balance = GlobalBalanceLoss(cfg.num_experts, cfg.global_aux_loss_coef)
 
@@ -468,7 +473,13 @@ class MoELayer(nn.Module):
                     assignments = valid_T.sum() * r.ids_TK.shape[1]
                 counts = torch.stack([
                     torch.ones((), device=y_TD.device), assignments.float(), dropped.float()])
-                self.stats.add(batch, stats, counts_E, counts, scores_TE, mean_probs_E)
+                qb_hist_EB = None
+                if cfg.quantile_balancing:
+                    qb_hist_EB = required_bias_histogram(
+                        r.scores_TE, self.router.expert_bias, cfg.top_k,
+                        cfg.quantile_balancing_bins, valid_T)  # fmt: skip
+                self.stats.add(batch, stats, counts_E, counts, scores_TE, mean_probs_E,
+                               qb_hist_EB)  # fmt: skip
         return y_TD
 
     @torch.no_grad()
@@ -487,11 +498,27 @@ class MoELayer(nn.Module):
         return out
 
     @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert_E: torch.Tensor) -> None:
-        """Aux-loss-free balancing step: raise the bias of under-loaded experts and lower
-        that of over-loaded ones by ``moe.expert_bias_rate`` (sign of the load error)."""
-        rate = self.cfg.expert_bias_rate
-        if rate == 0:
-            return
-        load = tokens_per_expert_E.float()
-        self.router.expert_bias += rate * torch.sign(load.mean() - load)
+    def update_expert_bias(
+        self,
+        tokens_per_expert_E: torch.Tensor,
+        qb_hist_EB: torch.Tensor | None = None,
+        assignments: torch.Tensor | None = None,
+    ) -> None:
+        """The expert bias after an optimizer step, from the step's statistics summed over
+        the job. Aux-loss-free balancing (``moe.expert_bias_rate``): raise the bias of
+        under-loaded experts and lower that of over-loaded ones by the rate (sign of the
+        load error). Quantile balancing (``moe.quantile_balancing``): the bias at which each
+        expert would have taken its share of the step's ``assignments`` (``qb_hist_EB``:
+        the step's summed counts; ``moetrain.model.quantile_balance``), mixed with the
+        previous one by ``moe.quantile_balancing_ema``."""
+        cfg, bias_E = self.cfg, self.router.expert_bias
+        if cfg.quantile_balancing:
+            if qb_hist_EB is None or assignments is None:
+                raise ValueError("moe.quantile_balancing: the update needs the step's "
+                                 "qb_hist and assignments")  # fmt: skip
+            estimate_E = quantile_bias(qb_hist_EB, bias_E, assignments)
+            ema = cfg.quantile_balancing_ema
+            bias_E.copy_(ema * bias_E.double() + (1.0 - ema) * estimate_E)
+        elif cfg.expert_bias_rate > 0:
+            load = tokens_per_expert_E.float()
+            bias_E += cfg.expert_bias_rate * torch.sign(load.mean() - load)

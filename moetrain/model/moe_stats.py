@@ -11,6 +11,9 @@ stays out of checkpoints):
     counts             forwards, assignments, dropped assignments (``COUNT_NAMES``)
     score_hist         every router score, binned over [0, 1] (``SCORE_HIST_BINS``)
     probs_sum          sum over forwards of the mean routing probability of each expert
+    qb_hist            quantile balancing's counts of the bias each token needed, per expert
+                       (E, bins; empty unless ``moe.quantile_balancing``:
+                       ``moetrain.model.quantile_balance``)
 
 The trainer pops them once per step (``MoELayer.pop_stats``: sums, so micro-batches and ranks
 add up before dividing; ``moetrain.train.metrics`` turns them into figures). A forward
@@ -37,9 +40,9 @@ class MoEStats(nn.Module):
     """The counters of one MoE layer's training forwards since the last ``pop`` (module
     doc). ``E``: experts of the layer."""
 
-    FIELDS = ("rows", "sums", "tokens_per_expert", "counts", "score_hist", "probs_sum")
+    FIELDS = ("rows", "sums", "tokens_per_expert", "counts", "score_hist", "probs_sum", "qb_hist")
 
-    def __init__(self, num_experts: int) -> None:
+    def __init__(self, num_experts: int, quantile_bins: int = 0) -> None:
         super().__init__()
         E = num_experts
         self.register_buffer("rows", torch.zeros((), dtype=torch.int64), persistent=False)
@@ -48,6 +51,7 @@ class MoEStats(nn.Module):
         self.register_buffer("counts", torch.zeros(len(COUNT_NAMES)), persistent=False)
         self.register_buffer("score_hist", torch.zeros(SCORE_HIST_BINS), persistent=False)
         self.register_buffer("probs_sum", torch.zeros(E), persistent=False)
+        self.register_buffer("qb_hist", torch.zeros(E, quantile_bins), persistent=False)
 
     def init_buffers(self) -> None:
         """Every counter starts at zero (``moetrain.model.init.init_buffers``)."""
@@ -63,10 +67,12 @@ class MoEStats(nn.Module):
         counts: torch.Tensor,
         scores_TE: torch.Tensor,
         mean_probs_E: torch.Tensor,
+        qb_hist_EB: torch.Tensor | None = None,
     ) -> None:
         """One training forward of ``sequences`` sequences: its ``STAT_NAMES`` values, the
-        assignments per expert of its counted tokens, its (calls, assignments, dropped) and
-        router scores (an excluded token's at -1, outside the histogram's range)."""
+        assignments per expert of its counted tokens, its (calls, assignments, dropped),
+        router scores (an excluded token's at -1, outside the histogram's range) and, under
+        quantile balancing, its counts of required biases."""
         self.rows += sequences
         self.sums += torch.stack(values)
         self.tokens_per_expert += tokens_per_expert_E.float()
@@ -74,16 +80,20 @@ class MoEStats(nn.Module):
         # All T*E router scores, binned: the TensorBoard score histograms.
         self.score_hist += torch.histc(scores_TE.float(), bins=SCORE_HIST_BINS, min=0.0, max=1.0)
         self.probs_sum += mean_probs_E.detach().float()
+        if qb_hist_EB is not None:
+            self.qb_hist += qb_hist_EB
 
     @torch.no_grad()
     def pop(self) -> dict[str, torch.Tensor]:
         """The sums since the last call (``STAT_NAMES``, ``tokens_per_expert``,
-        ``COUNT_NAMES``, ``score_hist``, ``probs_sum``), then every counter reset."""
+        ``COUNT_NAMES``, ``score_hist``, ``probs_sum``, ``qb_hist``), then every counter
+        reset."""
         out = {name: self.sums[i].clone() for i, name in enumerate(STAT_NAMES)}
         out["tokens_per_expert"] = self.tokens_per_expert.clone()
         out.update(zip(COUNT_NAMES, self.counts.clone().unbind(), strict=True))
         out["score_hist"] = self.score_hist.clone()
         out["probs_sum"] = self.probs_sum.clone()
+        out["qb_hist"] = self.qb_hist.clone()
         self.init_buffers()
         return out
 
@@ -98,10 +108,11 @@ class MoEStats(nn.Module):
             getattr(self, name).copy_(saved[name])
 
 
-def stat_layout(num_experts: int) -> list[tuple[str, int | None]]:
-    """(name, width; None for a scalar) of a layer's statistics in one packed row, in order.
-    The expert bias, a state that every data-parallel rank holds identically, comes last (the
-    engine divides that slice by the ranks it summed over)."""
+def stat_layout(num_experts: int, quantile_bins: int = 0) -> list[tuple[str, int | None]]:
+    """(name, width; None for a scalar) of a layer's statistics in one packed row, in order
+    (``quantile_bins``: quantile balancing's bins per expert, 0 when it is off). The expert
+    bias, a state that every data-parallel rank holds identically, comes last (the engine
+    divides that slice by the ranks it summed over)."""
     E = num_experts
     return [
         *((name, None) for name in STAT_NAMES),
@@ -110,25 +121,28 @@ def stat_layout(num_experts: int) -> list[tuple[str, int | None]]:
         ("a2a_bytes", None),
         ("score_hist", SCORE_HIST_BINS),
         ("probs_sum", E),
+        ("qb_hist", E * quantile_bins),
         ("expert_bias", E),
     ]
 
 
-def pack(stats: dict[str, torch.Tensor], num_experts: int) -> torch.Tensor:
+def pack(stats: dict[str, torch.Tensor], num_experts: int, quantile_bins: int = 0) -> torch.Tensor:
     """One float64 row of ``MoELayer.pop_stats()``'s tensors in ``stat_layout`` order."""
-    return torch.cat([stats[name].double().reshape(-1) for name, _ in stat_layout(num_experts)])
+    layout = stat_layout(num_experts, quantile_bins)
+    return torch.cat([stats[name].double().reshape(-1) for name, _ in layout])
 
 
-def unpack(row: torch.Tensor, num_experts: int) -> dict[str, torch.Tensor]:
-    """``pack``'s inverse: views of ``row`` by name."""
+def unpack(row: torch.Tensor, num_experts: int, quantile_bins: int = 0) -> dict[str, torch.Tensor]:
+    """``pack``'s inverse: views of ``row`` by name (``qb_hist`` as (E, bins))."""
     out: dict[str, torch.Tensor] = {}
     start = 0
-    for name, width in stat_layout(num_experts):
+    for name, width in stat_layout(num_experts, quantile_bins):
         out[name] = row[start] if width is None else row[start : start + width]
         start += 1 if width is None else width
+    out["qb_hist"] = out["qb_hist"].view(num_experts, quantile_bins)
     return out
 
 
-def packed_width(num_experts: int) -> int:
+def packed_width(num_experts: int, quantile_bins: int = 0) -> int:
     """Elements of one packed row."""
-    return sum(1 if w is None else w for _, w in stat_layout(num_experts))
+    return sum(1 if w is None else w for _, w in stat_layout(num_experts, quantile_bins))

@@ -53,6 +53,7 @@ from torch import nn
 
 from moetrain.config import JobConfig
 from moetrain.model import Transformer
+from moetrain.model.moe import quantile_bins
 from moetrain.model.mtp import IGNORE_INDEX
 from moetrain.model.precision import Precision, fp32_region
 from moetrain.parallel.accounting import params_before_dp
@@ -208,7 +209,7 @@ class Engine:
         self.routing = RoutingPasses(self.step_context, self.moe, bool(self.moe_layer_ids),
                                      self.groups, shape, self.device)  # fmt: skip
         self.stats = LayerStats(self.moe, self.moe_layer_ids, cfg.moe.num_experts, self.groups,
-                                self.device)  # fmt: skip
+                                self.device, quantile_bins(cfg.moe))  # fmt: skip
         pipelined_mtp = bool(cfg.model.mtp_depth) and dims.pp > 1
         # Multi-token prediction under a pipeline: the ranks of the first stage's embedding
         # and the last stage's copy of it (None: one rank holds both, or no pipeline).

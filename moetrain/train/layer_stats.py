@@ -6,8 +6,8 @@ row per layer (``moe_stats.pack``, fields by name), sums them over dp x cp and p
 collectives, and reads them to the host in one copy, whatever the number of layers.
 
 ``LayerStats`` is a collaborator of ``moetrain.train.engine.Engine``, handed this rank's MoE
-layers, the whole model's MoE layer indices, the expert count, the step's groups and the
-device.
+layers, the whole model's MoE layer indices, the expert count, the step's groups, the device
+and quantile balancing's bins per expert (0: off).
 """
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ class LayerStats:
         num_experts: int,
         groups: StepGroups,
         device: torch.device,
+        quantile_bins: int = 0,
     ) -> None:
         self.layers = layers
         self.layer_ids = layer_ids
         self.num_experts = num_experts
         self.groups = groups
         self.device = device
-        # The last ``pop`` result and its token counts on the device.
-        self._loads_on_device: tuple[object, dict[int, torch.Tensor]] = (None, {})
+        self.quantile_bins = quantile_bins
+        # The last ``pop`` result and its statistics still on the device.
+        self._on_device: tuple[object, dict[int, dict[str, torch.Tensor]]] = (None, {})
 
     @torch.no_grad()
     def pop(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -49,11 +51,12 @@ class LayerStats:
         ids = self.layer_ids
         if not ids:
             return {}
-        E = self.num_experts
-        packed = torch.zeros(len(ids), packed_width(E), dtype=torch.float64, device=self.device)
+        E, bins = self.num_experts, self.quantile_bins
+        packed = torch.zeros(len(ids), packed_width(E, bins), dtype=torch.float64,
+                             device=self.device)  # fmt: skip
         for row, i in enumerate(ids):
             if i in self.layers:
-                packed[row] = pack(self.layers[i].pop_stats(), E)
+                packed[row] = pack(self.layers[i].pop_stats(), E, bins)
         g = self.groups
         if g.dp is not None:  # dp x cp: cp ranks count their own tokens
             dist.all_reduce(packed, group=g.dp)
@@ -61,19 +64,21 @@ class LayerStats:
         if g.pp is not None:
             dist.all_reduce(packed, group=g.pp)
         # The expert-bias update reads the counts where they are (``update_expert_bias``).
-        loads = {i: unpack(packed[row], E)["tokens_per_expert"].float()
-                 for row, i in enumerate(ids)}  # fmt: skip
+        on_device = {i: unpack(packed[row], E, bins) for row, i in enumerate(ids)}
         host = packed.float().cpu()  # every layer's statistics in one read (a host sync)
-        out = {i: unpack(host[row], E) for row, i in enumerate(ids)}
-        self._loads_on_device = (out, loads)
+        out = {i: unpack(host[row], E, bins) for row, i in enumerate(ids)}
+        self._on_device = (out, on_device)
         return out
 
     def update_expert_bias(self, stats: dict[int, dict[str, torch.Tensor]]) -> None:
-        """Aux-loss-free balancing from the GLOBAL token counts: every rank moves the bias of
-        the layers it holds identically."""
-        last, loads = self._loads_on_device
+        """Aux-loss-free or quantile balancing from the GLOBAL statistics: every rank moves
+        the bias of the layers it holds identically."""
+        last, on_device = self._on_device
         for i, layer in self.layers.items():
-            # ``pop``'s own result: its counts still on the device (a copy back from the host
-            # would wait for the device to finish).
-            load_E = loads[i] if stats is last else stats[i]["tokens_per_expert"].to(self.device)
-            layer.update_expert_bias(load_E)
+            # ``pop``'s own result: its statistics still on the device (a copy back from the
+            # host would wait for the device to finish).
+            if stats is last:
+                s = on_device[i]
+            else:
+                s = {name: value.to(self.device) for name, value in stats[i].items()}
+            layer.update_expert_bias(s["tokens_per_expert"].float(), s["qb_hist"], s["assignments"])

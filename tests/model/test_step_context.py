@@ -225,7 +225,7 @@ def test_the_counting_pass_counts_and_records_nothing_else() -> None:
 
 
 def test_snapshot_and_restore_cover_every_counter() -> None:
-    layer = _layer()
+    layer = _layer(quantile_balancing=True, quantile_balancing_bins=16)  # every counter in use
     saved = layer.stats.snapshot()
     assert set(saved) == set(MoEStats.FIELDS)
     assert set(MoEStats.FIELDS) == set(layer.stats._buffers), "a counter outside FIELDS"
@@ -236,14 +236,15 @@ def test_snapshot_and_restore_cover_every_counter() -> None:
     assert all(torch.equal(getattr(layer.stats, n), saved[n]) for n in MoEStats.FIELDS)
 
 
-def test_pop_stats_packs_and_unpacks_by_name() -> None:
-    layer = _layer()
+@pytest.mark.parametrize("bins", [0, 16], ids=["no quantile balancing", "quantile balancing"])
+def test_pop_stats_packs_and_unpacks_by_name(bins: int) -> None:
+    layer = _layer(quantile_balancing=bins > 0, quantile_balancing_bins=max(bins, 2))
     layer(_x())
     layer(_x())
     stats = layer.pop_stats()
-    row = pack(stats, E)
-    assert row.shape == (packed_width(E),)
-    back = unpack(row, E)
+    row = pack(stats, E, bins)
+    assert row.shape == (packed_width(E, bins),)
+    back = unpack(row, E, bins)
     assert set(back) == set(stats)
     for name, value in stats.items():
         assert torch.equal(back[name], value.double()), name

@@ -163,7 +163,12 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
     "expert_bias": [("bias rate 0.01", ["moe.expert_bias_rate=0.01", "moe.route_with_bias=false"]),
                     ("no bias", ["moe.expert_bias_rate=0.0", "moe.route_with_bias=false"]),
                     ("score-correction bias, frozen (DeepSeek-V3 inference)",
-                     ["moe.expert_bias_rate=0.0", "moe.route_with_bias=true"])],
+                     ["moe.expert_bias_rate=0.0", "moe.route_with_bias=true"]),
+                    # the bias set from the step's histogram of required biases, summed over
+                    # every rank (group-limited routing: refused by validation)
+                    ("quantile balancing, ema 0.5",
+                     ["moe.expert_bias_rate=0.0", "moe.route_with_bias=false",
+                      "moe.quantile_balancing=true", "moe.quantile_balancing_ema=0.5"])],
     # training
     # 8 sequences a step: 2 micro-batches of 4 in one process (the cheap baseline), or 4 of 2.
     "accumulation": [("micro-batches of 4", ["train.micro_batch_size=4"]),

@@ -278,7 +278,7 @@ class Family:
                 out.append(f"group_score={e.group_score}")
             if e.routed_scaling_factor != 1.0:
                 out.append("routed_scaling_factor")
-            if e.route_with_bias or e.expert_bias_rate > 0:
+            if e.selects_with_bias:
                 out.append("an expert selection bias")
             if e.score_func != "softmax":
                 out.append(f"{e.score_func} router scores")

@@ -70,7 +70,7 @@ class DeepseekV2(DeepseekV3):
             out.append(f"{e.score_func} router scores")
         if e.renormalize:
             out.append("renormalize=true")
-        if e.route_with_bias or e.expert_bias_rate > 0:
+        if e.selects_with_bias:
             out.append("an expert selection bias")
         if e.n_groups > 1 and e.group_score != "max":
             out.append("groups scored by their two best experts (DeepSeek-V2 uses the best)")

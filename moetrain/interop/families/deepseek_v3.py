@@ -132,7 +132,7 @@ class DeepseekV3(Family):
             out.append("topk_groups without groups")
         if e.group_score != "top2":
             out.append("groups scored by their best expert (DeepSeek-V3 sums the two best)")
-        if e.expert_bias_rate == 0 and not e.route_with_bias:
+        if not e.selects_with_bias:
             out.append("routing without the score-correction bias")
         return out
 

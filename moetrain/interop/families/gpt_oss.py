@@ -119,7 +119,7 @@ class GptOss(Family):
             out.append("group-limited routing")
         if e.routed_scaling_factor != 1.0:
             out.append("routed_scaling_factor")
-        if e.route_with_bias or e.expert_bias_rate > 0:
+        if e.selects_with_bias:
             out.append("an expert selection bias")
         if not (e.router_bias and e.expert_ffn_bias):
             out.append("no router or expert biases (gpt-oss has them)")

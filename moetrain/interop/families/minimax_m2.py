@@ -60,7 +60,7 @@ class MiniMaxM2(Mixtral):
             out.append("group-limited routing")
         if e.routed_scaling_factor != 1.0:
             out.append("routed_scaling_factor")
-        if e.expert_bias_rate == 0 and not e.route_with_bias:
+        if not e.selects_with_bias:
             out.append("routing without the score-correction bias")
         return out
 

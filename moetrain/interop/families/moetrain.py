@@ -66,7 +66,7 @@ class Moetrain(Family):
     def to_hf(self, m: ModelConfig, e: MoEConfig) -> dict[str, Any]:
         moe = {k: getattr(e, k) for k in ARCH_MOE_KEYS}
         # A bias that moved in training selects experts at inference as a frozen one.
-        moe["route_with_bias"] = e.route_with_bias or e.expert_bias_rate > 0
+        moe["route_with_bias"] = e.selects_with_bias
         moe["dense_layers"] = list(e.dense_layers)
         return {
             "architectures": [self.architecture],
