@@ -712,6 +712,30 @@ def _balancing_table() -> str:
     return tool.render(summary, warnings, bold="aux-0.01+bias-0.01")
 
 
+def _quantile_table() -> str:
+    """moe.md's quantile-balancing table: tools/sweep_table.py on the sweep's summary and
+    warnings."""
+    tool = _load_tool(REPO / "tools" / "sweep_table.py")
+    warnings = json.loads((DATA / "sweeps" / "quantile_warnings.json").read_text())
+    return tool.render(DATA / "sweeps" / "quantile_summary.csv", warnings, bold="quantile")
+
+
+def _quantile_prose() -> list[float]:
+    """The quantile sweep's figures moe.md's prose quotes, in its order, rounded as written."""
+    s = _sweep("quantile")
+
+    def diff(run: str, fig: str, scale: float, digits: int) -> list[float]:
+        return [round(scale * s[run][f"{fig}_diff_{k}"], digits) for k in ("mean", "lo", "hi")]
+
+    return [
+        *diff("quantile", "max_over_mean", 1, 2),
+        *diff("quantile", "dropped_fraction", 100, 1),
+        *diff("quantile", "eval_loss", 1, 3),
+        *diff("quantile-ema-0.9", "max_over_mean", 1, 2),
+        *diff("quantile-ema-0.9", "dropped_fraction", 100, 1),
+    ]
+
+
 def _balancing_prose() -> list[float]:
     """The rerun's figures moe.md's prose quotes, in its order, rounded as it writes them."""
     s = _sweep("balancing")
@@ -906,6 +930,14 @@ QUOTES = [
     Quote("docs/moe.md", "docs/data/sweeps/balancing_summary.csv and _warnings.json (sweep_table)",
           r"(?s)fails when the table below is not that\.\n\n(\| variant .*?\n)\n",
           _balancing_table),
+    Quote("docs/moe.md", "docs/data/sweeps/quantile_summary.csv and _warnings.json (sweep_table)",
+          r"(?s)renders the quantile sweep's table from the two\.\n\n(\| variant .*?\n)\n",
+          _quantile_table),
+    Quote("docs/moe.md", "docs/data/sweeps/quantile_summary.csv (moetrain ablate's summary)",
+          r"(?s)below the switch loss beyond noise: max/mean\s+(\S+) (\[\S+ \S+\]), dropped (\S+) "
+          r"points (\[\S+ \S+\]), at the same eval loss\s+\((\S+) (\[\S+ \S+\]), within noise\)"
+          r".*?above the switch loss on both \(max/mean (\S+)\s+(\[\S+ \S+\]), dropped (\S+) "
+          r"points (\[\S+ \S+\])\)", _quantile_prose),
     Quote("docs/moe.md", "docs/data/sweeps/balancing_summary.csv (moetrain ablate's summary)",
           r"(?s)differences are\s+within noise on every figure \(dropped (\S+) points "
           r"(\[\S+ \S+\]),\s+max/mean (\S+) (\[\S+\s+\S+\])\),.*?beyond noise on both "
