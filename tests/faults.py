@@ -86,7 +86,7 @@ tests/oracle.py).
   it must average), so the counts are a mean where the target T*K/E counts every rank's
   tokens (``LayerStats.pop``, its source mutated). One process has nothing to average; caught
   by the expert bias and the histogram against one process's
-  (tests/parallel/test_quantile_layouts.py).
+  (tests/parallel/test_quantile_layouts.py, beside the matrix's cells).
 """
 
 from __future__ import annotations

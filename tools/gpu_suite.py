@@ -119,7 +119,9 @@ def _bench(script, gpu_args):
         dev = gpu_args
         if args.dry:
             dev = ["--device", "cpu", "--quick"]
-            dev += [] if script == "bench_e2e.py" else ["--reps", "1"]
+            # e2e: one warm-up, one timed and one profiled step a variant (the interpreter
+            # runs the Triton ones at seconds a step); the others: one repetition.
+            dev += ["--steps", "2"] if script == "bench_e2e.py" else ["--reps", "1"]
         extra = ["--log-dir", log_dir] if script in ("bench_moe_layer.py", "bench_e2e.py") else []
         if script in ("bench_e2e.py", "bench_fp8.py"):  # they skip what would not fit
             extra += ["--budget-s", f"{max(budget - 30, 10):.0f}"]
