@@ -143,9 +143,8 @@ class SyncingStream:
     all in one ``fsync``; the copying into fresh cache pages, the burst of writeback and the
     freeing of those pages at the next prune take CPU and memory bandwidth from the steps an
     asynchronous save runs beside. Chunked, the write proceeds at the disk's pace and the
-    cache stays small. Measured with tools/bench_checkpoint.py's 1.27 GB state on a 2-core
-    machine: the largest step during an asynchronous save 1.05-1.24x a normal step (1.39-1.54x
-    written whole), and the synchronous write 1.1-1.3 s instead of 4.8-5.2 s."""
+    cache stays small (tools/bench_checkpoint.py measures the steps beside a save;
+    docs/checkpoints.md)."""
 
     def __init__(self, file: Any) -> None:
         self._file = file
