@@ -191,8 +191,8 @@ class CollapseMonitor:
                 args = ("router collapse in moe layer %d: expert %d has received >= %.0f%% of "
                         "the tokens for %d steps (step %d); consider a larger "
                         "moe.aux_loss_coef, moe.global_aux_loss_coef, moe.expert_bias_rate, "
-                        "moe.z_loss_coef or moe.quantile_balancing", layer, tops[0], 100 * self.fraction, self.steps,
-                        step)  # fmt: skip
+                        "moe.z_loss_coef or moe.quantile_balancing", layer, tops[0],
+                        100 * self.fraction, self.steps, step)  # fmt: skip
             else:
                 kind = "one expert per batch"
                 args = ("moe layer %d routes each batch to one expert: in each of %d steps "
