@@ -66,7 +66,11 @@ def _install(token: int | None, setattr_: Callable[..., None]) -> set[int]:
     return seen
 
 
-def _run(token: int | None, overrides: tuple[str, ...]) -> tuple[dict[str, Any], set[int]]:
+def _patched_run(
+    install: Callable[[Callable[..., None]], Any], steps: int, overrides: tuple[str, ...]
+) -> tuple[dict[str, Any], Any]:
+    """``micro_run`` with ``install(patch)``'s patches in place (undone after); returns the
+    report and what ``install`` returned."""
     undo: list[Callable[[], None]] = []
 
     def patch(obj: Any, attr: str, value: Any) -> None:
@@ -75,14 +79,18 @@ def _run(token: int | None, overrides: tuple[str, ...]) -> tuple[dict[str, Any],
         undo.append(lambda: setattr(obj, attr, old))
 
     try:
-        seen = _install(token, patch)
+        installed = install(patch)
         with tempfile.TemporaryDirectory() as tmp:
-            got = micro_run(tmp, STEPS, *OPTIONS, *overrides, traffic=False)
+            got = micro_run(tmp, steps, *OPTIONS, *overrides, traffic=False)
     finally:
         for restore in reversed(undo):
             restore()
     got.pop("layout", None)
-    return got, seen
+    return got, installed
+
+
+def _run(token: int | None, overrides: tuple[str, ...]) -> tuple[dict[str, Any], set[int]]:
+    return _patched_run(lambda patch: _install(token, patch), STEPS, overrides)
 
 
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
@@ -152,21 +160,7 @@ def _install_edp(tau: float | None, setattr_: Callable[..., None]) -> list[float
 
 
 def _run_edp(tau: float | None, overrides: tuple[str, ...]) -> tuple[dict[str, Any], float]:
-    undo: list[Callable[[], None]] = []
-
-    def patch(obj: Any, attr: str, value: Any) -> None:
-        old = getattr(obj, attr)
-        setattr(obj, attr, value)
-        undo.append(lambda: setattr(obj, attr, old))
-
-    try:
-        seen = _install_edp(tau, patch)
-        with tempfile.TemporaryDirectory() as tmp:
-            got = micro_run(tmp, EDP_STEPS, *OPTIONS, *overrides, traffic=False)
-    finally:
-        for restore in reversed(undo):
-            restore()
-    got.pop("layout", None)
+    got, seen = _patched_run(lambda patch: _install_edp(tau, patch), EDP_STEPS, overrides)
     return got, seen[0]
 
 
