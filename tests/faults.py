@@ -87,6 +87,10 @@ tests/oracle.py).
   tokens (``LayerStats.pop``, its source mutated). One process has nothing to average; caught
   by the expert bias and the histogram against one process's
   (tests/parallel/test_quantile_layouts.py, beside the matrix's cells).
+- ``qk_clip_local_maxima``: QK-clip rescales from each rank's own attention maxima, the
+  all-reduce over the ranks left out (``QKClip.gather``, its source mutated). One process
+  sees every token; caught by the maxima and the query and key weights against one
+  process's (tests/parallel/test_qk_clip_layouts.py).
 """
 
 from __future__ import annotations
@@ -373,6 +377,12 @@ def _quantile_counts_averaged(setattr_: Callable[..., None]) -> None:
            "packed[:, -E * (bins + 1) :] /= g.dp_cp_size")  # fmt: skip
 
 
+def _qk_clip_local_maxima(setattr_: Callable[..., None]) -> None:
+    from moetrain.train.qk_clip import QKClip
+
+    mutate(setattr_, QKClip, "gather", "dist.all_reduce(table, op=dist.ReduceOp.MAX)", "pass")
+
+
 FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "stage_layers_misassigned": _stage_layers_misassigned,
     "embedding_copies_unsynced": _embedding_copies_unsynced,
@@ -392,6 +402,7 @@ FAULTS: dict[str, Callable[[Callable[..., None]], None]] = {
     "fp8_tensorwise_grads_e4m3": _fp8_tensorwise_grads_e4m3,
     "grouped_mm_never_native": _grouped_mm_never_native,
     "quantile_counts_averaged": _quantile_counts_averaged,
+    "qk_clip_local_maxima": _qk_clip_local_maxima,
     "welch_pooled_df": _welch_pooled_df,
 }
 

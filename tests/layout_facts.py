@@ -65,10 +65,12 @@ class StepObserver:
         attention = getattr(block.attention, "_checkpoint_wrapped_module", block.attention)
         attend = attention.attend
 
-        def recorded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> Any:
+        def recorded(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any, **kw: Any
+        ) -> Any:
             if self.shapes is None:
                 self.shapes = tuple(tuple(t.shape) for t in (q, k, v))
-            return attend(q, k, v, *rest)
+            return attend(q, k, v, *rest, **kw)
 
         def before(module: Any, args: tuple[Any, ...]) -> None:
             if self.cos is None and len(args) > 1:

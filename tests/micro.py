@@ -74,8 +74,9 @@ def micro_run(
 ) -> dict[str, Any]:
     """Train the micro MoE ``steps`` steps (no eval, no checkpoint) and report.
 
-    Returns ``loss``, ``mtp_loss`` (nan without multi-token prediction), ``grad_norm`` (lists
-    over steps), ``moe`` (per step, per layer:
+    Returns ``loss``, ``mtp_loss`` (nan without multi-token prediction), ``max_logits``
+    (QK-clip's largest logit per attention layer; empty without ``optim.qk_clip``),
+    ``grad_norm`` (lists over steps), ``moe`` (per step, per layer:
     aux_loss, seq_aux_loss, z_loss sums per call, calls, tokens_per_expert, dropped,
     expert_bias), ``grads`` (per step: every parameter's reduced gradient, before clipping,
     gathered to full size under the single-process names), ``optim`` (AdamW's exp_avg and
@@ -123,7 +124,7 @@ def _micro_run(
     trainer.engine.grad_hook = hook
     watch = watch_fsdp(trainer.engine)
     observer = observe(trainer.engine)  # what the first step runs (tests/layout_facts.py)
-    losses, norms, moe, mtp = [], [], [], []
+    losses, norms, moe, mtp, max_logits = [], [], [], [], []
     facts: dict[str, Any] = {}
     lrs: list[float] = []
     before: list[dict[str, dict[str, torch.Tensor]]] = []
@@ -149,6 +150,7 @@ def _micro_run(
             res = trainer.train_step()
         losses.append(res.loss)
         mtp.append(res.mtp_loss)
+        max_logits.append(res.max_logits)
         norms.append(res.grad_norm)
         moe.append(
             {i: {k: v.detach().cpu().clone() for k, v in s.items()} for i, s in res.moe.items()}
@@ -159,6 +161,7 @@ def _micro_run(
     return {
         "loss": losses,
         "mtp_loss": mtp,
+        "max_logits": max_logits,
         "grad_norm": norms,
         "moe": moe,
         "grads": grads,

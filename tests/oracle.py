@@ -149,6 +149,13 @@ def compare_runs(
             continue
         for step, (x, y) in enumerate(zip(a, b, strict=True)):
             check(key, f"{key}[step {step}]", step, x, y)
+    # QK-clip: each attention layer's largest logit, which sets its rescale (a report without
+    # them, the anchored replay's, compares none).
+    logits = zip(got.get("max_logits", []), ref.get("max_logits", []), strict=False)
+    for step, (g, r) in enumerate(logits):
+        for layer, value in r.items():
+            check(f"max logit layer {layer}", f"max_logit[step {step} layer {layer}]", step,
+                  g.get(layer, math.nan), value)  # fmt: skip
     for step, (g, r) in enumerate(zip(got["moe"], ref["moe"], strict=True)):
         if sorted(g) != sorted(r):
             found.add(
@@ -209,7 +216,7 @@ def compare_runs(
 def _first_steps(run: dict[str, Any], steps: int) -> dict[str, Any]:
     """A ``micro_run`` report cut to its first ``steps`` steps: no moments, no final
     parameters (they come after the last step)."""
-    out = {k: v[:steps] if k in ("loss", "grad_norm", "moe", "grads", "lrs") else v
+    out = {k: v[:steps] if k in ("loss", "grad_norm", "moe", "grads", "lrs", "max_logits") else v
            for k, v in run.items() if k != "optim"}  # fmt: skip
     out["params"] = {}
     return out
@@ -470,6 +477,19 @@ def check_cases(world_size: int, cases: list[Case], steps: int, timeout: float) 
     results = run_ranks(_cases_worker, world_size, cases, refs, steps, wants, timeout=timeout)
     failures = case_failures(cases, results, steps)
     assert not failures, "\n\n".join(failures)
+
+
+def caught_reports(world_size: int, case: Case, steps: int, timeout: float) -> list[str]:
+    """Each rank's part of what ``check_cases`` reports for ``case``, whose planted fault it
+    must catch (the oracle's own tests): fails if the case passes."""
+    try:
+        check_cases(world_size, [case], steps, timeout)
+    except AssertionError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError(f"{case.name}: the planted fault {case.fault} was not caught")
+    return [message.split(f"{case.name} (rank {rank})", 1)[1].split("\n\n")[0]
+            for rank in range(world_size)]  # fmt: skip
 
 
 def case_failures(cases: list[Case], results: list[list[dict[str, Any]]], steps: int) -> list[str]:

@@ -183,6 +183,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "optim.beta2": ("torch.optim.AdamW (the values reach its groups)", "adamw"),
     "optim.eps": ("torch.optim.AdamW (the values reach its groups)", "adamw"),
     "optim.grad_clip": ("torch.nn.utils.clip_grad_norm_", "tests/train/test_optim.py::test_clip_grad_norm"),
+    "optim.qk_clip": ("each head's largest logit written out by hand from the q and k the attention is handed; after the rescale a clipped head's largest logit is tau and every other head's bit for bit the same, for GQA, MHA with biases and MLA", "tests/model/test_qk_clip.py::test_rescale_leaves_clipped_heads_at_tau_and_the_rest_bit_for_bit"),
     "optim.moments_dtype": ("torch.optim.AdamW with its moments rounded to bf16 after every step", "tests/train/test_optim.py::test_bf16_moments_are_torch_adamw_rounded_each_step"),
     "optim.name": ("torch.optim.Muon (adjust_lr_fn match_rms_adamw) on 2-D parameters, bit for bit, and on each expert's slice of a 3-D tensor; torch.optim.AdamW on the rest", "muon"),
     "optim.muon_momentum": ("torch.optim.Muon with the same momentum", "muon"),

@@ -957,6 +957,10 @@ QUOTES = [
           r"(?s)Muon at its best lr \((\S+)\) ends (\S+ \[\S+ \S+\]) nats from AdamW.*?"
           r"dropped tokens (\S+ \[\S+ \S+\]) points, max/mean (\S+ \[\S+ \S+\]), router "
           r"entropy (\S+ \[\S+ \S+\])", _optim_prose),
+    Quote("docs/optim.md", "docs/data/qk_clip.json (written by tools/qk_clip_runs.py)",
+          r"(?s)with QK-clip\.\n\n(\| run \| largest logit.*?\n\ntau = [^\n]*\n)",
+          lambda: _load_tool(REPO / "tools" / "qk_clip_runs.py").table(
+              json.loads((DATA / "qk_clip.json").read_text())) + "\n"),
     Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
           r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
           lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),

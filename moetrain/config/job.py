@@ -66,6 +66,13 @@ class JobConfig:
             if unknown:
                 _fail("train.resume_allow_changes", f"{unknown} are not config keys (write "
                       "them as section.key, e.g. moe.top_k)")
+        if self.optim.qk_clip is not None:
+            for key, value in (("model.qk_norm", self.model.qk_norm != "none"),
+                               ("model.clip_qkv", self.model.clip_qkv is not None)):  # fmt: skip
+                if value:
+                    _fail("optim.qk_clip", f"cannot bound the logits with {key} set: it acts "
+                          "on q and k after the projections QK-clip rescales, so the rescale "
+                          f"no longer scales the logits; leave out {key} or optim.qk_clip")
         if self.model.upcycle_from is not None and moe.num_experts == 0:
             _fail("model.upcycle_from", "needs MoE layers: set moe.num_experts > 0")
         if moe.token_group_seqs is not None and moe.num_experts:

@@ -81,8 +81,17 @@ class OptimConfig:
     experts' gate) with Muon too (false: AdamW). Router biases and the expert-selection bias
     are never Muon's: one is a bias, the other a buffer the balancing rule moves."""
 
+    qk_clip: float | None = None
+    """QK-clip (Kimi K2's MuonClip, docs/optim.md): the threshold tau. Every attention head
+    whose largest pre-softmax logit (q.k x the softmax scale) in a step's training forwards,
+    over every rank, exceeded tau gets its query and key projections rescaled after the
+    optimizer step, by gamma = tau / that maximum in all, so that the same logits would end
+    at tau. With AdamW or Muon; not with ``model.qk_norm`` or ``model.clip_qkv``, which come
+    after the projections. ``.inf``: record and log the maxima, rescale nothing. null: off
+    (nothing recorded)."""
+
     def validate(self) -> None:
-        _positive("optim", self, "lr", "eps", "grad_clip")
+        _positive("optim", self, "lr", "eps", "grad_clip", "qk_clip")
         if self.name not in ("adamw", "muon"):
             _fail("optim.name", f"expected adamw or muon, got {self.name!r}")
         if self.name == "adamw":

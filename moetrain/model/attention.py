@@ -22,6 +22,10 @@ with the same mask), as the dispatcher is the MoE layer's seam for expert parall
 and values reach it with their own (kv) head count: a function that exchanges them sends the
 un-repeated heads.
 
+QK-clip (``optim.qk_clip``): both keep their heads' largest logits of a step's training
+forwards (``MaxLogits``) and say which rows of their query and key projections its rescale
+multiplies by what (``qk_clip_scales``); ``moetrain.train.qk_clip`` does the rest.
+
 RoPE: ``cos`` / ``sin`` are the rows of this call's tokens, (S, R/2), or (B, S, R/2) when
 positions restart at every document (``model.document_positions``).
 
@@ -32,6 +36,7 @@ Hkv kv heads, Dh head dim, R rotated width, C latent width.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,6 +46,7 @@ from moetrain.model.experts import local_part
 from moetrain.model.masks import AttentionMask, attend
 from moetrain.model.norm import RMSNorm
 from moetrain.model.rope import apply_rope, rope_rows, softmax_scale_factor
+from moetrain.model.step_context import StepContext
 
 MLA_LATENT_NORM_EPS = 1e-6
 """Epsilon of MLA's latent norms: fixed in DeepSeek's reference code and in transformers,
@@ -66,17 +72,55 @@ class KVCache:
         return k_BSHD, v_BSHD
 
 
-Attend = Callable[..., torch.Tensor]
-"""``attend(q_BSHD, k_BLHD, v_BLHD, scale, mask, sinks_H=None) -> (B, S, H*Dv)``: the
-attention core (``moetrain.model.masks.attend``)."""
+Attend = Callable[..., Any]
+"""``attend(q_BSHD, k_BLHD, v_BLHD, scale, mask, sinks_H=None, max_logits=False) ->
+(B, S, H*Dv)``, or with ``max_logits`` ``(out, max_H)``: the attention core
+(``moetrain.model.masks.attend``)."""
 
 
-class Attention(nn.Module):
-    """Grouped-query attention."""
+class MaxLogits:
+    """What QK-clip (``optim.qk_clip``) reads of an attention module: the largest pre-softmax
+    logit of each of its (local) query heads over a step's training forwards.
 
-    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
+    The module records while its step context says so (``StepContext.max_logits``) in
+    training forwards without a KV cache, except the pipeline's shape-inference forwards
+    (``zero_stage_input``); a recomputed forward (activation checkpointing) or a counting
+    pass sees the same logits again, which the maximum ignores. ``pop_max_logits`` hands
+    the step's maxima over (None: nothing recorded) and starts the next step's."""
+
+    step_context: StepContext | None
+    max_logit_H: torch.Tensor | None
+    attend: Attend
+
+    def _recording(self, cache: KVCache | None) -> bool:
+        ctx = self.step_context
+        return (ctx is not None and ctx.max_logits and cache is None
+                and self.training and not ctx.zero_stage_input)  # fmt: skip
+
+    def _attend(self, record: bool, *args: Any) -> torch.Tensor:
+        """``self.attend(*args)``, keeping the heads' maxima when ``record``."""
+        if not record:
+            return self.attend(*args)
+        out, max_H = self.attend(*args, max_logits=True)
+        seen = self.max_logit_H
+        self.max_logit_H = max_H if seen is None else torch.maximum(seen, max_H)
+        return out
+
+    def pop_max_logits(self) -> torch.Tensor | None:
+        max_H, self.max_logit_H = self.max_logit_H, None
+        return max_H
+
+
+class Attention(MaxLogits, nn.Module):
+    """Grouped-query attention. ``context``: the step context it reads (None: it never records
+    its logits' maxima)."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0, context: StepContext | None = None):
         super().__init__()
         self.layer_id = layer_id
+        self.step_context = context
+        self.max_logit_H = None
+        self.n_heads, self.kv_heads = cfg.n_heads, cfg.kv_heads
         self.head_dim = cfg.attn_head_dim
         self.rope_dim = cfg.rope_dim  # partial rotary: the first rope_dim dims of each head
         self.rope_style = cfg.rope_style
@@ -126,9 +170,24 @@ class Attention(nn.Module):
             k, v = cache.extend(self.layer_id, k, v)
         if mask is None:  # causal attention of the new positions over all of them
             mask = AttentionMask.causal(S, x_BSD.device, start=k.shape[1] - S)
-        if self.sinks is None:
-            return self.wo(self.attend(q, k, v, None, mask))
-        return self.wo(self.attend(q, k, v, None, mask, local_part(self.sinks)))
+        sinks = None if self.sinks is None else local_part(self.sinks)
+        return self.wo(self._attend(self._recording(cache), q, k, v, None, mask, sinks))
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """QK-clip's rescale of the whole (unsharded) projections, given each query head's
+        factor ``gamma_H`` (1: the head is left alone): per parameter name, the factor of
+        each of its rows. Every logit of head h is scaled by exactly gamma_h. A key head
+        that serves one query head shares the factor with it, sqrt(gamma) each (Kimi K2's
+        q_C / k_C); one that serves several is left alone and each query head takes its
+        whole gamma, as K2 treats MLA's rotary key shared by every head."""
+        per_q_head = gamma_H if self.n_heads > self.kv_heads else gamma_H.sqrt()
+        q_rows = per_q_head.repeat_interleave(self.head_dim)
+        rows = {"wq.weight": q_rows}
+        if self.n_heads == self.kv_heads:
+            rows["wk.weight"] = q_rows
+        if self.wq.bias is not None:
+            rows.update({name.replace("weight", "bias"): r for name, r in rows.items()})
+        return rows
 
     def _rope(self, x_BSHD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """RoPE on each head's first ``rope_dim`` dims (all of them unless partial)."""
@@ -138,14 +197,16 @@ class Attention(nn.Module):
         return torch.cat((apply_rope(rot, cos, sin, self.rope_style), rest), dim=-1)
 
 
-class LatentAttention(nn.Module):
-    """DeepSeek's multi-head latent attention (MLA)."""
+class LatentAttention(MaxLogits, nn.Module):
+    """DeepSeek's multi-head latent attention (MLA). ``context``: as ``Attention``'s."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_id: int = 0, context: StepContext | None = None):
         super().__init__()
         assert cfg.kv_lora_rank and cfg.qk_nope_head_dim and cfg.qk_rope_head_dim
         assert cfg.v_head_dim
         self.layer_id = layer_id
+        self.step_context = context
+        self.max_logit_H = None
         self.rope_style = cfg.rope_style
         self.nope_dim, self.rope_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.v_dim = cfg.v_head_dim
@@ -199,8 +260,24 @@ class LatentAttention(nn.Module):
             k, v = cache.extend(self.layer_id, k, v)
         if mask is None:  # causal attention of the new positions over all of them
             mask = AttentionMask.causal(S, x_BSD.device, start=k.shape[1] - S)
-        return self.wo(self.attend(q, k, v, self.scale, mask))
+        return self.wo(self._attend(self._recording(cache), q, k, v, self.scale, mask))
+
+    def qk_clip_scales(self, gamma_H: torch.Tensor) -> dict[str, torch.Tensor]:
+        """QK-clip's rescale (``Attention.qk_clip_scales``) as Kimi K2 gives it for MLA: each
+        head's query and key content parts (q_C in ``wq`` / ``wq_b``, k_C in ``wkv_b``) by
+        sqrt(gamma_h), its query rotary part q_R by gamma_h, the rotary key ``wk_rope``,
+        shared by every head, and the values left alone."""
+        root = gamma_H.sqrt()[:, None]
+        ones = torch.ones_like(root)
+        q = torch.cat((root.expand(-1, self.nope_dim), gamma_H[:, None].expand(-1, self.rope_dim)),
+                      dim=1)  # fmt: skip
+        kv = torch.cat((root.expand(-1, self.nope_dim), ones.expand(-1, self.v_dim)), dim=1)
+        q_name = "wq.weight" if self.wq is not None else "wq_b.weight"
+        return {q_name: q.reshape(-1), "wkv_b.weight": kv.reshape(-1)}
 
 
-def build_attention(cfg: ModelConfig, layer_id: int) -> nn.Module:
-    return LatentAttention(cfg, layer_id) if cfg.attention == "mla" else Attention(cfg, layer_id)
+def build_attention(
+    cfg: ModelConfig, layer_id: int, context: StepContext | None = None
+) -> nn.Module:
+    kind = LatentAttention if cfg.attention == "mla" else Attention
+    return kind(cfg, layer_id, context)

@@ -20,6 +20,9 @@ Attention sinks (gpt-oss, ``model.attention_sinks``): ``attend`` takes a logit p
 joins every query's softmax denominator, run as one more key that every query sees
 (``_attend_with_sinks``); the mask is the same.
 
+QK-clip (``optim.qk_clip``): ``attend(..., max_logits=True)`` also returns each head's largest
+pre-softmax logit, from the same pass (``_attend_keeping_max``).
+
 Two ways to run it (``model.attention_backend``): "sdpa", ``scaled_dot_product_attention``
 with ``is_causal=True`` when the mask is plain causal and an explicit boolean mask otherwise,
 or "flex", FlexAttention with a block mask (compiled: blocks that the mask empties are
@@ -254,14 +257,23 @@ def attend(
     scale: float | None,
     mask: AttentionMask,
     sinks_H: torch.Tensor | None = None,
-) -> torch.Tensor:
+    max_logits: bool = False,
+) -> Any:
     """Attention of the queries over the keys and values under ``mask`` -> (B, s, H*Dv).
     Keys and values may have fewer (kv) heads than the queries. ``sinks_H``: a logit per
-    query head added to the softmax's denominator (attention sinks, gpt-oss)."""
+    query head added to the softmax's denominator (attention sinks, gpt-oss).
+
+    ``max_logits``: also return each query head's largest pre-softmax logit, q.k x scale
+    over every query and the keys it may see (the sinks are not keys), in fp32 ->
+    ``(out, max_H)``: the same pass computes both (``_attend_keeping_max``), for QK-clip."""
     B, s = q_BsHD.shape[:2]
     L, device = k_BLHD.shape[1], q_BsHD.device
     k_BLHD, v_BLHD = repeat_kv(k_BLHD, v_BLHD, q_BsHD.shape[2])
     q, k, v = (t.transpose(1, 2) for t in (q_BsHD, k_BLHD, v_BLHD))
+    if max_logits:
+        flex = device.type == "cuda"  # FlexAttention's maxima have no CPU kernel
+        out, max_H = _attend_keeping_max(q, k, v, scale, mask, sinks_H, flex)
+        return out.transpose(1, 2).reshape(B, s, -1), max_H
     if sinks_H is not None:
         out = _attend_with_sinks(q, k, v, scale, mask.dense(s, L, device), sinks_H)
     elif mask.plain_causal:
@@ -274,6 +286,56 @@ def attend(
             q, k, v, attn_mask=mask.dense(s, L, device), scale=scale
         )
     return out.transpose(1, 2).reshape(B, s, -1)
+
+
+def _attend_keeping_max(
+    q_BHsD: torch.Tensor,
+    k_BHLD: torch.Tensor,
+    v_BHLD: torch.Tensor,
+    scale: float | None,
+    mask: AttentionMask,
+    sinks_H: torch.Tensor | None,
+    flex: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention (B, H, s, Dv) and each head's largest logit (H,) from one pass. ``flex``
+    (CUDA): compiled FlexAttention with its ``max_scores`` output (the row maxima its kernel
+    keeps for the online softmax anyway) and, with sinks, its log-sum-exp, which folds them
+    in (``fold_sinks``). Otherwise: the scores written out (B, H, s, L), their maximum read
+    from them, softmax in fp32 -- the math of SDPA's reference path, since FlexAttention has
+    no CPU kernel for its maxima -- and the sinks folded in the same way."""
+    B, H, s, Dh = q_BHsD.shape
+    L = k_BHLD.shape[2]
+    scale = Dh**-0.5 if scale is None else scale
+    if flex:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        block = mask.block_mask(B, s, L, q_BHsD.device)
+        request = AuxRequest(lse=sinks_H is not None, max_scores=True)
+        out, aux = _compiled_flex()(q_BHsD, k_BHLD, v_BHLD, block_mask=block, scale=scale,
+                                    return_aux=request)  # fmt: skip
+        max_H = aux.max_scores.detach().float().amax(dim=(0, 2))
+        return (out if sinks_H is None else fold_sinks(out, aux.lse, sinks_H)), max_H
+    if mask.plain_causal:  # built here, not cached: a compiled block guards on the cache
+        allowed = torch.ones(s, L, dtype=torch.bool, device=q_BHsD.device).tril()
+    else:
+        allowed = mask.dense(s, L, q_BHsD.device)
+    scores = ((q_BHsD @ k_BHLD.transpose(-2, -1)) * scale).float()
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    max_H = scores.detach().amax(dim=(0, 2, 3))
+    out = torch.softmax(scores, dim=-1).to(v_BHLD.dtype) @ v_BHLD
+    if sinks_H is not None:
+        out = fold_sinks(out, torch.logsumexp(scores, dim=-1), sinks_H)
+    return out, max_H
+
+
+def fold_sinks(
+    out_BHsD: torch.Tensor, lse_BHs: torch.Tensor, sinks_H: torch.Tensor
+) -> torch.Tensor:
+    """Attention sinks added after the fact: with Z = exp(lse) the sum over the keys, the
+    softmax over the keys and one sink of logit s_h is the keys' softmax times Z / (Z + e^s_h)
+    = sigmoid(lse - s_h), the sink's value being zero."""
+    keep = torch.sigmoid(lse_BHs.float() - sinks_H.float().view(1, -1, 1))
+    return out_BHsD * keep.unsqueeze(-1).to(out_BHsD.dtype)
 
 
 SINK_PAD = 8

@@ -9,6 +9,8 @@ chunks are deep copies of one model that keep sharing it
 (``moetrain.parallel.pipeline.pipeline_split``), so one assignment reaches every layer of
 every chunk of the rank.
 
+The attention modules read it too, for one field (``max_logits``: QK-clip's record).
+
 Nothing else reaches the MoE layers from outside except the dispatcher
 (``MoELayer.install_dispatcher``, the seam of expert parallelism). The layers' own
 accumulations (statistics, the sequence counter, the global-batch loss's counts) are theirs
@@ -55,6 +57,10 @@ class StepContext:
     counting: bool = False
     """The engine's counting pass (global-batch balancing): forwards that route and count
     their expert choices (``GlobalBalanceLoss.count``) and record nothing else."""
+    max_logits: bool = False
+    """QK-clip (``optim.qk_clip``): every attention module keeps each head's largest
+    pre-softmax logit of the training forwards (``moetrain.model.attention.MaxLogits``). Set
+    once per job."""
     zero_stage_input: bool = False
     """Set while the engine warms a pipeline up: a stage after the first zeroes the hidden
     states it is handed (``Transformer.forward``)."""

@@ -66,7 +66,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = build_attention(cfg, layer_id)
+        self.attention = build_attention(cfg, layer_id, context)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.moe_enabled = is_moe_layer(layer_id, moe_cfg)
         self.ffn: nn.Module = (

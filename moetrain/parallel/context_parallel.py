@@ -137,7 +137,8 @@ class ContextParallelAttention:
         scale: float | None,
         mask: AttentionMask,
         sinks_H: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        max_logits: bool = False,
+    ) -> Any:
         if mask.q_pos is None or mask.kv_len != self.shard.seq_len:
             raise ValueError(
                 "context parallelism: the attention mask is not one of this rank's positions "
@@ -151,7 +152,7 @@ class ContextParallelAttention:
             .transpose(0, 1)
             for t in (k_BsHD, v_BsHD)
         )
-        return attend(q_BsHD, k_BSHD, v_BSHD, scale, mask, sinks_H)
+        return attend(q_BsHD, k_BSHD, v_BSHD, scale, mask, sinks_H, max_logits)
 
 
 def apply_cp(model: nn.Module, cp_mesh: Any, seq_len: int) -> ContextShard | None:

@@ -301,11 +301,17 @@ class _FlatShard:
         return out
 
 
-def moe_layers(parts: Iterable[nn.Module]) -> dict[int, MoELayer]:
-    """The MoE layers of all of this rank's model chunks, by layer index."""
-    out: dict[int, MoELayer] = {}
+def by_layer(parts: Iterable[nn.Module], kind: type) -> dict[int, Any]:
+    """The modules of type ``kind`` in all of this rank's model chunks (one per block), by
+    layer index (``layers.<i>.…``)."""
+    out: dict[int, Any] = {}
     for part in parts:
         for name, module in part.named_modules():
-            if isinstance(module, MoELayer):
+            if isinstance(module, kind):
                 out[int(name.split(".")[1])] = module
     return out
+
+
+def moe_layers(parts: Iterable[nn.Module]) -> dict[int, MoELayer]:
+    """The MoE layers of all of this rank's model chunks, by layer index."""
+    return by_layer(parts, MoELayer)

@@ -26,6 +26,8 @@ engine itself:
                balancing loss's step counts, the routing records
     stats      ``layer_stats.LayerStats``: every MoE layer's statistics summed over the job,
                the expert-bias update
+    qk_clip    ``qk_clip.QKClip`` (``optim.qk_clip``): the attention heads' largest logits
+               over the job, and the rescale of the heads above the threshold
     grads      ``gradients.Gradients``: reduction, norm and clipping of the gradients
     views      ``state_views.CheckpointViews``: checkpoint views (ZeRO-1's shadows from
                ``zero1_state``)
@@ -70,6 +72,7 @@ from moetrain.train.gradients import GradientLayout, Gradients
 from moetrain.train.layer_stats import LayerStats
 from moetrain.train.optim import build_scheduler
 from moetrain.train.optimizers import build_optimizers
+from moetrain.train.qk_clip import QKClip
 from moetrain.train.routing_passes import RoutingPasses, RoutingShape
 from moetrain.train.state_views import CheckpointViews
 from moetrain.train.step_groups import StepGroups
@@ -210,6 +213,12 @@ class Engine:
                                      self.groups, shape, self.device)  # fmt: skip
         self.stats = LayerStats(self.moe, self.moe_layer_ids, cfg.moe.num_experts, self.groups,
                                 self.device, quantile_bins(cfg.moe))  # fmt: skip
+        self.qk_clip: QKClip | None = None
+        if cfg.optim.qk_clip is not None:
+            attention_ids = range(cfg.model.n_layers + cfg.model.mtp_depth)
+            self.qk_clip = QKClip(self.parts, attention_ids, cfg.model.n_heads,
+                                  cfg.optim.qk_clip, self.coords["tp"], self.device)  # fmt: skip
+            self.step_context.max_logits = True
         pipelined_mtp = bool(cfg.model.mtp_depth) and dims.pp > 1
         # Multi-token prediction under a pipeline: the ranks of the first stage's embedding
         # and the last stage's copy of it (None: one rank holds both, or no pipeline).
@@ -249,6 +258,8 @@ class Engine:
             part.pop_mtp_loss()
         for layer in self.moe.values():
             layer.pop_stats()
+        if self.qk_clip is not None:
+            self.qk_clip.reset()
 
     # ------------------------------------------------------------------ loss
 
@@ -498,6 +509,8 @@ class Engine:
                 opt.step()
             if self.grad_sync is not None:
                 self.grad_sync.gather_params()
+        if self.qk_clip is not None:  # the logits' maxima of this step, and the rescale
+            self.qk_clip.step(update)
         self.after_step()
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
@@ -525,6 +538,11 @@ class Engine:
 
     def update_expert_bias(self, stats: dict[int, dict[str, torch.Tensor]]) -> None:
         self.stats.update_expert_bias(stats)
+
+    def max_logits(self) -> dict[int, float]:
+        """QK-clip: the last step's largest attention logit per layer over the job (empty
+        without ``optim.qk_clip``)."""
+        return self.qk_clip.per_layer() if self.qk_clip is not None else {}
 
     def routing_record(self) -> dict[str, Any] | None:
         return self.routing.routing_record()

@@ -403,6 +403,7 @@ def format_log_line(step: int, total: int, values: dict[str, Any]) -> str:
         ("mfu", "{:.1%}"),
         ("max_over_mean", "{:.2f}"),
         ("dropped", "{:.2%}"),
+        ("max_logit", "{:.2f}"),
     ):
         if key in values:
             parts.append(f"{key} " + fmt.format(values[key]))

@@ -92,6 +92,9 @@ class StepResult:
     flops_per_token: float = float("nan")
     """Model FLOPs per token of the step (this rank's sequences): under document masking the
     attention's share is counted from the documents' actual lengths."""
+    max_logits: dict[int, float] = field(default_factory=dict)
+    """QK-clip (``optim.qk_clip``): each attention layer's largest pre-softmax logit of the
+    step's forwards, over the job (before the rescale)."""
 
 
 class Trainer:
@@ -343,12 +346,13 @@ class Trainer:
         moe = self.engine.moe_stats()
         if not NonFiniteGuard.is_bad(loss, grad_norm):  # a skipped step changes no state
             self.engine.update_expert_bias(moe)
+        max_logits = self.engine.max_logits()
         self.step += 1
         tokens = sum(b["input_ids"].numel() for b in micro_batches) * self.dims.dp
         flops = self._step_flops_per_token(micro_batches)
         synchronize(self.device)
         seconds = time.perf_counter() - start
-        return StepResult(loss, grad_norm, lr, tokens, seconds, moe, mtp_loss, flops)
+        return StepResult(loss, grad_norm, lr, tokens, seconds, moe, mtp_loss, flops, max_logits)
 
     def _step_flops_per_token(self, micro_batches: list[dict[str, torch.Tensor]]) -> float:
         """Model FLOPs per token of this rank's sequences; records their document pieces
@@ -556,6 +560,8 @@ class Trainer:
             }
             if self.cfg.model.mtp_depth:
                 scalars["train/mtp_loss"] = res.mtp_loss
+            for layer, value in res.max_logits.items():
+                scalars[f"attention/max_logit/layer_{layer}"] = value
             self.writer.scalars(scalars, self.step)
             self.writer.moe_layers(res.moe, self.step)
             every = cfg.log.histogram_every
@@ -612,6 +618,9 @@ class Trainer:
             values["aux"] = sum(s["aux_loss"] for s in sums) / len(sums)
             values["max_over_mean"] = max(s["max_over_mean"] for s in sums)
             values["dropped"] = sum(s["dropped_fraction"] for s in sums) / len(sums)
+        logits = [v for r in window for v in r.max_logits.values()]
+        if logits:
+            values["max_logit"] = max(logits)
         if eval_loss is not None:
             values["eval_loss"] = eval_loss
         line = format_log_line(self.step, self.cfg.train.steps, values)

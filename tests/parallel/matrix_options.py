@@ -185,6 +185,11 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
     # gradients under every layout, in tests/parallel/test_muon_layouts.py)
     "optimizer": [("AdamW", ["optim.name=adamw"]),
                   ("Muon", ["optim.name=muon", "optim.muon_ns_dtype=fp32"])],
+    # QK-clip at a threshold the cells' logits pass (each layer's largest: 0.04 to 0.08 with
+    # GQA, 0.03 to 0.04 with MLA in the first steps): heads rescaled, some left alone
+    # (refused with q/k norms and clip_qkv)
+    "qk_clip": [("no QK-clip", ["optim.qk_clip=null"]),
+                ("QK-clip, tau 0.03 (Kimi K2)", ["optim.qk_clip=0.03"])],
     "activation_checkpointing": [("no AC", ["parallel.activation_checkpointing=none"]),
                                  ("selective AC", ["parallel.activation_checkpointing=selective"]),
                                  ("full AC", ["parallel.activation_checkpointing=full"])],

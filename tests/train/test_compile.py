@@ -32,10 +32,10 @@ from moetrain.train.trainer import Trainer
 STEPS = 4
 
 
-def _compiled_run(monkeypatch, dtype: str) -> tuple[dict[int, set[int]], dict, list]:
+def _compiled_run(monkeypatch, dtype: str, *extra: str) -> tuple[dict[int, set[int]], dict, list]:
     """(compile indices of every compiled frame, dynamo's graph-break reasons, each step's
-    tokens per expert of layer 0) of ``STEPS`` dropless steps of the micro MoE compiled,
-    ``train.dtype=dtype``."""
+    tokens per expert of layer 0 and attention maxima) of ``STEPS`` dropless steps of the
+    micro MoE compiled, ``train.dtype=dtype``, with the ``extra`` overrides."""
     compiles: dict[int, set[int]] = {}
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -51,20 +51,32 @@ def _compiled_run(monkeypatch, dtype: str) -> tuple[dict[int, set[int]], dict, l
         trainer = Trainer(micro_config(
             out, "train.compile=true", f"train.dtype={dtype}", "moe.kernels=torch",
             "moe.capacity_factor=null", "moe.jitter_eps=0.1", "model.n_layers=2",
-            "train.global_batch_size=4", "log.histogram_every=0",
+            "train.global_batch_size=4", "log.histogram_every=0", *extra,
         ))  # fmt: skip
         with gemm_torch.cuda_rules():
             for _ in range(STEPS):
-                loads.append(trainer.train_step().moe[0]["tokens_per_expert"].tolist())
+                res = trainer.train_step()
+                loads.append((res.moe[0]["tokens_per_expert"].tolist(), res.max_logits))
         trainer.close()
     return compiles, dict(counters["graph_break"]), loads
 
 
 def test_native_grouped_gemms_compile_once_without_a_graph_break(monkeypatch) -> None:
     compiles, breaks, loads = _compiled_run(monkeypatch, "bf16")
-    assert len({tuple(x) for x in loads}) > 1, loads  # the routing moved tokens between experts
+    # the routing moved tokens between experts
+    assert len({tuple(x) for x, _ in loads}) > 1, loads
     assert not breaks, breaks
     assert compiles, "nothing was compiled"
+    recompiled = {frame: ids for frame, ids in compiles.items() if max(ids) > 1}
+    assert not recompiled, compiles
+
+
+def test_qk_clips_record_compiles_without_a_graph_break(monkeypatch) -> None:
+    """The attention keeps its heads' maxima inside the compiled block (``optim.qk_clip``):
+    no graph break, at most two compiles (before and after its first record)."""
+    compiles, breaks, loads = _compiled_run(monkeypatch, "bf16", "optim.qk_clip=0.05")
+    assert not breaks, breaks
+    assert all(sorted(logits) == [0, 1] for _, logits in loads), loads
     recompiled = {frame: ids for frame, ids in compiles.items() if max(ids) > 1}
     assert not recompiled, compiles
 
