@@ -35,9 +35,10 @@ RUNS = [("muon", "inf"), ("muon", "clip"), ("adamw", "inf"), ("adamw", "clip")]
 
 
 def run(optimizer: str, lr: float, tau: float | None, steps: int, seed: int = 0,
-        out_dir: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """One run on tiny: ``tau`` None records the logits without clipping. Returns the
-    per-step largest logit, the per-step loss and the final eval loss."""
+        extra: list[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """One run on tiny: ``tau`` None records the logits without clipping; ``extra``: more
+    overrides. Returns the per-step largest logit, the per-step loss and the final eval
+    loss."""
     from moetrain.config import load_config
     from moetrain.train.trainer import Trainer
 
@@ -48,7 +49,7 @@ def run(optimizer: str, lr: float, tau: float | None, steps: int, seed: int = 0,
             "log.tensorboard=false", "log.progress_bar=false", "log.specialization=false",
             f"optim.warmup_steps={max(1, steps // 10)}", f"optim.name={optimizer}",
             f"optim.lr={lr}", f"optim.qk_clip={'.inf' if tau is None else tau}",
-            f"train.output_dir={out_dir or tmp}", *(MUON if optimizer == "muon" else []),
+            f"train.output_dir={tmp}", *(MUON if optimizer == "muon" else []), *(extra or []),
         ])  # fmt: skip
         trainer = Trainer(cfg)
         max_logit, loss = [], []
