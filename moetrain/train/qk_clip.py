@@ -39,12 +39,16 @@ from moetrain.parallel.data_parallel import by_layer
 def scale_rows(param: torch.Tensor, rows: torch.Tensor) -> None:
     """``param *= rows`` along its first dimension, in place, on whatever part of it this
     rank holds (a DTensor's shard: the factors are distributed as the parameter is, each rank
-    taking its own part of the full factors it computed, without communication)."""
-    full = rows.to(param.dtype).view(-1, *([1] * (param.dim() - 1))).expand(param.shape)
+    taking its own part of the full factors it computed, without communication). The
+    factors are one column, broadcast over the rest; laid out at the parameter's full size
+    only where a placement splits another dimension than the rows."""
+    factors = rows.to(param.dtype).view(-1, *([1] * (param.dim() - 1)))
     if isinstance(param, DTensor):
-        full = distribute_tensor(full.contiguous(), param.device_mesh, param.placements,
-                                 src_data_rank=None)  # fmt: skip
-    param.mul_(full)
+        if any(p.is_shard() and p.dim != 0 for p in param.placements):
+            factors = factors.expand(param.shape).contiguous()
+        factors = distribute_tensor(factors, param.device_mesh, param.placements,
+                                    src_data_rank=None)  # fmt: skip
+    param.mul_(factors)
 
 
 class QKClip:
