@@ -58,7 +58,8 @@ tests/oracle.py).
   its CUDA-contract replay (tests/train/test_compute_dtype.py).
 - ``muon_local_shard``: Muon orthogonalizes each rank's own slice of a sharded matrix (a
   ZeRO-2/3 or HSDP shard, a tensor-parallel column or row block, an expert-TP slice of the
-  FFN width) instead of the whole matrix (the single process has no slices). Caught by the
+  FFN width) instead of the whole matrix (the single process has no slices), whether every
+  holder gathers the matrix or one owner does (``optim.muon_distributed``). Caught by the
   parameters after an optimizer step (tests/parallel/test_muon_layouts.py).
 - ``ep_grad_norm_without_experts``: the gradient norm leaves out the expert parameters'
   term under expert parallelism (every binding of ``expert_grad_sq_norm`` in moetrain
@@ -240,14 +241,18 @@ def _routed_rows_in_fp32(setattr_: Callable[..., None]) -> None:
 def _muon_local_shard(setattr_: Callable[..., None]) -> None:
     from torch.distributed.tensor import DTensor
 
-    from moetrain.train import muon, zero1_state
+    from moetrain.train import muon, muon_owners, zero1_state
 
     def mine(u: Any, layout: Any, dtype: Any) -> tuple[Any, Callable[[Any], Any]]:
         local = u.to_local() if isinstance(u, DTensor) else u
         return local.to(dtype), lambda o: o
 
+    def owned(route: Any, slices: dict, steps: int, dtype: Any) -> dict:
+        return {i: muon.newton_schulz(t, steps, dtype) for i, t in slices.items()}
+
     setattr_(muon, "whole", mine)
     setattr_(zero1_state, "whole", mine)
+    setattr_(muon_owners, "orthogonalize_owned", owned)
 
 
 def _stage_inputs_uninitialised(setattr_: Callable[..., None]) -> None:

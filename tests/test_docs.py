@@ -961,6 +961,10 @@ QUOTES = [
           r"(?s)with QK-clip\.\n\n(\| run \| largest logit.*?\n\ntau = [^\n]*\n)",
           lambda: _load_tool(REPO / "tools" / "qk_clip_runs.py").table(
               json.loads((DATA / "qk_clip.json").read_text())) + "\n"),
+    Quote("docs/optim.md", "docs/data/muon_owners.json (written by tools/bench_muon.py)",
+          r"(?s)own whole experts\):\n\n(\| layout \| mode \|.*?\n\n[^\n]* steps\.\n)",
+          lambda: _load_tool(REPO / "tools" / "bench_muon.py").table(
+              json.loads((DATA / "muon_owners.json").read_text()))),
     Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
           r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
           lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),

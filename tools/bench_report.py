@@ -63,6 +63,9 @@ python tools/bench_moe_layer.py               # MoE layer time / its grouped GEM
 python tools/bench_e2e.py                     # configs/gpu_1b.yaml: 5 variants, MFU, plan's step
 python tools/bench_fp8.py                     # FP8 vs bf16: expert GEMMs, a linear, end to end
 python tools/compare_kernel_paths.py          # tiny config: triton vs torch losses, 50 steps
+python tools/bench_muon.py --out docs/data/muon_owners.json  # Muon's Newton-Schulz per rank,
+                                              # one owner vs every holder (CPU ranks, gloo;
+                                              # the table: docs/optim.md#under-every-layout)
 python tools/bench_report.py                  # regenerates this page and docs/img/benchmarks.png
 
 # Smoke test on CPU (tiny shapes; Triton runs under the interpreter; no CSV rows):

@@ -14,7 +14,7 @@ half-ulp (2^-9 .. 2^-8), so that a decaying moment still moves."""
 
 
 MUON_ONLY_KEYS = ("muon_momentum", "muon_ns_steps", "muon_ns_dtype", "muon_update_rms",
-                  "muon_embedding", "muon_output", "muon_router")
+                  "muon_embedding", "muon_output", "muon_router", "muon_distributed")
 """The ``optim`` keys that only ``optim.name=muon`` reads."""
 
 
@@ -66,7 +66,14 @@ class OptimConfig:
     muon_ns_dtype: Literal["bf16", "fp32"] = "bf16"
     """Muon: the dtype Newton-Schulz runs in: bf16 as the reference implementations
     (Keller Jordan's, Moonlight's, torch.optim.Muon) do, or fp32. A matrix split over ranks
-    is gathered in this dtype."""
+    is moved in this dtype."""
+    muon_distributed: Literal["owners", "gather"] = "owners"
+    """Muon: who orthogonalizes a matrix that ranks hold in slices (ZeRO-2/3 and HSDP
+    shards, TP blocks, expert-TP slices). owners: one rank of its holders, the matrices
+    shared out by Newton-Schulz FLOPs; the slices are sent to it and the result's slices
+    returned (all-to-alls: 1 / n of gather's FLOPs per rank, 2 / n of its bytes).
+    gather: every holder gathers it whole and repeats the iteration (Moonlight's
+    distributed Muon). Both give the same bits. ZeRO-1's flat slices are always gathered."""
     muon_update_rms: float = 0.2
     """Muon: the update of an A x B matrix is scaled by this x sqrt(max(A, B)), which gives
     it about this RMS -- AdamW's typical update RMS (Moonlight's 0.2), so that ``lr`` and
@@ -130,6 +137,9 @@ class OptimConfig:
                   "1 - momentum < 2^-8 a step rounds back to itself)")
         if not 1 <= self.muon_ns_steps < 100:
             _fail("optim.muon_ns_steps", f"must be in [1, 99], got {self.muon_ns_steps}")
+        if self.muon_distributed not in ("owners", "gather"):
+            _fail("optim.muon_distributed",
+                  f"expected owners or gather, got {self.muon_distributed!r}")
         if self.muon_ns_dtype not in ("bf16", "fp32"):
             _fail("optim.muon_ns_dtype", f"expected bf16 or fp32, got {self.muon_ns_dtype!r}")
         _positive("optim", self, "muon_update_rms")

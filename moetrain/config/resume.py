@@ -54,6 +54,7 @@ RESUME_KEYS: dict[str, tuple[ResumeKind, str]] = {
                 "checkpoint's"),
     "optim.grad_clip": ("free", "applied at every step from the config"),
     "optim.qk_clip": ("free", "applied after every step from the config"),
+    "optim.muon_distributed": ("free", "who computes Newton-Schulz; the same bits either way"),
     "optim.moments_dtype": ("free", "precision: the saved moments are loaded and rounded to "
                             "this dtype"),
     "optim.name": ("optimizer", "the checkpoint's optimizer state is another optimizer's"),

@@ -197,12 +197,13 @@ def estimate_lines(e: Any) -> list[str]:
                    f"{r.source}")  # fmt: skip
     return out
 def _muon_line(r: RankPlan) -> list[str]:
-    """Muon's share of the step (``optim.name=muon``): its gathers and Newton-Schulz."""
+    """Muon's share of the step (``optim.name=muon``): what it sends to make matrices whole
+    and its Newton-Schulz."""
     s = r.state
     if not s.muon_flops:
         return []
     return [
-        f"  Muon: {s.muon_sent / 1e6:,.1f} MB gathered (exact), {s.muon_flops / 1e9:,.1f} GFLOP "
+        f"  Muon: {s.muon_sent / 1e6:,.1f} MB sent (exact), {s.muon_flops / 1e9:,.1f} GFLOP "
         "of Newton-Schulz per step on this rank (exact), in the optimizer time"
     ]
 

@@ -27,12 +27,13 @@ Layouts. Newton-Schulz needs the whole matrix; a rank may hold a slice of it:
 - ZeRO-1's flat slices: ``moetrain.train.zero1_state.Zero1Matrices`` all-gathers the
   group's flat update once and orthogonalizes the matrices this rank's slice touches.
 
-That is Moonlight's "distributed Muon": gather, orthogonalize redundantly, keep one's slice.
-Traffic per step: each sharded Muon matrix once, in the Newton-Schulz dtype (bf16: 2 bytes
-an element), (n - 1) / n of it sent by each of its n holders -- at most a sixth of ZeRO-3's
-own traffic in fp32 training. FLOPs: ``ns_flops`` per matrix, on every rank that holds a
-piece of it. Assigning whole matrices to ranks and scattering the results back would divide
-the FLOPs by n at about twice the bytes (docs/optim.md).
+That is Moonlight's "distributed Muon" (``optim.muon_distributed=gather``): gather,
+orthogonalize redundantly, keep one's slice. Traffic per step: each sharded Muon matrix once,
+in the Newton-Schulz dtype (bf16: 2 bytes an element), (n - 1) / n of it sent by each of its n
+holders -- at most a sixth of ZeRO-3's own traffic in fp32 training. FLOPs: ``ns_flops`` per
+matrix, on every rank that holds a piece of it. The default (``owners``,
+``moetrain.train.muon_owners.OwnerMatrices``) sends each matrix's slices to one owner and
+returns the result's: 1 / n of the FLOPs per rank, 2 / n of the bytes.
 """
 
 from __future__ import annotations
@@ -233,16 +234,26 @@ class WholeMatrices:
         return sent, flops
 
 
+def matrices_for(cfg: OptimConfig, layouts: dict[torch.Tensor, Layout] | None = None) -> Any:
+    """How the Muon group's updates are orthogonalized whole (``optim.muon_distributed``):
+    by one owner each (``moetrain.train.muon_owners``) or by every holder."""
+    if cfg.muon_distributed == "owners":
+        from moetrain.train.muon_owners import OwnerMatrices
+
+        return OwnerMatrices(layouts)
+    return WholeMatrices(layouts)
+
+
 def expert_matrices(parts: list[nn.Module], meshes: Any, cfg: Any) -> WholeMatrices:
-    """``WholeMatrices`` knowing where this rank's expert slices sit under expert parallelism
-    (``expert_layouts``; none without it). ``cfg``: the job's config."""
+    """``matrices_for`` the job, knowing where this rank's expert slices sit under expert
+    parallelism (``expert_layouts``; none without it). ``cfg``: the job's config."""
     found = expert_layouts(parts, meshes, cfg.parallel)
     layouts = {}
     for part in parts:
         for name, p in part.named_parameters():
             if fqn(name) in found:
                 layouts[p] = found[fqn(name)]
-    return WholeMatrices(layouts)
+    return matrices_for(cfg.optim, layouts)
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -349,7 +360,7 @@ def build_muon(
 ) -> torch.optim.Optimizer:
     """AdamW's two groups (decayed, not decayed) and Muon's group, always in this order.
     ``whole_matrices``: how the Muon group's updates become whole matrices (default: each
-    parameter's own layout, ``WholeMatrices()``)."""
+    parameter's own layout, ``matrices_for(cfg)``)."""
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -361,7 +372,7 @@ def build_muon(
     opt = cls(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
     )
-    opt.whole = whole_matrices if whole_matrices is not None else WholeMatrices()
+    opt.whole = whole_matrices if whole_matrices is not None else matrices_for(cfg)
     return opt
 
 
@@ -416,6 +427,7 @@ __all__ = [
     "build_muon",
     "expert_matrices",
     "gather_costs",
+    "matrices_for",
     "momentum_update",
     "muon_directions",
     "muon_matrices",

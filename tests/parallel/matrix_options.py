@@ -180,11 +180,14 @@ FACTORS: dict[str, list[tuple[str, list[str]]]] = {
             ("FP8 rowwise", ["train.fp8=rowwise"])],
     "moments": [("fp32 moments", ["optim.moments_dtype=fp32"]),
                 ("bf16 moments", ["optim.moments_dtype=bf16"])],
-    # the optimizer: Muon with Newton-Schulz in fp32 (in bf16 the iteration amplifies a
-    # reordered sum's rounding flip: that path is proven on the optimizer alone, with the same
-    # gradients under every layout, in tests/parallel/test_muon_layouts.py)
+    # the optimizer: Muon with Newton-Schulz in fp32, each split matrix orthogonalized by one
+    # owner (the default) or by every holder (optim.muon_distributed); in bf16 the iteration
+    # amplifies a reordered sum's rounding flip: that path is proven on the optimizer alone,
+    # with the same gradients under every layout, in tests/parallel/test_muon_layouts.py
     "optimizer": [("AdamW", ["optim.name=adamw"]),
-                  ("Muon", ["optim.name=muon", "optim.muon_ns_dtype=fp32"])],
+                  ("Muon", ["optim.name=muon", "optim.muon_ns_dtype=fp32"]),
+                  ("Muon, every holder gathers", ["optim.name=muon", "optim.muon_ns_dtype=fp32",
+                                                  "optim.muon_distributed=gather"])],
     # QK-clip at a threshold the cells' logits pass (each layer's largest: 0.04 to 0.08 with
     # GQA, 0.03 to 0.04 with MLA in the first steps): heads rescaled, some left alone
     # (refused with q/k norms and clip_qkv)

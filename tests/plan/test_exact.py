@@ -7,16 +7,16 @@ initialisation drew: ``Engine.init_block``), and the planned activations are wit
 accounting's tolerance (``MEMORY_TOL`` of tests/parallel/test_accounting.py) of the tensors
 autograd kept (``SavedActivations``) -- with routing forced to balance
 (``moe.force_load_balancing``), the routing the plan prices, so that every rank's expert rows
-are known. Under ``optim.name=muon`` the planned bytes Muon's gathers send per step and its
-Newton-Schulz FLOPs EQUAL what the real optimizer step sent (``CommCounter``) and computed
-(torch's ``FlopCounterMode``).
+are known. Under ``optim.name=muon`` the planned bytes Muon's all-to-alls (or ZeRO-1's
+gathers) send per step and its Newton-Schulz FLOPs EQUAL what the real optimizer step sent
+(``CommCounter``) and computed (torch's ``FlopCounterMode``).
 
 One spawned job per world size runs all its layouts (2 ranks: ZeRO-1/2/3, tp + SP, pp
 interleaved, ZB-V, cp, ZeRO-1 with Muon; 4 ranks: ep with expert tp and ZeRO-3, with AdamW
 and with Muon; under ``-m exhaustive`` 8 ranks: pp x dp x tp); the plans are made
 here, in the test process, for every rank. A plan that forgets a shard is caught
 (``test_a_plan_that_forgets_a_shard_is_caught``), and so is one that prices Muon's matrices
-as if no rank held a slice of them.
+as if no rank held a slice of them, or as if one rank orthogonalized all of them.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         "ep=2 x expert tp=2 + SP, ZeRO-3": [
             "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
             "parallel.zero_stage=3", "train.global_batch_size=4"],
-        # Muon: FSDP2 shards over dp and tp blocks gathered whole, experts' FFN width over tp
+        # Muon: each matrix FSDP2 shards over dp, TP splits in blocks or expert TP splits in
+        # its FFN width sent to one owner and returned in slices (optim.muon_distributed)
         "ep=2 x expert tp=2 + SP, ZeRO-3, Muon": [
             "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
             "parallel.zero_stage=3", "train.global_batch_size=4", "optim.name=muon"],
@@ -208,13 +209,18 @@ def test_a_plan_that_forgets_a_shard_is_caught(measured, monkeypatch) -> None:
         m.setattr(activations, "_flat", lambda actions: [])  # no schedule: nothing in flight
         found = problems(name, planned(world, LAYOUTS[world][name]), measured[(world, name)])
     assert any("activations planned" in f for f in found), found
-    from moetrain.train import muon
+    from moetrain.train import muon_owners
 
     world, name = 4, "ep=2 x expert tp=2 + SP, ZeRO-3, Muon"
-    with monkeypatch.context() as m:  # every matrix whole on every rank: nothing gathered
-        m.setattr(muon, "gather_costs", lambda p, layout, itemsize: (0, tuple(p.shape)))
+    with monkeypatch.context() as m:  # every slice already at its owner: nothing sent
+        m.setattr(muon_owners, "slice_numels",
+                  lambda unit: dict.fromkeys(muon_owners.coords_of(unit.sizes), 0))  # fmt: skip
         found = problems(name, planned(world, LAYOUTS[world][name]), measured[(world, name)])
     assert any("muon_sent planned" in f for f in found), found
+    with monkeypatch.context() as m:  # every rank owning every matrix
+        m.setattr(muon_owners, "assign_owners", lambda flops, n: [0] * len(flops))
+        found = problems(name, planned(world, LAYOUTS[world][name]), measured[(world, name)])
+    assert any("muon_flops planned" in f for f in found), found
 
 
 @pytest.mark.multirank

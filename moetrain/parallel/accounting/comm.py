@@ -160,6 +160,13 @@ _PY_COLLECTIVES: dict[str, tuple[str, Callable[..., tuple[torch.Tensor, Any]]]] 
             group if group is not None else (a[1] if len(a) > 1 else None),
         ),
     ),
+    "all_to_all_single": (
+        "all_to_all",
+        lambda out, inp, *a, group=None, **k: (
+            inp,
+            group if group is not None else (a[2] if len(a) > 2 else None),
+        ),
+    ),
     "send": ("send", lambda t, *a, group=None, **k: (t, group)),
     "isend": ("send", lambda t, *a, group=None, **k: (t, group)),
 }
