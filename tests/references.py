@@ -189,6 +189,7 @@ REFERENCES: dict[str, tuple[str, str]] = {
     "optim.muon_momentum": ("torch.optim.Muon with the same momentum", "muon"),
     "optim.muon_ns_steps": ("the quintic Newton-Schulz iteration written out in float64 per matrix", "tests/train/test_muon.py::test_fp32_newton_schulz_is_the_iteration_and_orthogonalizes"),
     "optim.muon_ns_dtype": ("bf16: torch.optim.Muon (which runs it in bf16); fp32: the iteration written out in float64", "tests/train/test_muon.py::test_fp32_newton_schulz_is_the_iteration_and_orthogonalizes"),
+    "optim.muon_distributed": ("the whole matrix orthogonalized where it is whole (every holder gathering it, as one process holds it), bit for bit, on every kind of split: FSDP2 rows, TP blocks, ZeRO-3 over TP, replicas, empty slices, kept experts", "tests/train/test_muon_owners.py::test_owners_give_every_holder_the_bits_of_the_gathered_iteration"),
     "optim.muon_update_rms": ("torch.optim.Muon's match_rms_adamw scaling (0.2); the update's RMS measured against the key", "tests/train/test_muon.py::test_update_rms_is_about_the_key"),
     "optim.muon_embedding": ("the parameters each choice moves to Muon, by name", "muon_params"),
     "optim.muon_output": ("the parameters each choice moves to Muon, by name", "muon_params"),

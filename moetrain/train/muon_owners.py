@@ -13,9 +13,9 @@ the default) gives each matrix one *owner* among its holders instead:
    matrix differently in a batch of another size).
 2. **To the owner.** Every holder sends its slice of each matrix to the matrix's owner, in
    the Newton-Schulz dtype: one ``all_to_all`` per split mesh dim (a 2-D split routes in two
-   hops, each inside a group the mesh already has). Which elements a slice holds comes from
-   DTensor's own split of the placements (``Shard`` and FSDP2's ``_StridedShard``), as flat
-   indices into the matrix, so the owner puts every slice where it belongs.
+   hops, each inside a group the mesh already has). The owner writes every slice where it
+   belongs: a ``Shard`` split is ``torch.chunk``'s view, FSDP2's ``_StridedShard`` (ZeRO-3
+   over a TP block) DTensor's own split, kept as flat indices per shape.
 3. **Back.** The owner orthogonalizes its matrices whole and returns each holder its slice
    over the same hops in reverse.
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.train import muon
 from moetrain.train.muon import Layout, WholeMatrices, _keeps, _split_dim, global_shape, ns_flops
@@ -83,26 +83,56 @@ def coords_of(sizes: tuple[int, ...]) -> list[Coord]:
 def slice_of(full: torch.Tensor, placements: tuple[Any, ...], sizes: tuple[int, ...],
              coord: Coord) -> torch.Tensor:  # fmt: skip
     """The slice of ``full`` the rank at ``coord`` holds: each mesh dim's split in mesh order,
-    as DTensor distributes a tensor (``Shard``: ``torch.chunk``; ``_StridedShard``: its
-    interleaved chunks)."""
+    as DTensor distributes a tensor (``Shard``: ``torch.chunk``, ranks past the last chunk
+    empty; ``_StridedShard``: its interleaved chunks). A view of ``full`` when every split is
+    a plain ``Shard``; a copy otherwise."""
     t = full
     for placement, n, c in zip(placements, sizes, coord, strict=True):
-        t = placement._split_tensor(t, n, with_padding=False)[0][c]
+        if type(placement) is Shard:
+            chunks = torch.chunk(t, n, dim=placement.dim)
+            size = t.size(placement.dim)
+            t = chunks[c] if c < len(chunks) else t.narrow(placement.dim, size, 0)
+        else:
+            t = placement._split_tensor(t, n, with_padding=False)[0][c]
     return t
 
 
 _MAPS: dict[tuple, list[torch.Tensor]] = {}
 
 
-def index_maps(unit: _Unit, device: torch.device) -> list[torch.Tensor]:
-    """The flat indices into the unit's tensor of each coordinate's slice (row-major over
-    the routed dims), cached per shape and split."""
-    key = (unit.shape, unit.placements, unit.sizes, str(device))
-    if key not in _MAPS:
-        full = torch.arange(math.prod(unit.shape), device=device).view(unit.shape)
-        _MAPS[key] = [slice_of(full, unit.placements, unit.sizes, c).reshape(-1)
-                      for c in coords_of(unit.sizes)]  # fmt: skip
-    return _MAPS[key]
+class Slices:
+    """Each coordinate's slice of a unit's tensor, to write into and read out of. Plain
+    ``Shard`` splits are views (nothing stored); FSDP2's ``_StridedShard`` interleaves rows,
+    so its slices are flat indices into the tensor, computed once per shape and split."""
+
+    def __init__(self, unit: _Unit, device: torch.device) -> None:
+        self.unit = unit
+        self.coords = coords_of(unit.sizes)
+        self.maps: list[torch.Tensor] | None = None
+        if any(type(p) is not Shard for p in unit.placements):
+            key = (unit.shape, unit.placements, unit.sizes, str(device))
+            if key not in _MAPS:
+                full = torch.arange(math.prod(unit.shape), device=device).view(unit.shape)
+                _MAPS[key] = [slice_of(full, unit.placements, unit.sizes, c).reshape(-1)
+                              for c in self.coords]  # fmt: skip
+            self.maps = _MAPS[key]
+
+    def put(self, full: torch.Tensor, pieces: dict[Coord, torch.Tensor]) -> None:
+        """Write each coordinate's flat piece where it belongs in ``full``."""
+        for j, c in enumerate(self.coords):
+            if self.maps is not None:
+                full.view(-1)[self.maps[j]] = pieces[c]
+            else:
+                view = slice_of(full, self.unit.placements, self.unit.sizes, c)
+                view.copy_(pieces[c].view(view.shape))
+
+    def take(self, full: torch.Tensor) -> dict[Coord, torch.Tensor]:
+        """Each coordinate's slice of ``full``, flat."""
+        if self.maps is not None:
+            flat = full.reshape(-1)  # (Newton-Schulz returns a tall matrix transposed)
+            return {c: flat[m] for c, m in zip(self.coords, self.maps, strict=True)}
+        return {c: slice_of(full, self.unit.placements, self.unit.sizes, c).reshape(-1)
+                for c in self.coords}  # fmt: skip
 
 
 def slice_numels(unit: _Unit) -> dict[Coord, int]:
@@ -141,9 +171,19 @@ class OwnerMatrices(WholeMatrices):
     docstring); a parameter it cannot route (split on an expert dim it does not keep) is
     gathered as ``WholeMatrices`` does."""
 
+    def __init__(self, layouts: dict[torch.Tensor, Layout] | None = None) -> None:
+        super().__init__(layouts)
+        self._plans: dict[tuple, tuple[list[_Route], list[int]]] = {}
+
     def plan(self, params: list[torch.Tensor], steps: int) -> tuple[list[_Route], list[int]]:
         """(the routes, the indices of parameters orthogonalized where they are: whole
-        already, or gathered)."""
+        already, or gathered). The same parameters are planned once."""
+        key = (tuple(id(p) for p in params), steps)
+        if key not in self._plans:
+            self._plans[key] = self._plan(params, steps)
+        return self._plans[key]
+
+    def _plan(self, params: list[torch.Tensor], steps: int) -> tuple[list[_Route], list[int]]:
         classes: dict[tuple, tuple[tuple[Any, tuple[int, ...]], Coord, list[_Unit]]] = {}
         here: list[int] = []
         for i, p in enumerate(params):
@@ -274,14 +314,12 @@ def orthogonalize_owned(
     """This rank's slice of each unit's orthogonalized update (``mine``: its slices of the
     updates, in the Newton-Schulz dtype): the slices sent to the owners, the owned units
     orthogonalized whole, the results' slices returned."""
-    units = {u.index: u for u in route.units}
-    maps = {u.index: index_maps(u, next(iter(mine.values())).device) for u in route.units}
-    coords = {c: j for j, c in enumerate(coords_of(route.units[0].sizes))}
+    like = next(iter(mine.values()))
+    numels = {u.index: slice_numels(u) for u in route.units}
 
     def numel(key: Packet) -> int:
-        return maps[key[0]][coords[key[1]]].numel()
+        return numels[key[0]][key[1]]
 
-    like = next(iter(mine.values()))
     held: dict[Packet, torch.Tensor] = {(i, route.me): t.reshape(-1) for i, t in mine.items()}
     hops = _hops(route)
     groups = [route.mesh.get_group(d) for d in route.dims]
@@ -291,22 +329,22 @@ def orthogonalize_owned(
     for u, owner in zip(route.units, route.owners, strict=True):
         if owner != route.me:
             continue
-        full = like.new_empty(math.prod(u.shape))
-        for c, j in coords.items():
-            full[maps[u.index][j]] = held[(u.index, c)]
-        o = muon.newton_schulz(full.view(u.shape), steps, dtype).reshape(-1)
-        for c, j in coords.items():
-            results[(u.index, c)] = o[maps[u.index][j]]
+        slices = Slices(u, like.device)
+        full = like.new_empty(u.shape)
+        slices.put(full, {c: held[(u.index, c)] for c in slices.coords})
+        o = muon.newton_schulz(full, steps, dtype)
+        for c, piece in slices.take(o).items():
+            results[(u.index, c)] = piece
     for group, (send, recv) in reversed(list(zip(groups, hops, strict=True))):
         results = _exchange(group, results, recv, send, numel, like)
-    return {i: results[(i, route.me)].view(mine[i].shape) for i in units}
-
+    return {u.index: results[(u.index, route.me)].view(mine[u.index].shape)
+            for u in route.units}  # fmt: skip
 
 __all__ = [
     "OwnerMatrices",
     "assign_owners",
     "coords_of",
-    "index_maps",
+    "Slices",
     "orthogonalize_owned",
     "slice_of",
 ]
