@@ -48,9 +48,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from moetrain.config import OptimConfig
 from moetrain.model.experts import GroupedExperts
-from moetrain.model.init import fqn
 from moetrain.model.moe import MoELayer, Router
-from moetrain.parallel.expert_parallel import expert_layouts
 from moetrain.train.adamw import AdamW, BF16MomentsAdamW
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -234,28 +232,6 @@ class WholeMatrices:
         return sent, flops
 
 
-def matrices_for(cfg: OptimConfig, layouts: dict[torch.Tensor, Layout] | None = None) -> Any:
-    """How the Muon group's updates are orthogonalized whole (``optim.muon_distributed``):
-    by one owner each (``moetrain.train.muon_owners``) or by every holder."""
-    if cfg.muon_distributed == "owners":
-        from moetrain.train.muon_owners import OwnerMatrices
-
-        return OwnerMatrices(layouts)
-    return WholeMatrices(layouts)
-
-
-def expert_matrices(parts: list[nn.Module], meshes: Any, cfg: Any) -> WholeMatrices:
-    """``matrices_for`` the job, knowing where this rank's expert slices sit under expert
-    parallelism (``expert_layouts``; none without it). ``cfg``: the job's config."""
-    found = expert_layouts(parts, meshes, cfg.parallel)
-    layouts = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            if fqn(name) in found:
-                layouts[p] = found[fqn(name)]
-    return matrices_for(cfg.optim, layouts)
-
-
 # ----------------------------------------------------------------------------- the optimizer
 
 
@@ -360,7 +336,8 @@ def build_muon(
 ) -> torch.optim.Optimizer:
     """AdamW's two groups (decayed, not decayed) and Muon's group, always in this order.
     ``whole_matrices``: how the Muon group's updates become whole matrices (default: each
-    parameter's own layout, ``matrices_for(cfg)``)."""
+    parameter's own layout, gathered: ``WholeMatrices()``; the trainer passes
+    ``moetrain.train.muon_owners.expert_matrices``)."""
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -372,7 +349,7 @@ def build_muon(
     opt = cls(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
     )
-    opt.whole = whole_matrices if whole_matrices is not None else matrices_for(cfg)
+    opt.whole = whole_matrices if whole_matrices is not None else WholeMatrices()
     return opt
 
 
@@ -425,9 +402,7 @@ __all__ = [
     "NS_COEFFICIENTS",
     "WholeMatrices",
     "build_muon",
-    "expert_matrices",
     "gather_costs",
-    "matrices_for",
     "momentum_update",
     "muon_directions",
     "muon_matrices",

@@ -38,8 +38,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from moetrain.config import OptimConfig
+from moetrain.model.init import fqn
+from moetrain.parallel.expert_parallel import expert_layouts
 from moetrain.train import muon
 from moetrain.train.muon import Layout, WholeMatrices, _keeps, _split_dim, global_shape, ns_flops
 
@@ -257,6 +261,26 @@ class OwnerMatrices(WholeMatrices):
         return round(sent), flops
 
 
+def matrices_for(cfg: OptimConfig, layouts: dict[torch.Tensor, Layout] | None = None) -> Any:
+    """How the Muon group's updates are orthogonalized whole (``optim.muon_distributed``):
+    by one owner each (``moetrain.train.muon_owners``) or by every holder."""
+    if cfg.muon_distributed == "owners":
+        return OwnerMatrices(layouts)
+    return WholeMatrices(layouts)
+
+
+def expert_matrices(parts: list[nn.Module], meshes: Any, cfg: Any) -> WholeMatrices:
+    """``matrices_for`` the job, knowing where this rank's expert slices sit under expert
+    parallelism (``expert_layouts``; none without it). ``cfg``: the job's config."""
+    found = expert_layouts(parts, meshes, cfg.parallel)
+    layouts = {}
+    for part in parts:
+        for name, p in part.named_parameters():
+            if fqn(name) in found:
+                layouts[p] = found[fqn(name)]
+    return matrices_for(cfg.optim, layouts)
+
+
 Packet = tuple[int, Coord]
 """(a unit's index, the coordinate of the holder whose slice it is)."""
 
@@ -342,6 +366,8 @@ def orthogonalize_owned(
 
 __all__ = [
     "OwnerMatrices",
+    "expert_matrices",
+    "matrices_for",
     "assign_owners",
     "coords_of",
     "Slices",

@@ -12,7 +12,7 @@ from moetrain.config import JobConfig
 from moetrain.parallel.data_parallel import GradientSync
 from moetrain.parallel.dims import Meshes, ParallelDims
 from moetrain.parallel.expert_parallel import is_expert_param
-from moetrain.train.muon import expert_matrices
+from moetrain.train.muon_owners import expert_matrices
 from moetrain.train.optim import build_optimizer, optimizer_groups
 from moetrain.train.tensors import process_group
 from moetrain.train.zero1_state import build_zero1_optimizers

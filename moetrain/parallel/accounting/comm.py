@@ -1,8 +1,10 @@
 """Bytes sent, measured: a ``TorchDispatchMode`` sees every collective this rank issues, by
-``torch.distributed`` (``c10d`` ops: DDP-style buckets, ZeRO-1, FSDP2, pipelining's p2p) and
-by DTensor (``_c10d_functional`` ops: TP/SP), and charges it with the standard ring volumes:
+``torch.distributed`` (``c10d`` ops: DDP-style buckets, ZeRO-1, FSDP2, pipelining's p2p,
+expert parallelism's and Muon's ``all_to_all_single``) and by DTensor (``_c10d_functional``
+ops: TP/SP), and charges it with the standard ring volumes:
 
     all-reduce 2 (n-1)/n S     all-gather, reduce-scatter (n-1)/n S_full     send S
+    all-to-all (n-1)/n S_in (S_in: what the rank hands it, its own share included)
 
 with S the tensor's bytes and n the group size (the analytic volumes beside them:
 ``analytic.analytic_sent``).
