@@ -12,7 +12,7 @@ gathers) send per step and its Newton-Schulz FLOPs EQUAL what the real optimizer
 (``CommCounter``) and computed (torch's ``FlopCounterMode``).
 
 One spawned job per world size runs all its layouts (2 ranks: ZeRO-1/2/3, tp + SP, pp
-interleaved, ZB-V, cp, ZeRO-1 with Muon; 4 ranks: ep with expert tp and ZeRO-3, with AdamW
+interleaved, ZB-V, cp, ZeRO-1 and ZeRO-3 with Muon; 4 ranks: ep with expert tp and ZeRO-3, with AdamW
 and with Muon; under ``-m exhaustive`` 8 ranks: pp x dp x tp); the plans are made
 here, in the test process, for every rank. A plan that forgets a shard is caught
 (``test_a_plan_that_forgets_a_shard_is_caught``), and so is one that prices Muon's matrices
@@ -43,6 +43,9 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
         # Muon: ZeRO-1's flat slices gathered once, in fp32 (optim.muon_ns_dtype)
         "ZeRO-1, Muon": ["parallel.zero_stage=1", "train.global_batch_size=4",
                          "optim.name=muon", "optim.muon_ns_dtype=fp32"],
+        # Muon: FSDP2's row shards, each matrix to one owner (optim.muon_distributed=owners)
+        "ZeRO-3, Muon": ["parallel.zero_stage=3", "train.global_batch_size=4",
+                         "optim.name=muon"],
     },
     4: {
         "ep=2 x expert tp=2 + SP, ZeRO-3": [
