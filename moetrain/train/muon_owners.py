@@ -20,7 +20,8 @@ the default) gives each matrix one *owner* among its holders instead:
    over the same hops in reverse.
 
 Replicated mesh dims (HSDP's replicas) are not split: each replica group repeats its own
-share, as it repeats the rest of its optimizer step. A rank's experts under EP or FSDP2's
+share, as it repeats the rest of its optimizer step (sharing it across replicas would send
+every result over the replica link, which HSDP keeps for the gradient all-reduce). A rank's experts under EP or FSDP2's
 expert-dim shard are whole already and stay where they are. FLOPs: 1 / n of the
 gather's FLOPs per rank, up to the balance of the shares; bytes: 2 / n of the gather's (a
 slice goes to its owner and comes back, (n - 1) / n^2 of a matrix each way on average, where
