@@ -21,11 +21,12 @@ the default) gives each matrix one *owner* among its holders instead:
 
 Replicated mesh dims (HSDP's replicas) are not split: each replica group repeats its own
 share, as it repeats the rest of its optimizer step (sharing it across replicas would send
-every result over the replica link, which HSDP keeps for the gradient all-reduce). A rank's experts under EP or FSDP2's
-expert-dim shard are whole already and stay where they are. FLOPs: 1 / n of the
-gather's FLOPs per rank, up to the balance of the shares; bytes: 2 / n of the gather's (a
-slice goes to its owner and comes back, (n - 1) / n^2 of a matrix each way on average, where
-the all-gather sends (n - 1) / n of it from every holder): the same at n = 2, fewer beyond.
+every result over the replica link, which HSDP keeps for the gradient all-reduce). A rank's
+experts under EP or FSDP2's expert-dim shard are whole already and stay where they are.
+FLOPs: 1 / n of the gather's FLOPs per rank, up to the balance of the shares; bytes: 2 / n
+of the gather's (a slice goes to its owner and comes back, (n - 1) / n^2 of a matrix each
+way on average, where the all-gather sends (n - 1) / n of it from every holder): the same
+at n = 2, fewer beyond.
 ``moetrain plan`` prices both from ``costs`` (exact: measured by tests/plan/test_exact.py).
 """
 

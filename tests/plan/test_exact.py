@@ -12,8 +12,8 @@ gathers) send per step and its Newton-Schulz FLOPs EQUAL what the real optimizer
 (``CommCounter``) and computed (torch's ``FlopCounterMode``).
 
 One spawned job per world size runs all its layouts (2 ranks: ZeRO-1/2/3, tp + SP, pp
-interleaved, ZB-V, cp, ZeRO-1 and ZeRO-3 with Muon; 4 ranks: ep with expert tp and ZeRO-3, with AdamW
-and with Muon; under ``-m exhaustive`` 8 ranks: pp x dp x tp); the plans are made
+interleaved, ZB-V, cp, ZeRO-1 and ZeRO-3 with Muon; 4 ranks: ep with expert tp and ZeRO-3,
+with AdamW and with Muon; under ``-m exhaustive`` 8 ranks: pp x dp x tp); the plans are made
 here, in the test process, for every rank. A plan that forgets a shard is caught
 (``test_a_plan_that_forgets_a_shard_is_caught``), and so is one that prices Muon's matrices
 as if no rank held a slice of them, or as if one rank orthogonalized all of them.
