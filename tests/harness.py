@@ -154,10 +154,27 @@ def _log(tmp: str, rank: int) -> str:
     return str(Path(tmp) / f"rank{rank}.log")
 
 
+def _ask_where(procs: list[Any], done: dict[int, Any]) -> None:
+    """Each unfinished rank still running prints where its threads are (faulthandler, on the
+    signal ``_entry`` registers): a rank past the deadline, or the silent peer of a rank that
+    failed (a gloo rendezvous one side abandoned shows only as the other's lost peer)."""
+    alive = [p for r, p in enumerate(procs)
+             if r not in done and p.pid is not None and p.exitcode is None]  # fmt: skip
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:  # it ended since
+            pass
+    if alive:
+        time.sleep(1.0)
+
+
 def _with_output(e: RankFailure, tmp: str, procs: list[Any], done: dict[int, Any]) -> RankFailure:
     """``e`` with each unfinished rank's output (stdout and stderr, ``_shorten``ed) appended,
     and the exit code of those that died: a rank killed by a signal has no traceback to
-    report, and its last words (an abort's message, faulthandler's stacks) are all there is."""
+    report, and its last words (an abort's message, faulthandler's stacks) are all there is;
+    one still running is asked where it waits first (``_ask_where``)."""
+    _ask_where(procs, done)
     parts = [str(e)]
     for rank, p in enumerate(procs):
         if rank in done:
@@ -318,10 +335,6 @@ def run_ranks(
                             ) from None
                     elif time.monotonic() > deadline:
                         missing = sorted(set(range(world_size)) - set(out))
-                        for r in missing:  # each prints where its threads are (_entry)
-                            if procs[r].pid is not None and procs[r].exitcode is None:
-                                os.kill(procs[r].pid, signal.SIGUSR1)
-                        time.sleep(1.0)
                         raise RankFailure(
                             f"{fn.__name__}: ranks {missing} still running after {timeout:.0f} s"
                         ) from None

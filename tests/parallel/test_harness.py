@@ -71,6 +71,28 @@ def test_a_rank_past_the_deadline_shows_where_it_waits() -> None:
     assert "--- rank 1" in text and "_rank1_hangs" in text, text
 
 
+def _rank0_fails_while_rank1_waits(rank: int, world_size: int) -> None:
+    if rank == 0:
+        raise ValueError("rank zero's own error")
+    import time
+
+    time.sleep(600)  # not in a collective: nothing tells this rank its peer is gone
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_a_failure_shows_where_a_silent_peer_waits() -> None:
+    """The peer of a failed rank that is still running, and has printed nothing, is asked for
+    its stacks too: a gloo rendezvous that rank 0 saw closed by its peer ("connectFullMesh
+    failed ... Connection closed by peer", rare under load; pytorch/pytorch#53270) left rank 1
+    alive and silent, and the report said nothing of where it was."""
+    with pytest.raises(RankFailure) as err:
+        run_ranks(_rank0_fails_while_rank1_waits, 2, timeout=60)
+    text = str(err.value)
+    assert "rank 0 failed" in text and "rank zero's own error" in text, text
+    assert "--- rank 1" in text and "_rank0_fails_while_rank1_waits" in text, text
+
+
 def _environment(rank: int, world_size: int) -> tuple[str | None, str | None, str]:
     return os.environ.get("MOETRAIN_HARNESS_PROBE"), os.environ.get("HOME"), os.environ["RANK"]
 
