@@ -50,6 +50,8 @@ from moetrain.train import muon
 from moetrain.train.muon import Layout, WholeMatrices, _keeps, _split_dim, global_shape, ns_flops
 
 Coord = tuple[int, ...]
+Packet = tuple[int, Coord]
+"""(a unit's index, the coordinate of the holder whose slice it is)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,10 @@ class _Route:
     """This rank's coordinate over the routed dims."""
     units: tuple[_Unit, ...]
     owners: tuple[Coord, ...]
+    numels: dict[int, dict[Coord, int]]
+    """Each unit's slice sizes per coordinate (``slice_numels``)."""
+    hops: list[tuple[list[list[Packet]], list[list[Packet]]]]
+    """What each hop sends to and receives from each peer (``_hops``)."""
 
 
 def coords_of(sizes: tuple[int, ...]) -> list[Coord]:
@@ -221,7 +227,10 @@ class OwnerMatrices(WholeMatrices):
             sizes = units[0].sizes
             flat = assign_owners([u.flops for u in units], math.prod(sizes))
             coords = coords_of(sizes)
-            routes.append(_Route(mesh, dims, me, tuple(units), tuple(coords[o] for o in flat)))
+            owners = tuple(coords[o] for o in flat)
+            routes.append(_Route(mesh, dims, me, tuple(units), owners,
+                                 {u.index: slice_numels(u) for u in units},
+                                 _hops(me, units, owners)))  # fmt: skip
         return routes, here
 
     def __call__(
@@ -254,9 +263,8 @@ class OwnerMatrices(WholeMatrices):
             b, f = WholeMatrices.costs(self, [params[i]], steps, dtype)
             sent, flops = sent + b, flops + f
         for route in routes:
-            numels = {u.index: slice_numels(u) for u in route.units}
-            for n, (send, recv) in zip(route.units[0].sizes, _hops(route), strict=True):
-                moved = sum(numels[i][c] for keys in (*send, *recv) for i, c in keys)
+            for n, (send, recv) in zip(route.units[0].sizes, route.hops, strict=True):
+                moved = sum(route.numels[i][c] for keys in (*send, *recv) for i, c in keys)
                 sent += (n - 1) / n * moved * dtype.itemsize  # there (send), back (recv)
             flops += sum(u.flops for u, o in zip(route.units, route.owners, strict=True)
                          if o == route.me)  # fmt: skip
@@ -283,22 +291,19 @@ def expert_matrices(parts: list[nn.Module], meshes: Any, cfg: Any) -> WholeMatri
     return matrices_for(cfg.optim, layouts)
 
 
-Packet = tuple[int, Coord]
-"""(a unit's index, the coordinate of the holder whose slice it is)."""
-
-
-def _hops(route: _Route) -> list[tuple[list[list[Packet]], list[list[Packet]]]]:
+def _hops(
+    me: Coord, units: list[_Unit], owners: tuple[Coord, ...]
+) -> list[tuple[list[list[Packet]], list[list[Packet]]]]:
     """For each routed dim k: (what this rank sends to each peer along k, what it receives
     from each), both in the order every rank lists them. Before hop k a rank holds the
     slices (i, c) with owner(i)[:k] = me[:k] and c[k:] = me[k:]; hop k sends each to the peer
     at owner(i)[k]. After the last hop a rank holds every slice of the units it owns."""
-    me = route.me
-    coords = coords_of(route.units[0].sizes)
+    coords = coords_of(units[0].sizes)
     out = []
-    for k, n in enumerate(route.units[0].sizes):
+    for k, n in enumerate(units[0].sizes):
         send: list[list[Packet]] = [[] for _ in range(n)]
         recv: list[list[Packet]] = [[] for _ in range(n)]
-        for u, owner in zip(route.units, route.owners, strict=True):
+        for u, owner in zip(units, owners, strict=True):
             if owner[:k] != me[:k]:
                 continue
             for c in coords:
@@ -341,13 +346,12 @@ def orthogonalize_owned(
     updates, in the Newton-Schulz dtype): the slices sent to the owners, the owned units
     orthogonalized whole, the results' slices returned."""
     like = next(iter(mine.values()))
-    numels = {u.index: slice_numels(u) for u in route.units}
 
     def numel(key: Packet) -> int:
-        return numels[key[0]][key[1]]
+        return route.numels[key[0]][key[1]]
 
     held: dict[Packet, torch.Tensor] = {(i, route.me): t.reshape(-1) for i, t in mine.items()}
-    hops = _hops(route)
+    hops = route.hops
     groups = [route.mesh.get_group(d) for d in route.dims]
     for group, (send, recv) in zip(groups, hops, strict=True):
         held = _exchange(group, held, send, recv, numel, like)
@@ -365,6 +369,7 @@ def orthogonalize_owned(
         results = _exchange(group, results, recv, send, numel, like)
     return {u.index: results[(u.index, route.me)].view(mine[u.index].shape)
             for u in route.units}  # fmt: skip
+
 
 __all__ = [
     "OwnerMatrices",
