@@ -95,8 +95,9 @@ class ParallelConfig:
     (ep innermost among them), tokens travel to their experts and back. Must divide
     moe.num_experts and dp_replicate * dp_shard (docs/expert_parallel.md)."""
     ep_dispatcher: Literal["all_to_all", "all_gather"] = "all_to_all"
-    """How tokens reach their experts under ep > 1: all_to_all (sends only the rows routed to
-    another rank; one host sync per layer for the split sizes unless moe.pad_to_capacity) or
+    """How tokens reach their experts under ep > 1: all_to_all (sends the rows routed to
+    another rank: dropless exactly those, with one host sync per layer for the split sizes;
+    with a capacity factor every expert's capacity, static sizes, no host sync) or
     all_gather (every rank gathers the EP group's tokens, static shapes, no host sync; ep x
     the MoE input memory: for ep = 2 or tiny batches)."""
     expert_tp: bool = True

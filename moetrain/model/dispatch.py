@@ -37,6 +37,10 @@ class DispatchPlan:
     """int64 scalar: assignments dropped by capacity."""
     capacity: int | None
     """Per-expert, per-group capacity (None: dropless)."""
+    expert_rows: int | None = None
+    """The most rows one expert's segment can hold, known without reading the plan: its
+    capacity in every token group, and no more than one row a token (None: dropless). Expert
+    parallelism sends this many rows per expert, so the split sizes are static."""
 
 
 def expert_capacity(group_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -119,7 +123,8 @@ def plan_dispatch(
     dest_A = torch.empty_like(dest_sorted)
     dest_A[order_A] = dest_sorted
     dropped = (~keep_sorted).sum()
-    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, cap)
+    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, cap,
+                        G * cap if pad_to_capacity else min(G * cap, T))
 
 
 def plan_dispatch_sharded(
@@ -200,7 +205,8 @@ def plan_kept(
     dest_A = torch.empty_like(dest_sorted)
     dest_A[order_A] = dest_sorted
     dropped = (~keep_A).sum()
-    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, capacity)
+    return DispatchPlan(dest_A.view(T, K), offs_E, num_rows, tokens_per_expert_E, dropped, capacity,
+                        G * capacity if pad_to_capacity else min(G * capacity, T))
 
 
 class Dispatcher(Protocol):

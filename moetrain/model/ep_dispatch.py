@@ -7,10 +7,13 @@ single process would for the same token group; the dispatchers only move the row
 keeps. That is what lets a single-process run reproduce drops, losses and gradients.
 
 ``AllToAllDispatcher``  permute locally (expert-major = grouped by destination rank), one
-    small ``all_to_all_single`` of per-(rank, local expert) counts (the only host sync, and
-    only when shapes are dynamic), ``all_to_all_single`` of the rows with uneven splits,
-    regroup by local expert; ``combine`` reverses each step. With ``moe.pad_to_capacity``
-    the splits are static and there is no count exchange at all. ``dispatch_overlapped``
+    small ``all_to_all_single`` of per-(rank, local expert) counts, ``all_to_all_single`` of
+    the rows, regroup by local expert; ``combine`` reverses each step. Dropless, the rows
+    travel as they were kept, with uneven splits the host reads from the counts (its only
+    host sync, once per layer). With a capacity factor every expert's segment travels in
+    as many slots as it can hold (``DispatchPlan.expert_rows``): static splits, no host
+    sync. With ``moe.pad_to_capacity`` the segments are that size already and there is no
+    count exchange at all. ``dispatch_overlapped``
     issues the row all-to-all asynchronously and runs a side computation (the shared
     experts, ``parallel.overlap_shared_experts``) before waiting for it.
 ``AllGatherDispatcher`` all-gather tokens, combine weights and plans over the EP group;
@@ -32,6 +35,7 @@ P = ep ranks, N local buffer rows, R rows this rank's experts process.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -284,6 +288,62 @@ class ExpertTPDispatcher:
         return self.inner.pop_comm_bytes()
 
 
+@dataclass
+class _Route:
+    """How one dispatch's rows travel when the kept rows go as they lie: the split sizes
+    (host lists), the rows each local expert receives from each source (``counts_PL``, on
+    the device) and the gather that orders the received rows expert-contiguous
+    (``index_R``). ``pack`` / ``unpack`` turn the sender's expert-contiguous buffer of
+    ``rows`` rows into the ``sent`` rows that travel, and the returned rows back."""
+
+    send: list[int]
+    recv: list[int]
+    counts_PL: torch.Tensor
+    index_R: torch.Tensor
+    sent: int
+    rows: int
+
+    def pack(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return x_ND[: self.sent]
+
+    def unregroup(self, y_RD: torch.Tensor) -> torch.Tensor:
+        """The experts' output rows back in arrival order (the inverse of ``index_R``)."""
+        return y_RD.index_select(0, _inverse(self.index_R))
+
+    def unpack(self, y_back: torch.Tensor) -> torch.Tensor:
+        """The returned rows as the sender's buffer (the rows past the kept ones zero)."""
+        return torch.nn.functional.pad(y_back, (0, 0, 0, self.rows - self.sent))
+
+
+@dataclass
+class _SlotRoute(_Route):
+    """Every expert's segment travels in C slots (``AllToAllDispatcher._capacity_route``):
+    ``send_src`` / ``send_kept`` the sender's row and whether it holds one for each slot
+    (E C), ``recv_kept`` the same for each received slot, ``offs_E`` / ``kept_E`` the
+    sender's segments."""
+
+    send_src: torch.Tensor
+    send_kept: torch.Tensor
+    recv_kept: torch.Tensor
+    offs_E: torch.Tensor
+    kept_E: torch.Tensor
+    slots: int
+
+    def pack(self, x_ND: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.send_kept[:, None], x_ND.index_select(0, self.send_src), 0)
+
+    def unregroup(self, y_RD: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.recv_kept[:, None], super().unregroup(y_RD), 0)
+
+    def unpack(self, y_back: torch.Tensor) -> torch.Tensor:
+        offs_E, kept_E = self.offs_E, self.kept_E
+        n_N = torch.arange(self.rows, device=offs_E.device)
+        e_N = torch.searchsorted(offs_E, n_N, right=True).clamp(max=offs_E.numel() - 1)
+        kept_N = n_N < offs_E[-1]
+        src_N = torch.where(kept_N, e_N * self.slots + n_N - (offs_E - kept_E)[e_N], 0)
+        return torch.where(kept_N[:, None], y_back.index_select(0, src_N), 0)
+
+
 # ----------------------------------------------------------------------------- all-to-all
 
 
@@ -301,7 +361,7 @@ class AllToAllDispatcher(_CommCounter):
             raise ValueError(f"{num_experts} experts do not split over ep={self.ep} ranks")
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep
-        self._ctx: tuple | None = None
+        self._ctx: _Route | None = None
         self.overlapped = 0
         """Dispatches that ran a side computation while the rows travelled."""
 
@@ -333,50 +393,90 @@ class AllToAllDispatcher(_CommCounter):
         backend: str,
         side: Callable[[], torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        P, L = self.ep, self.local_experts
         x_ND = permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend)
         if self.padded:
-            # Padded: every expert has exactly num_rows / E rows. Static splits, no exchange.
-            rows = plan.num_rows // self.num_experts
-            counts_PL = torch.full((P, L), rows, dtype=torch.int64, device=x_TD.device)
-            send = recv = [L * rows] * P
+            route = self._padded_route(plan, x_TD.device)
+        elif plan.expert_rows is not None:
+            route = self._capacity_route(plan)
         else:
-            kept_E = torch.diff(plan.offs_E.long(), prepend=plan.offs_E.new_zeros(1).long())
-            send_PL = kept_E.view(P, L)
-            counts_PL = torch.empty_like(send_PL)
-            dist.all_to_all_single(counts_PL, send_PL, group=self.group)  # [p, l]: p -> my l
-            # The one host synchronisation of dropless / capacity dispatch: the split sizes.
-            both = torch.stack([send_PL.sum(1), counts_PL.sum(1)]).tolist()
-            send, recv = both
-        n_kept = sum(send)
-        total = sum(recv)
+            route = self._dropless_route(plan)
+        x_send = route.pack(x_ND)
         side_out = None
         if side is None:
-            x_recv = AllToAllFunction.apply(x_ND[:n_kept], recv, send, self.group)
+            x_recv = AllToAllFunction.apply(x_send, route.recv, route.send, self.group)
         else:
             works: list = []
-            x_recv = AllToAllStartFunction.apply(x_ND[:n_kept], recv, send, self.group, works)
+            x_recv = AllToAllStartFunction.apply(x_send, route.recv, route.send, self.group, works)
             side_out = side()  # while the rows travel
             x_recv = WaitFunction.apply(x_recv, works)
-        index_R = regroup_index(counts_PL, total)
-        x_RD = x_recv.index_select(0, index_R)
-        offs_L = torch.cumsum(counts_PL.sum(0), 0).to(torch.int32)
+        x_RD = x_recv.index_select(0, route.index_R)
+        offs_L = torch.cumsum(route.counts_PL.sum(0), 0).to(torch.int32)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
-        self.bytes_sent += (n_kept - send[self.rank]) * row_bytes
-        self._ctx = (send, recv, index_R, plan.num_rows, n_kept, row_bytes)
+        self.bytes_sent += (sum(route.send) - route.send[self.rank]) * row_bytes
+        self._ctx = route
         return x_RD, offs_L, side_out
+
+    def _padded_route(self, plan: DispatchPlan, device: torch.device) -> _Route:
+        """``moe.pad_to_capacity``: every expert's segment is its capacity in every group,
+        padding included; static splits, no count exchange."""
+        P, L = self.ep, self.local_experts
+        rows = plan.num_rows // self.num_experts
+        counts_PL = torch.full((P, L), rows, dtype=torch.int64, device=device)
+        split = [L * rows] * P
+        return _Route(split, split, counts_PL, regroup_index(counts_PL, P * L * rows),
+                      plan.num_rows, plan.num_rows)  # fmt: skip
+
+    def _dropless_route(self, plan: DispatchPlan) -> _Route:
+        """Dropless: the kept rows exactly. The split sizes depend on the routing, so the
+        host reads them: one synchronisation per layer (``docs/expert_parallel.md``)."""
+        P, L = self.ep, self.local_experts
+        kept_E = torch.diff(plan.offs_E.long(), prepend=plan.offs_E.new_zeros(1).long())
+        send_PL = kept_E.view(P, L)
+        counts_PL = torch.empty_like(send_PL)
+        dist.all_to_all_single(counts_PL, send_PL, group=self.group)  # [p, l]: p -> my l
+        send, recv = torch.stack([send_PL.sum(1), counts_PL.sum(1)]).tolist()
+        index_R = regroup_index(counts_PL, sum(recv))
+        return _Route(send, recv, counts_PL, index_R, sum(send), plan.num_rows)
+
+    def _capacity_route(self, plan: DispatchPlan) -> _Route:
+        """A capacity factor without padding: each expert's segment travels padded to the
+        most rows it can hold (``DispatchPlan.expert_rows``, C), so the split sizes are
+        static and the host reads nothing. The counts travel beside the rows (a device
+        all-to-all); the receiver moves the kept rows to the front, expert-contiguous in
+        the order the dropless route gives, and the padding rows behind the last offset,
+        where the grouped GEMM computes nothing. The price: C rows per expert on the wire
+        and in the receive buffer, as ``pad_to_capacity`` spends them, whatever was kept."""
+        P, L, C = self.ep, self.local_experts, plan.expert_rows
+        assert C is not None
+        offs_E = plan.offs_E.long()
+        kept_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+        counts_PL = torch.empty_like(kept_E.view(P, L))
+        dist.all_to_all_single(counts_PL, kept_E.view(P, L), group=self.group)
+        slot_C = torch.arange(C, device=offs_E.device)
+        # Sender: row i of expert e's segment goes to slot e * C + i.
+        send_valid = (slot_C < kept_E[:, None]).reshape(-1)
+        send_src = ((offs_E - kept_E)[:, None] + slot_C).reshape(-1).clamp(max=plan.num_rows - 1)
+        # Receiver: slot (p, l, i) holds a row when i < counts[p, l]; the kept rows in
+        # (l, p, i) order first, then the padding in arrival order.
+        recv_valid = (slot_C < counts_PL[..., None]).reshape(-1)
+        start_PL = _exclusive_cumsum(counts_PL.t().reshape(-1)).view(L, P).t()
+        kept_at = (start_PL[..., None] + slot_C).reshape(-1)
+        pad_at = counts_PL.sum() + _exclusive_cumsum((~recv_valid).long())
+        dest_R = torch.where(recv_valid, kept_at, pad_at)
+        split = [L * C] * P
+        return _SlotRoute(split, split, counts_PL, _inverse(dest_R), L * C * P, plan.num_rows,
+                          send_src, send_valid, recv_valid, offs_E, kept_E, C)  # fmt: skip
 
     def combine(
         self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
     ) -> torch.Tensor:
         assert self._ctx is not None, "combine() without a matching dispatch()"
-        send, recv, index_R, num_rows, n_kept, row_bytes = self._ctx
-        self._ctx = None
-        y_recv = y_RD.index_select(0, _inverse(index_R))
-        y_kept = AllToAllFunction.apply(y_recv, send, recv, self.group)
-        self.bytes_sent += (sum(recv) - recv[self.rank]) * y_RD.shape[1] * y_RD.element_size()
-        y_ND = torch.nn.functional.pad(y_kept, (0, 0, 0, num_rows - n_kept))
-        return unpermute(y_ND, plan.dest_TK, weights_TK, backend=backend)
+        route, self._ctx = self._ctx, None
+        y_recv = route.unregroup(y_RD)
+        y_back = AllToAllFunction.apply(y_recv, route.send, route.recv, self.group)
+        row_bytes = y_RD.shape[1] * y_RD.element_size()
+        self.bytes_sent += (sum(route.recv) - route.recv[self.rank]) * row_bytes
+        return unpermute(route.unpack(y_back), plan.dest_TK, weights_TK, backend=backend)
 
 
 # ----------------------------------------------------------------------------- all-gather

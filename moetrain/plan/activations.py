@@ -56,6 +56,7 @@ class Shapes:
     T: int  # tokens per micro-batch on this rank: b s
     T_norm: int  # tokens the norms hold (T / tp under sequence parallelism)
     tp: int
+    ep: int
     e: int  # bytes of a compute element
     r: int  # bytes of a residual-stream element
     fused_attention: bool  # SDPA keeps logsumexp, not the score matrix
@@ -78,6 +79,7 @@ def shapes(cfg: JobConfig, dims: ParallelDims, dtype: torch.dtype, device_type: 
         T=b * s,
         T_norm=b * s // tp if cfg.parallel.sequence_parallel else b * s,
         tp=tp,
+        ep=dims.ep,
         e=e,
         r=4,
         fused_attention=device_type == "cuda" or same_width,
@@ -147,17 +149,25 @@ def ffn_bytes(cfg: JobConfig, sh: Shapes, moe: bool) -> int:
 
 
 def rows(cfg: JobConfig, sh: Shapes) -> int:
-    """Rows the experts of one rank compute per micro-batch under balanced routing: every
+    """Rows of one rank's expert buffer per micro-batch under balanced routing: every
     token's K assignments (under expert parallelism each rank receives as many as it sends),
-    fewer when capacity is below 1, an expert's capacity each when padded to it."""
+    fewer when capacity is below 1, an expert's capacity each when padded to it. Under
+    expert parallelism with a capacity factor every expert's segment travels in as many rows
+    as it can hold -- its capacity in every token group, at most a row a token -- whatever
+    was kept (static split sizes: ``AllToAllDispatcher``), and is received so."""
     mo = cfg.moe
     N = sh.T * mo.top_k
-    if mo.capacity_factor is not None and (mo.capacity_factor < 1 or mo.pad_to_capacity):
-        groups = max(sh.b // (mo.token_group_seqs or sh.b), 1)
-        per_group = sh.T // groups
-        cap = -(-mo.capacity_factor * per_group * mo.top_k // mo.num_experts)
-        share = per_group * mo.top_k // mo.num_experts
-        N = groups * mo.num_experts * int(cap if mo.pad_to_capacity else min(cap, share))
+    if mo.capacity_factor is None:
+        return N
+    groups = max(sh.b // (mo.token_group_seqs or sh.b), 1)
+    per_group = sh.T // groups
+    cap = int(-(-mo.capacity_factor * per_group * mo.top_k // mo.num_experts))
+    if mo.pad_to_capacity:
+        return groups * mo.num_experts * cap
+    if sh.ep > 1 and cfg.parallel.ep_dispatcher == "all_to_all":
+        return mo.num_experts * min(groups * cap, sh.T)
+    if mo.capacity_factor < 1:
+        return groups * mo.num_experts * min(cap, per_group * mo.top_k // mo.num_experts)
     return N
 
 

@@ -86,11 +86,11 @@ def _predicted_bytes(
     if cfg.capacity_factor is None:  # dropless: every assignment travels
         kept_PE = count_PGE.sum(1)
     else:
+        # Every expert's segment is sent in as many rows as it can hold, whatever was kept
+        # (static split sizes): its capacity in each group (padded or not), at most a row a
+        # token.
         capacity = math.ceil(cfg.capacity_factor * SEQ * K / E)
-        if cfg.pad_to_capacity:  # every (group, expert) block is sent full, padding included
-            kept_PE = torch.full((ws, E), SEQS_PER_RANK * capacity)
-        else:
-            kept_PE = count_PGE.clamp(max=capacity).sum(1)
+        kept_PE = torch.full((ws, E), min(SEQS_PER_RANK * capacity, T))
     owner_E = torch.arange(E) // L
     sent = kept_PE[rank][owner_E != rank].sum()  # dispatch: my rows for others' experts
     returned = kept_PE[:, owner_E == rank].sum() - kept_PE[rank, owner_E == rank].sum()
