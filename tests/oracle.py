@@ -41,10 +41,10 @@ __all__ = [
 ]
 
 
-LAYOUT_STATS = ("a2a_bytes", "calls")
+LAYOUT_STATS = ("a2a_bytes", "calls", "recv_rows", "recv_rows_max")
 """MoE statistics that describe the layout rather than the training (bytes sent between
-EP ranks, forward calls = micro-batches): not compared with one process; the layout checks
-assert them instead."""
+EP ranks, forward calls = micro-batches, rows a rank's experts received): not compared with
+one process; the layout checks assert them instead."""
 HISTOGRAMS = {"score_hist": "router scores", "qb_hist": "required biases"}
 """Binned MoE statistics (what their values are): compared by their totals and the fraction
 of values in another bin, since a value within rounding of a bin edge may cross it."""

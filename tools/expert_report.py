@@ -12,7 +12,9 @@ for its ``runs/*`` (``runs/*/seed_*`` for a multi-seed sweep). The page holds:
   that difference's interval, "within noise" where it spans zero (the sweep's
   ``summary.csv``);
 - a summary table (the figures of ``moetrain.train.metrics.run_summary``), loss curves,
-  per-layer imbalance, drop, entropy and dead-expert curves with the runs overlaid, and per
+  per-layer imbalance, drop, entropy, dead-expert and received-rows curves (the rows the
+  busiest rank's experts received in one forward over the mean: expert parallelism's
+  imbalance and the receive buffer it costs) with the runs overlaid, and per
   run and layer a heatmap of each expert's token share over the steps;
 - expert specialization (``moetrain.train.specialization``, from the eval routing the
   trainer saved at each evaluation): per run its last evaluation's share of each data
@@ -74,12 +76,14 @@ TABLE = (  # key, heading, format
     ("dead_experts", "dead experts", "{:.2f}"),
     ("peak_max_over_mean", "peak max/mean", "{:.3f}"),
     ("peak_dropped_fraction", "peak dropped", "{:.2%}"),
+    ("peak_recv_rows_max_over_mean", "peak rows received max/mean", "{:.3f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("steps", "steps", "{:.0f}"),
 )
 CURVES = (("max_over_mean", "load max/mean"), ("cv", "load CV"),
           ("dropped_fraction", "dropped fraction"), ("router_entropy", "router entropy"),
-          ("dead_experts", "dead experts"))
+          ("dead_experts", "dead experts"),
+          ("recv_rows_max_over_mean", "rows received per rank max/mean"))
 
 
 def find_runs(paths: list[str | Path]) -> list[Path]:

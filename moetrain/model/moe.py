@@ -339,7 +339,8 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 self.stats.rows += B
             return y_TD.view(B, S, D)
-        y_TD = self._balance(y_TD, r, plan, B, ids_all_TK, counts_E, valid_T, valid_all_T)
+        y_TD = self._balance(y_TD, r, plan, B, ids_all_TK, counts_E, valid_T, valid_all_T,
+                             offs_E[-1].float())  # fmt: skip
         return y_TD.view(B, S, D)
 
     def _replayed(self, B: int, S: int) -> torch.Tensor:
@@ -425,12 +426,14 @@ class MoELayer(nn.Module):
     def _balance(self, y_TD: torch.Tensor, r: RouteResult, plan: DispatchPlan,
                  batch: int, ids_all_TK: torch.Tensor | None, counts_E: torch.Tensor,
                  valid_T: torch.Tensor | None = None,
-                 valid_all_T: torch.Tensor | None = None) -> torch.Tensor:
+                 valid_all_T: torch.Tensor | None = None,
+                 received: torch.Tensor | None = None) -> torch.Tensor:
         """Compute the balancing losses, inject their gradient, record their values.
         ``ids_all_TK``: the choices of the whole sequences when this process holds part of
         each (context parallelism): the assignment fractions f count them. ``counts_E``:
         the choices of the tokens that count; ``valid_T`` / ``valid_all_T``: which tokens
-        count (``_valid``; None: all)."""
+        count (``_valid``; None: all); ``received``: the rows this rank's experts received
+        (the statistics' ``recv_rows``)."""
         cfg = self.cfg
         probs_TE = balance_probs(r.scores_TE, cfg.score_func)
         groups = self.token_groups(batch)
@@ -479,7 +482,7 @@ class MoELayer(nn.Module):
                         r.scores_TE, self.router.expert_bias, cfg.top_k,
                         cfg.quantile_balancing_bins, valid_T)  # fmt: skip
                 self.stats.add(batch, stats, counts_E, counts, scores_TE, mean_probs_E,
-                               qb_hist_EB)  # fmt: skip
+                               qb_hist_EB, received)  # fmt: skip
         return y_TD
 
     @torch.no_grad()

@@ -14,6 +14,10 @@ stays out of checkpoints):
     qb_hist            quantile balancing's counts of the bias each token needed, per expert
                        (E, bins; empty unless ``moe.quantile_balancing``:
                        ``moetrain.model.quantile_balance``)
+    recv_rows          rows this rank's experts received and computed (under expert
+                       parallelism from every rank of its EP group), summed over forwards
+    recv_rows_max      the most of them in one forward: the receive buffer a step needed.
+                       A maximum, not a sum (``MAX_NAMES``): ranks combine it with max
 
 The trainer pops them once per step (``MoELayer.pop_stats``: sums, so micro-batches and ranks
 add up before dividing; ``moetrain.train.metrics`` turns them into figures). A forward
@@ -21,8 +25,9 @@ repeated for another reason must leave them as they were: activation checkpointi
 recompute and the engine's counting pass take a ``snapshot`` and ``restore`` it
 (``moetrain.parallel.activation_checkpoint``), field by field as named in ``FIELDS``.
 
-``STAT_LAYOUT`` is the order a step's statistics travel in, one float64 row per layer
-(``pack`` / ``unpack``): what the engine sums over ranks.
+``stat_layout`` is the order a step's statistics travel in, one float64 row per layer
+(``pack`` / ``unpack``): what the engine sums over ranks. The ``MAX_NAMES`` travel beside
+it, combined with max.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ from torch import nn
 
 STAT_NAMES = ("aux_loss", "seq_aux_loss", "z_loss", "entropy")
 COUNT_NAMES = ("calls", "assignments", "dropped")
+MAX_NAMES = ("recv_rows_max",)
+"""Statistics ranks, micro-batches and steps combine with max, not by adding."""
 SCORE_HIST_BINS = 20
 """Router-score histogram: fixed bins over [0, 1] (softmax and sigmoid scores both lie there)."""
 
@@ -40,7 +47,8 @@ class MoEStats(nn.Module):
     """The counters of one MoE layer's training forwards since the last ``pop`` (module
     doc). ``E``: experts of the layer."""
 
-    FIELDS = ("rows", "sums", "tokens_per_expert", "counts", "score_hist", "probs_sum", "qb_hist")
+    FIELDS = ("rows", "sums", "tokens_per_expert", "counts", "score_hist", "probs_sum", "qb_hist",
+              "recv_rows", "recv_rows_max")
 
     def __init__(self, num_experts: int, quantile_bins: int = 0) -> None:
         super().__init__()
@@ -52,6 +60,8 @@ class MoEStats(nn.Module):
         self.register_buffer("score_hist", torch.zeros(SCORE_HIST_BINS), persistent=False)
         self.register_buffer("probs_sum", torch.zeros(E), persistent=False)
         self.register_buffer("qb_hist", torch.zeros(E, quantile_bins), persistent=False)
+        self.register_buffer("recv_rows", torch.zeros(()), persistent=False)
+        self.register_buffer("recv_rows_max", torch.zeros(()), persistent=False)
 
     def init_buffers(self) -> None:
         """Every counter starts at zero (``moetrain.model.init.init_buffers``)."""
@@ -68,11 +78,13 @@ class MoEStats(nn.Module):
         scores_TE: torch.Tensor,
         mean_probs_E: torch.Tensor,
         qb_hist_EB: torch.Tensor | None = None,
+        received: torch.Tensor | None = None,
     ) -> None:
         """One training forward of ``sequences`` sequences: its ``STAT_NAMES`` values, the
         assignments per expert of its counted tokens, its (calls, assignments, dropped),
-        router scores (an excluded token's at -1, outside the histogram's range) and, under
-        quantile balancing, its counts of required biases."""
+        router scores (an excluded token's at -1, outside the histogram's range), under
+        quantile balancing its counts of required biases, and the rows this rank's experts
+        received (a device scalar: the last of their group offsets)."""
         self.rows += sequences
         self.sums += torch.stack(values)
         self.tokens_per_expert += tokens_per_expert_E.float()
@@ -82,18 +94,23 @@ class MoEStats(nn.Module):
         self.probs_sum += mean_probs_E.detach().float()
         if qb_hist_EB is not None:
             self.qb_hist += qb_hist_EB
+        if received is not None:
+            self.recv_rows += received
+            torch.maximum(self.recv_rows_max, received.float(), out=self.recv_rows_max)
 
     @torch.no_grad()
     def pop(self) -> dict[str, torch.Tensor]:
         """The sums since the last call (``STAT_NAMES``, ``tokens_per_expert``,
-        ``COUNT_NAMES``, ``score_hist``, ``probs_sum``, ``qb_hist``), then every counter
-        reset."""
+        ``COUNT_NAMES``, ``score_hist``, ``probs_sum``, ``qb_hist``, ``recv_rows``) and
+        ``recv_rows_max``, then every counter reset."""
         out = {name: self.sums[i].clone() for i, name in enumerate(STAT_NAMES)}
         out["tokens_per_expert"] = self.tokens_per_expert.clone()
         out.update(zip(COUNT_NAMES, self.counts.clone().unbind(), strict=True))
         out["score_hist"] = self.score_hist.clone()
         out["probs_sum"] = self.probs_sum.clone()
         out["qb_hist"] = self.qb_hist.clone()
+        out["recv_rows"] = self.recv_rows.clone()
+        out["recv_rows_max"] = self.recv_rows_max.clone()
         self.init_buffers()
         return out
 
@@ -119,6 +136,7 @@ def stat_layout(num_experts: int, quantile_bins: int = 0) -> list[tuple[str, int
         ("tokens_per_expert", E),
         *((name, None) for name in COUNT_NAMES),
         ("a2a_bytes", None),
+        ("recv_rows", None),
         ("score_hist", SCORE_HIST_BINS),
         ("probs_sum", E),
         ("qb_hist", E * quantile_bins),

@@ -3,7 +3,9 @@
 Every MoE layer counts its training forwards in its ``MoEStats`` (``moetrain.model.moe_stats``)
 and hands them over with ``pop_stats()``; ``LayerStats`` packs every layer's into one float64
 row per layer (``moe_stats.pack``, fields by name), sums them over dp x cp and pp in two
-collectives, and reads them to the host in one copy, whatever the number of layers.
+collectives, takes the maxima (``moe_stats.MAX_NAMES``: the largest receive buffer) over the
+same ranks in two more, and reads them all to the host in one copy, whatever the number of
+layers.
 
 ``LayerStats`` is a collaborator of ``moetrain.train.engine.Engine``, handed this rank's MoE
 layers, the whole model's MoE layer indices, the expert count, the step's groups, the device
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.model.moe import MoELayer
-from moetrain.model.moe_stats import pack, packed_width, unpack
+from moetrain.model.moe_stats import MAX_NAMES, pack, packed_width, unpack
 from moetrain.train.step_groups import StepGroups
 
 
@@ -46,27 +48,38 @@ class LayerStats:
         Token counts are counted on the source rank over all experts, so summing over dp
         counts each assignment once under expert parallelism too; ``a2a_bytes`` (token bytes
         sent to other EP ranks in forward) is summed over dp and pp but not tp: under tp > 1
-        it is the bytes of one tp index (every tp rank sends the same). The expert bias is a
-        state, identical over dp: returned as is."""
+        it is the bytes of one tp index (every tp rank sends the same). ``recv_rows_max`` is
+        the maximum over the same ranks. The expert bias is a state, identical over dp:
+        returned as is."""
         ids = self.layer_ids
         if not ids:
             return {}
         E, bins = self.num_experts, self.quantile_bins
         packed = torch.zeros(len(ids), packed_width(E, bins), dtype=torch.float64,
                              device=self.device)  # fmt: skip
+        maxima = torch.zeros(len(ids), len(MAX_NAMES), dtype=torch.float64, device=self.device)
         for row, i in enumerate(ids):
             if i in self.layers:
-                packed[row] = pack(self.layers[i].pop_stats(), E, bins)
+                stats = self.layers[i].pop_stats()
+                packed[row] = pack(stats, E, bins)
+                maxima[row] = torch.stack([stats[name].double() for name in MAX_NAMES])
         g = self.groups
-        if g.dp is not None:  # dp x cp: cp ranks count their own tokens
-            dist.all_reduce(packed, group=g.dp)
-            packed[:, -E:] /= g.dp_cp_size  # the expert bias (last)
-        if g.pp is not None:
-            dist.all_reduce(packed, group=g.pp)
+        for group in (g.dp, g.pp):  # dp x cp: cp ranks count their own tokens
+            if group is None:
+                continue
+            dist.all_reduce(packed, group=group)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
+            if group is g.dp:
+                packed[:, -E:] /= g.dp_cp_size  # the expert bias (last)
         # The expert-bias update reads the counts where they are (``update_expert_bias``).
         on_device = {i: unpack(packed[row], E, bins) for row, i in enumerate(ids)}
-        host = packed.float().cpu()  # every layer's statistics in one read (a host sync)
-        out = {i: unpack(host[row], E, bins) for row, i in enumerate(ids)}
+        # every layer's statistics in one read (a host sync)
+        host = torch.cat([packed, maxima], 1).float().cpu()
+        width = packed.shape[1]
+        out = {}
+        for row, i in enumerate(ids):
+            out[i] = unpack(host[row, :width], E, bins)
+            out[i].update(zip(MAX_NAMES, host[row, width:].unbind(), strict=True))
         self._on_device = (out, on_device)
         return out
 

@@ -23,6 +23,7 @@ import torch
 
 from moetrain.config import LogConfig
 from moetrain.model.losses import GlobalBalanceLoss
+from moetrain.model.moe_stats import MAX_NAMES
 from moetrain.plan.hardware import gpu_of_device
 
 log = logging.getLogger("moetrain")
@@ -48,6 +49,13 @@ def layer_summary(stats: dict[str, torch.Tensor]) -> dict[str, float]:
         # the dp ranks and pipeline stages of one tp index (tp ranks each send as much).
         "a2a_bytes": float(stats["a2a_bytes"]) if "a2a_bytes" in stats else 0.0,
     }
+    if "recv_rows" in stats:
+        # Rows a rank's experts received in one forward (under expert parallelism from its
+        # whole EP group): the largest over ranks and micro-batches, and over their mean.
+        # The largest is the receive buffer a dropless step needed.
+        mean_rows = float(stats["recv_rows"]) / calls
+        out["recv_rows_max"] = float(stats["recv_rows_max"])
+        out["recv_rows_max_over_mean"] = out["recv_rows_max"] / mean_rows if mean_rows else 0.0
     return out
 
 
@@ -63,10 +71,17 @@ def global_aux_loss(stats: dict[str, torch.Tensor]) -> float:
 def merge_stats(
     a: dict[str, torch.Tensor] | None, b: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """Add two layers' ``pop_stats`` sums (the expert bias is a state, not a sum: keep b's)."""
+    """Add two layers' ``pop_stats`` sums (the expert bias is a state, not a sum: keep b's;
+    the ``MAX_NAMES`` take the larger)."""
     if a is None:
         return {k: v.clone() for k, v in b.items()}
-    return {k: (b[k].clone() if k == "expert_bias" else a[k] + b[k]) for k in b}
+
+    def merged(k: str) -> torch.Tensor:
+        if k == "expert_bias":
+            return b[k].clone()
+        return torch.maximum(a[k], b[k]) if k in MAX_NAMES else a[k] + b[k]
+
+    return {k: merged(k) for k in b}
 
 
 def synchronize(device: torch.device) -> None:
@@ -119,6 +134,8 @@ def custom_scalars_layout(layers: list[int]) -> dict[str, dict[str, list]]:
             "dropped-token fraction": ["Multiline", [f"{p}/dropped_fraction"]],
             "router entropy": ["Multiline", [f"{p}/router_entropy"]],
             "dead experts": ["Multiline", [f"{p}/dead_experts"]],
+            "rows received per rank (max/mean)": [
+                "Multiline", [f"{p}/recv_rows_max_over_mean"]],
             "aux and z losses": [
                 "Multiline",
                 [f"{p}/aux_loss", f"{p}/seq_aux_loss", f"{p}/global_aux_loss", f"{p}/z_loss"],
@@ -413,7 +430,7 @@ def format_log_line(step: int, total: int, values: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- reading back
 
 SUMMARY_FIGURES = ("max_over_mean", "cv", "dropped_fraction", "router_entropy", "dead_experts")
-PEAK_FIGURES = ("max_over_mean", "dropped_fraction")
+PEAK_FIGURES = ("max_over_mean", "dropped_fraction", "recv_rows_max_over_mean")
 """Figures whose worst step also counts: early training is where routing goes wrong (one
 expert per batch, mass drops) and a second-half mean hides it."""
 

@@ -61,18 +61,15 @@ def _cfg(mode: str) -> MoEConfig:
     )
 
 
-def _predicted_bytes(
-    ref: MoELayer, x_TD: torch.Tensor, ws: int, rank: int, mode: str, dispatcher: str
-) -> int:
-    """Token bytes this rank sends to other ranks (dispatch + combine), counted from the
-    routing ids of the global batch alone, independently of the dispatcher and its plan:
-    the ids come from the gate's float64 softmax top-k, and capacity from its definition
-    (``ceil(capacity_factor * group_tokens * top_k / E)`` per expert and token group)."""
+def _kept_rows(ref: MoELayer, x_TD: torch.Tensor, ws: int) -> tuple[torch.Tensor, int]:
+    """kept_PE[p, e]: the rows source rank p keeps for expert e, counted from the routing ids
+    of the global batch alone, independently of the dispatcher and its plan (the ids come
+    from the gate's float64 softmax top-k, capacity from its definition,
+    ``ceil(capacity_factor * group_tokens * top_k / E)`` per expert and token group); and
+    the slots one expert's segment travels in (its capacity in every group, at most a row a
+    token; 0 dropless)."""
     T = SEQ * SEQS_PER_RANK
-    row = DIM * 4
-    if dispatcher == "all_gather":
-        return 2 * (ws - 1) * T * row
-    cfg, L = ref.cfg, E // ws
+    cfg = ref.cfg
     with torch.no_grad():
         logits_TE = x_TD.double() @ ref.router.gate.weight.double().T
         ids_TK = logits_TE.softmax(-1).topk(K, dim=-1).indices
@@ -83,18 +80,39 @@ def _predicted_bytes(
         p, g = divmod(t // SEQ, SEQS_PER_RANK)
         for e in experts:
             count_PGE[p, g, e] += 1
-    if cfg.capacity_factor is None:  # dropless: every assignment travels
-        kept_PE = count_PGE.sum(1)
-    else:
-        # Every expert's segment is sent in as many rows as it can hold, whatever was kept
-        # (static split sizes): its capacity in each group (padded or not), at most a row a
-        # token.
-        capacity = math.ceil(cfg.capacity_factor * SEQ * K / E)
-        kept_PE = torch.full((ws, E), min(SEQS_PER_RANK * capacity, T))
-    owner_E = torch.arange(E) // L
+    if cfg.capacity_factor is None:  # dropless: every assignment is kept
+        return count_PGE.sum(1), 0
+    capacity = math.ceil(cfg.capacity_factor * SEQ * K / E)
+    slots = min(SEQS_PER_RANK * capacity, T)
+    if cfg.pad_to_capacity:  # every (group, expert) block full, padding included
+        return torch.full((ws, E), SEQS_PER_RANK * capacity), slots
+    return count_PGE.clamp(max=capacity).sum(1), slots
+
+
+def _predicted_bytes(
+    ref: MoELayer, x_TD: torch.Tensor, ws: int, rank: int, mode: str, dispatcher: str
+) -> int:
+    """Token bytes this rank sends to other ranks (dispatch + combine), from ``_kept_rows``.
+    With a capacity factor every expert's segment is sent in as many rows as it can hold,
+    whatever was kept (static split sizes)."""
+    T = SEQ * SEQS_PER_RANK
+    row = DIM * 4
+    if dispatcher == "all_gather":
+        return 2 * (ws - 1) * T * row
+    kept_PE, slots = _kept_rows(ref, x_TD, ws)
+    if slots:
+        kept_PE = torch.full((ws, E), slots)
+    owner_E = torch.arange(E) // (E // ws)
     sent = kept_PE[rank][owner_E != rank].sum()  # dispatch: my rows for others' experts
     returned = kept_PE[:, owner_E == rank].sum() - kept_PE[rank, owner_E == rank].sum()
     return int(sent + returned) * row
+
+
+def _predicted_received(ref: MoELayer, x_TD: torch.Tensor, ws: int, rank: int) -> int:
+    """Rows this rank's experts receive from every rank, padding of a padded plan included
+    (``recv_rows``)."""
+    kept_PE, _ = _kept_rows(ref, x_TD, ws)
+    return int(kept_PE[:, torch.arange(E) // (E // ws) == rank].sum())
 
 
 def _check_case(
@@ -164,6 +182,9 @@ def _check_case(
     assert float(stats["a2a_bytes"]) == want_bytes, (
         f"{what} a2a bytes {float(stats['a2a_bytes'])} vs predicted {want_bytes}"
     )
+    want_rows = _predicted_received(ref, x_global.view(-1, DIM), ws, rank)
+    got = (float(stats["recv_rows"]), float(stats["recv_rows_max"]))
+    assert got == (want_rows, want_rows), f"{what} rows received {got} vs {want_rows}"
     # A second forward/backward pair still works (no stale dispatcher state).
     layer(x_global[sl]).sum().backward()
 
