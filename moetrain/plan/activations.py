@@ -139,9 +139,7 @@ def ffn_bytes(cfg: JobConfig, sh: Shapes, moe: bool) -> int:
     if mo.renormalize is False:
         out -= 4 * T + 4 * T * K
     out += 8 * T * K  # the permute's destinations
-    N = rows(cfg, sh)
-    F_e = mo.expert_ffn_dim // tp if cfg.parallel.expert_tp else mo.expert_ffn_dim
-    out += 2 * e * N * D + 4 * e * N * F_e  # rows in and out, the experts' SwiGLU
+    out += rows(cfg, sh) * expert_row_bytes(cfg, sh)
     if mo.num_shared_experts:
         width = mo.shared_expert_ffn_dim or mo.num_shared_experts * mo.expert_ffn_dim
         out += 4 * e * T * (width // tp if cfg.parallel.expert_tp else width)
@@ -169,6 +167,27 @@ def rows(cfg: JobConfig, sh: Shapes) -> int:
     if mo.capacity_factor < 1:
         return groups * mo.num_experts * min(cap, per_group * mo.top_k // mo.num_experts)
     return N
+
+
+def expert_row_bytes(cfg: JobConfig, sh: Shapes) -> int:
+    """Bytes one row of the experts' buffer leaves per MoE layer and micro-batch: the row in
+    and out and the experts' SwiGLU (its FFN width split over tp under expert TP)."""
+    mo = cfg.moe
+    F_e = mo.expert_ffn_dim // sh.tp if cfg.parallel.expert_tp else mo.expert_ffn_dim
+    return 2 * sh.e * cfg.model.dim + 4 * sh.e * F_e
+
+
+def dropless_worst_rows(cfg: JobConfig, sh: Shapes) -> int:
+    """Rows one rank's experts receive in one MoE layer and micro-batch when every token of
+    its expert-parallel group picks them: each of the ep ranks sends each of its T tokens
+    min(K, E / ep) times (a token picks K distinct experts, at most all of this rank's).
+    Dropless all-to-all sizes its receive buffer by the routing, so this is what an
+    unlucky step can ask for; balanced routing asks ``rows``. 0 when nothing bounds it
+    less (a capacity factor, one rank, the all-gather dispatcher's static buffers)."""
+    mo, p = cfg.moe, cfg.parallel
+    if mo.capacity_factor is not None or sh.ep == 1 or p.ep_dispatcher != "all_to_all":
+        return 0
+    return sh.ep * sh.T * min(mo.top_k, mo.num_experts // sh.ep)
 
 
 def block_bytes(cfg: JobConfig, sh: Shapes, layer: Layer) -> int:

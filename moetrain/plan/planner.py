@@ -49,6 +49,11 @@ class RankPlan:
     of the rank's checkpoint tensors (``RankState.checkpoint``: parameters, persistent
     buffers, optimizer state), allocated at the first save and kept. In host memory (pinned)
     on a GPU, beside the rank's other memory on a CPU."""
+    dropless_worst: int = 0
+    """Bytes beyond ``activations`` that one MoE layer of one micro-batch needs when dropless
+    routing sends this rank's experts every token of its expert-parallel group
+    (``activations.dropless_worst_rows``): what an unlucky step adds to the peak. 0 where a
+    capacity factor or static buffers bound it."""
 
     @property
     def steady(self) -> int:
@@ -168,8 +173,12 @@ def plan_rank(
     peak, flight = act.peak_in_flight(cfg, dims, state.coords["pp"], stage_ids, per_mb, kept)
     rope = act.rope_bytes(cfg, sh) * (max(sum(flight), 1) if dims.cp > 1 else 1)
     staging = state.checkpoint if cfg.train.checkpoint_async else 0
+    worst = 0
+    if any(layer.moe for c in state.chunks for layer in c.layers):
+        excess_rows = act.dropless_worst_rows(cfg, sh) - act.rows(cfg, sh)
+        worst = max(excess_rows, 0) * act.expert_row_bytes(cfg, sh)
     return RankPlan(state, per_mb, flight, peak, act.recompute_bytes(cfg, sh, state.chunks), rope,
-                    staging=staging)  # fmt: skip
+                    staging=staging, dropless_worst=worst)  # fmt: skip
 
 
 def plan(

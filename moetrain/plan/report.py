@@ -121,6 +121,13 @@ def render(plan: Plan, memory_gb: float | None, source: str = "") -> str:
                    else f": DOES NOT FIT {memory_gb:g} GB")  # fmt: skip
     lines.append(f"  {'peak of the worst rank'.ljust(label_w)}{'':>6}"
                  + f"{peak / GB:.2f}".rjust(width) + verdict)  # fmt: skip
+    worst = max(plan.ranks, key=lambda r: r.dropless_worst)
+    if worst.dropless_worst:
+        unlucky = plan.peak(worst) + worst.dropless_worst
+        # Dropless EP: one MoE layer whose every token of the EP group picks this rank.
+        lines.append(f"  {'+ dropless worst case (one layer, every token)'.ljust(label_w)}"
+                     f"{'est.':>6}" + f"{worst.dropless_worst / GB:.2f}".rjust(width)
+                     + f"  rank {worst.state.rank}: peak {unlucky / GB:.2f}")  # fmt: skip
     # One rank's traffic stands for the others': the busiest (the estimate's pace-setter),
     # else the first.
     shown = [r for r in plan.ranks if r.axes]

@@ -38,6 +38,8 @@ def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> No
     if need <= have:
         if r.staging and device.type != "cpu":
             _check_host_staging(r.staging)
+        if need + r.dropless_worst > have:
+            _warn_dropless(rank, need, r.dropless_worst, have, source)
         return
     on_device = planned.staging_on_device(r)
     staged = f", checkpoint staging {on_device / 1e9:.3g}" if on_device else ""
@@ -52,6 +54,19 @@ def check_memory(cfg: JobConfig, dims: ParallelDims, device: torch.device) -> No
         "shows every figure and --search the layouts that fit; train.memory_check=false starts "
         "anyway (docs/plan.md)"
     )
+
+
+def _warn_dropless(rank: int, need: float, worst: float, have: float, source: str) -> None:
+    """Dropless expert parallelism sizes each layer's receive buffer by the routing: warn
+    when the step that sends one layer's every token to this rank would not fit."""
+    log.warning(
+        "train.memory_check: rank %d fits balanced routing (%.3g GB of %.3g GB, %s), but "
+        "dropless expert parallelism sizes each MoE layer's receive buffer by the routing: "
+        "a step whose routing sends one layer's every token of the EP group to this rank "
+        "needs %.3g GB more, %.3g GB in all. A capacity factor (moe.capacity_factor) bounds "
+        "it; moe/layer{L}/recv_rows_max_over_mean shows how close the run comes "
+        "(docs/expert_parallel.md)", rank, need / 1e9, have / 1e9, source, worst / 1e9,
+        (need + worst) / 1e9)  # fmt: skip
 
 
 def _check_host_staging(per_rank: int) -> None:
