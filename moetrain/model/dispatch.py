@@ -6,7 +6,7 @@ within each *token group* (``moe.token_group_seqs`` sequences, or the whole micr
 so a reference run that forms the same groups drops exactly the same assignments.
 
 The dispatcher is the seam where expert parallelism plugs in: ``LocalDispatcher`` moves
-rows within one process; an all-to-all dispatcher exposes the same two methods.
+rows within one process; an all-to-all dispatcher exposes the same phases.
 
 Shape legend: T tokens, K top-k, E experts, G token groups, N buffer rows.
 """
@@ -14,8 +14,9 @@ Shape legend: T tokens, K top-k, E experts, G token groups, N buffer rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -209,12 +210,38 @@ def plan_kept(
                         G * capacity if pad_to_capacity else min(G * capacity, T))
 
 
-class Dispatcher(Protocol):
-    """Moves token rows to the experts that process them and back.
+@dataclass
+class Flight:
+    """One dispatch of a layer's tokens between its phases: what a dispatcher carries from
+    ``start_dispatch`` to ``finish_combine``. Each call has its own, so two token sets may be
+    in flight through one dispatcher at once (``moe.overlap_halves``)."""
 
-    ``dispatch`` returns the rows this rank's experts process and their int32 group offsets;
-    ``combine`` takes the experts' output rows and returns the weighted sum per token.
+    plan: DispatchPlan
+    backend: str
+    state: Any = None
+    """The dispatcher's own (its route, the transfers in flight)."""
+
+
+class Dispatcher(Protocol):
+    """Moves token rows to the experts that process them and back, in four phases that let
+    other work run while rows travel:
+
+    ``start_dispatch`` plans and issues the rows (returns a ``Flight``); ``finish_dispatch``
+    returns the rows this rank's experts process and their int32 group offsets, running a
+    side computation first if given (it overlaps the transfer); ``start_combine`` issues the
+    experts' output rows back; ``finish_combine`` returns the weighted sum per token.
+    ``dispatch`` / ``combine`` (``Phases``) run them back to back, one flight at a time.
     """
+
+    def start_dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str) -> Flight: ...
+
+    def finish_dispatch(
+        self, flight: Flight, side: Callable[[], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]: ...
+
+    def start_combine(self, flight: Flight, y_ND: torch.Tensor) -> None: ...
+
+    def finish_combine(self, flight: Flight, weights_TK: torch.Tensor) -> torch.Tensor: ...
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
@@ -233,20 +260,46 @@ class Dispatcher(Protocol):
         ...
 
 
-class LocalDispatcher:
-    """All experts live in this process: dispatch is a permutation, combine its inverse."""
+class Phases:
+    """``dispatch`` and ``combine`` over a dispatcher's four phases, one flight at a time
+    (the flight waits between the two calls)."""
 
-    bytes_sent = 0.0  # nothing leaves the process
+    _flight: Flight | None = None
 
     def dispatch(
         self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend), plan.offs_E
+        self._flight = self.start_dispatch(x_TD, plan, backend)  # type: ignore[attr-defined]
+        x_ND, offs, _ = self.finish_dispatch(self._flight)  # type: ignore[attr-defined]
+        return x_ND, offs
 
     def combine(
         self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
     ) -> torch.Tensor:
-        return unpermute(y_ND, plan.dest_TK, weights_TK, backend=backend)
+        flight, self._flight = self._flight, None
+        assert flight is not None and flight.plan is plan, "combine() without its dispatch()"
+        self.start_combine(flight, y_ND)  # type: ignore[attr-defined]
+        return self.finish_combine(flight, weights_TK)  # type: ignore[attr-defined]
+
+
+class LocalDispatcher(Phases):
+    """All experts live in this process: dispatch is a permutation, combine its inverse."""
+
+    bytes_sent = 0.0  # nothing leaves the process
+
+    def start_dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str) -> Flight:
+        return Flight(plan, backend, permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend))
+
+    def finish_dispatch(
+        self, flight: Flight, side: Callable[[], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return flight.state, flight.plan.offs_E, side() if side is not None else None
+
+    def start_combine(self, flight: Flight, y_ND: torch.Tensor) -> None:
+        flight.state = y_ND
+
+    def finish_combine(self, flight: Flight, weights_TK: torch.Tensor) -> torch.Tensor:
+        return unpermute(flight.state, flight.plan.dest_TK, weights_TK, backend=flight.backend)
 
     def pop_comm_bytes(self) -> float:
         return 0.0

@@ -1,4 +1,4 @@
-"""Expert-parallel dispatchers: the same two methods as ``LocalDispatcher``, across ranks.
+"""Expert-parallel dispatchers: the same phases as ``LocalDispatcher``, across ranks.
 
 Rank r of an expert-parallel (EP) group of size ``ep`` owns experts
 ``[r * E/ep, (r+1) * E/ep)``. Routing, capacity and the dispatch plan are computed on the
@@ -8,14 +8,16 @@ keeps. That is what lets a single-process run reproduce drops, losses and gradie
 
 ``AllToAllDispatcher``  permute locally (expert-major = grouped by destination rank), one
     small ``all_to_all_single`` of per-(rank, local expert) counts, ``all_to_all_single`` of
-    the rows, regroup by local expert; ``combine`` reverses each step. Dropless, the rows
+    the rows, regroup by local expert; the combine reverses each step. Dropless, the rows
     travel as they were kept, with uneven splits the host reads from the counts (its only
     host sync, once per layer). With a capacity factor every expert's segment travels in
     as many slots as it can hold (``DispatchPlan.expert_rows``): static splits, no host
     sync. With ``moe.pad_to_capacity`` the segments are that size already and there is no
-    count exchange at all. ``dispatch_overlapped``
-    issues the row all-to-all asynchronously and runs a side computation (the shared
-    experts, ``parallel.overlap_shared_experts``) before waiting for it.
+    count exchange at all. Every row transfer is issued by one autograd node and waited
+    for by another (``Transfer``), forward and backward, so that work between the phases
+    overlaps it: the shared experts (``parallel.overlap_shared_experts``: the side
+    computation of ``finish_dispatch``) and the other half of the tokens
+    (``moe.overlap_halves``: ``moetrain.model.transformer``).
 ``AllGatherDispatcher`` all-gather tokens, combine weights and plans over the EP group;
     every rank runs its local experts on all the group's tokens; a reduce-scatter returns
     each rank's partial sums. More bytes, no count exchange: for small ``ep``.
@@ -26,7 +28,8 @@ keeps. That is what lets a single-process run reproduce drops, losses and gradie
 
 The process group is handed in by ``moetrain.parallel.expert_parallel.apply_ep``; nothing
 here creates one. Every collective is wrapped in a small autograd Function (the list form
-of ``all_to_all`` fails on gloo with uneven sizes).
+of ``all_to_all`` fails on gloo with uneven sizes). Each dispatch carries its own state in
+its ``Flight``: two may be in flight at once.
 
 Shape legend: T local tokens, K top-k, D model dim, E experts, El = E / ep local experts,
 P = ep ranks, N local buffer rows, R rows this rank's experts process.
@@ -41,71 +44,71 @@ import torch
 import torch.distributed as dist
 
 from moetrain.kernels import permute, unpermute
-from moetrain.model.dispatch import DispatchPlan
+from moetrain.model.dispatch import DispatchPlan, Flight, Phases
 
 # ----------------------------------------------------------------------------- collectives
 
 
-def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(
-        out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits, group=group
-    )
-    return out
+class Transfer:
+    """One all-to-all whose issue and wait are two autograd nodes (``IssueFunction``,
+    ``AwaitFunction``), so that work between them overlaps it, in both directions: forward,
+    the issue node sends the rows and the await node waits for them; backward runs the nodes
+    in reverse, so the await node sends the gradients and the issue node waits for them.
+    Whatever autograd runs between the two (the nodes created between them in forward:
+    another token set's, the shared experts) overlaps the gradients' transfer too."""
+
+    def __init__(self, out_splits: list[int], in_splits: list[int], group) -> None:
+        self.out_splits, self.in_splits, self.group = out_splits, in_splits, group
+        self.work = None
+        self.grad: torch.Tensor | None = None
+
+    def issue(self, out: torch.Tensor, x: torch.Tensor, out_splits, in_splits) -> None:
+        self.work = dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=out_splits, input_split_sizes=in_splits,
+            group=self.group, async_op=True)  # fmt: skip
+
+    def wait(self) -> None:
+        assert self.work is not None, "waited for a transfer that was not issued"
+        self.work.wait()
+        self.work = None
 
 
-class AllToAllFunction(torch.autograd.Function):
-    """``all_to_all_single`` with explicit uneven splits; backward is the same call with the
-    splits swapped."""
+class IssueFunction(torch.autograd.Function):
+    """Forward: issue the rows' all-to-all (``Transfer``) and return the receive buffer, to
+    be read after ``AwaitFunction``. Backward: wait for the gradients' all-to-all that
+    ``AwaitFunction``'s backward issued, and return them."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _a2a(x, out_splits, in_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None
-
-
-class AllToAllStartFunction(torch.autograd.Function):
-    """The forward all-to-all issued asynchronously: returns the receive buffer at once and
-    appends the work handle to ``works``; ``WaitFunction`` completes it. Backward is the
-    synchronous call with the splits swapped."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group, works):  # type: ignore[override]
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        works.append(
-            dist.all_to_all_single(
-                out,
-                x.contiguous(),
-                output_split_sizes=out_splits,
-                input_split_sizes=in_splits,
-                group=group,
-                async_op=True,
-            )
-        )
+    def forward(ctx, x: torch.Tensor, t: Transfer) -> torch.Tensor:  # type: ignore[override]
+        out = x.new_empty((sum(t.out_splits), *x.shape[1:]))
+        t.issue(out, x, t.out_splits, t.in_splits)
+        ctx.t = t
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        out_splits, in_splits = ctx.splits
-        return _a2a(grad, in_splits, out_splits, ctx.group), None, None, None, None
+    def backward(ctx, _grad: torch.Tensor):  # type: ignore[override]
+        t = ctx.t
+        t.wait()
+        grad, t.grad = t.grad, None
+        return grad, None
 
 
-class WaitFunction(torch.autograd.Function):
-    """Identity on a buffer an asynchronous collective fills: waits for it first."""
+class AwaitFunction(torch.autograd.Function):
+    """Forward: wait for the rows ``IssueFunction`` sent (identity on its buffer). Backward:
+    issue the gradients' all-to-all, splits swapped, for ``IssueFunction``'s backward to
+    wait for (the gradient it passes on is a placeholder)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, works: list) -> torch.Tensor:  # type: ignore[override]
-        works.pop().wait()
-        return x.view_as(x)
+    def forward(ctx, out: torch.Tensor, t: Transfer) -> torch.Tensor:  # type: ignore[override]
+        t.wait()
+        ctx.t = t
+        return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        t = ctx.t
+        t.grad = grad.new_empty((sum(t.in_splits), *grad.shape[1:]))
+        t.issue(t.grad, grad, t.in_splits, t.out_splits)
         return grad, None
 
 
@@ -236,7 +239,7 @@ class AmaxOverGroup:
         return out
 
 
-class ExpertTPDispatcher:
+class ExpertTPDispatcher(Phases):
     """Expert tensor parallelism around any dispatcher: every rank of ``group`` routes the
     same tokens and holds a slice of every expert's FFN width, so its expert outputs are
     partial sums. Megatron's f/g pair at the token level, where it is cheapest:
@@ -253,28 +256,24 @@ class ExpertTPDispatcher:
         self.inner = inner
         self.group = group
 
-    def dispatch(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inner.dispatch(CopyToTPFunction.apply(x_TD, self.group), plan, backend)
+    def start_dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str) -> Flight:
+        return self.inner.start_dispatch(CopyToTPFunction.apply(x_TD, self.group), plan, backend)
 
-    def dispatch_overlapped(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str, side: Callable[[], torch.Tensor]
-    ):
-        return self.inner.dispatch_overlapped(
-            CopyToTPFunction.apply(x_TD, self.group), plan, backend, side
-        )
+    def finish_dispatch(
+        self, flight: Flight, side: Callable[[], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.inner.finish_dispatch(flight, side)
+
+    def start_combine(self, flight: Flight, y_ND: torch.Tensor) -> None:
+        self.inner.start_combine(flight, y_ND)
+
+    def finish_combine(self, flight: Flight, weights_TK: torch.Tensor) -> torch.Tensor:
+        weights_TK = CopyToTPFunction.apply(weights_TK, self.group)
+        return ReduceFromTPFunction.apply(self.inner.finish_combine(flight, weights_TK), self.group)
 
     @property
     def overlapped(self) -> int:
         return getattr(self.inner, "overlapped", 0)
-
-    def combine(
-        self, y_ND: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
-    ) -> torch.Tensor:
-        weights_TK = CopyToTPFunction.apply(weights_TK, self.group)
-        y_TD = self.inner.combine(y_ND, plan, weights_TK, backend)
-        return ReduceFromTPFunction.apply(y_TD, self.group)
 
     @property
     def bytes_sent(self) -> float:
@@ -347,7 +346,17 @@ class _SlotRoute(_Route):
 # ----------------------------------------------------------------------------- all-to-all
 
 
-class AllToAllDispatcher(_CommCounter):
+@dataclass
+class _AllToAllFlight:
+    """An all-to-all dispatch between its phases: its route, and the rows in flight (out,
+    then back) with their transfer."""
+
+    route: _Route
+    transfer: Transfer
+    rows: torch.Tensor
+
+
+class AllToAllDispatcher(_CommCounter, Phases):
     """Tokens travel to the rank owning their expert and back with ``all_to_all_single``."""
 
     def __init__(self, group, num_experts: int, padded: bool = False):
@@ -361,38 +370,12 @@ class AllToAllDispatcher(_CommCounter):
             raise ValueError(f"{num_experts} experts do not split over ep={self.ep} ranks")
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep
-        self._ctx: _Route | None = None
         self.overlapped = 0
         """Dispatches that ran a side computation while the rows travelled."""
 
-    def dispatch(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        x_RD, offs_L, _ = self._dispatch(x_TD, plan, backend, None)
-        return x_RD, offs_L
-
-    def dispatch_overlapped(
-        self,
-        x_TD: torch.Tensor,
-        plan: DispatchPlan,
-        backend: str,
-        side: Callable[[], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``dispatch``, with ``side()`` (the shared experts) computed while the row
-        all-to-all is in flight; returns its result third. The same numbers as calling
-        ``side()`` before or after."""
-        self.overlapped += 1
-        x_RD, offs_L, out = self._dispatch(x_TD, plan, backend, side)
-        assert out is not None
-        return x_RD, offs_L, out
-
-    def _dispatch(
-        self,
-        x_TD: torch.Tensor,
-        plan: DispatchPlan,
-        backend: str,
-        side: Callable[[], torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def start_dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str) -> Flight:
+        """Permute the tokens expert-major (grouped by destination rank), choose the route
+        and issue the rows."""
         x_ND = permute(x_TD, plan.dest_TK, plan.num_rows, backend=backend)
         if self.padded:
             route = self._padded_route(plan, x_TD.device)
@@ -400,21 +383,38 @@ class AllToAllDispatcher(_CommCounter):
             route = self._capacity_route(plan)
         else:
             route = self._dropless_route(plan)
-        x_send = route.pack(x_ND)
-        side_out = None
-        if side is None:
-            x_recv = AllToAllFunction.apply(x_send, route.recv, route.send, self.group)
-        else:
-            works: list = []
-            x_recv = AllToAllStartFunction.apply(x_send, route.recv, route.send, self.group, works)
-            side_out = side()  # while the rows travel
-            x_recv = WaitFunction.apply(x_recv, works)
-        x_RD = x_recv.index_select(0, route.index_R)
-        offs_L = torch.cumsum(route.counts_PL.sum(0), 0).to(torch.int32)
+        out = Transfer(route.recv, route.send, self.group)
+        rows = IssueFunction.apply(route.pack(x_ND), out)
         row_bytes = x_TD.shape[1] * x_TD.element_size()
         self.bytes_sent += (sum(route.send) - route.send[self.rank]) * row_bytes
-        self._ctx = route
+        return Flight(plan, backend, _AllToAllFlight(route, out, rows))
+
+    def finish_dispatch(
+        self, flight: Flight, side: Callable[[], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``side()`` (the shared experts) runs while the rows travel; the received rows
+        regrouped by local expert, and their offsets."""
+        f: _AllToAllFlight = flight.state
+        side_out = None
+        if side is not None:
+            side_out = side()
+            self.overlapped += 1
+        x_recv = AwaitFunction.apply(f.rows, f.transfer)
+        x_RD = x_recv.index_select(0, f.route.index_R)
+        offs_L = torch.cumsum(f.route.counts_PL.sum(0), 0).to(torch.int32)
         return x_RD, offs_L, side_out
+
+    def start_combine(self, flight: Flight, y_RD: torch.Tensor) -> None:
+        f: _AllToAllFlight = flight.state
+        f.transfer = Transfer(f.route.send, f.route.recv, self.group)
+        f.rows = IssueFunction.apply(f.route.unregroup(y_RD), f.transfer)
+        row_bytes = y_RD.shape[1] * y_RD.element_size()
+        self.bytes_sent += (sum(f.route.recv) - f.route.recv[self.rank]) * row_bytes
+
+    def finish_combine(self, flight: Flight, weights_TK: torch.Tensor) -> torch.Tensor:
+        f: _AllToAllFlight = flight.state
+        y_back = f.route.unpack(AwaitFunction.apply(f.rows, f.transfer))
+        return unpermute(y_back, flight.plan.dest_TK, weights_TK, backend=flight.backend)
 
     def _padded_route(self, plan: DispatchPlan, device: torch.device) -> _Route:
         """``moe.pad_to_capacity``: every expert's segment is its capacity in every group,
@@ -467,22 +467,10 @@ class AllToAllDispatcher(_CommCounter):
         return _SlotRoute(split, split, counts_PL, _inverse(dest_R), L * C * P, plan.num_rows,
                           send_src, send_valid, recv_valid, offs_E, kept_E, C)  # fmt: skip
 
-    def combine(
-        self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
-    ) -> torch.Tensor:
-        assert self._ctx is not None, "combine() without a matching dispatch()"
-        route, self._ctx = self._ctx, None
-        y_recv = route.unregroup(y_RD)
-        y_back = AllToAllFunction.apply(y_recv, route.send, route.recv, self.group)
-        row_bytes = y_RD.shape[1] * y_RD.element_size()
-        self.bytes_sent += (sum(route.recv) - route.recv[self.rank]) * row_bytes
-        return unpermute(route.unpack(y_back), plan.dest_TK, weights_TK, backend=backend)
-
-
 # ----------------------------------------------------------------------------- all-gather
 
 
-class AllGatherDispatcher(_CommCounter):
+class AllGatherDispatcher(_CommCounter, Phases):
     """Every rank sees every token of its EP group and runs its own experts on them.
 
     The gathered plans are re-based onto a local buffer ordered (local expert, source rank);
@@ -500,11 +488,9 @@ class AllGatherDispatcher(_CommCounter):
             raise ValueError(f"{num_experts} experts do not split over ep={self.ep} ranks")
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep
-        self._ctx: torch.Tensor | None = None
 
-    def dispatch(
-        self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def start_dispatch(self, x_TD: torch.Tensor, plan: DispatchPlan, backend: str) -> Flight:
+        """Gathers synchronously: the rows are there when it returns."""
         P, L, E = self.ep, self.local_experts, self.num_experts
         T, K = plan.dest_TK.shape
         lo = self.rank * L
@@ -527,16 +513,21 @@ class AllGatherDispatcher(_CommCounter):
         x_RD = permute(x_all, local_dest, P * rows, backend=backend)
         offs_L = torch.cumsum(counts_PL.sum(0), 0).to(torch.int32)
         self.bytes_sent += (P - 1) * T * x_TD.shape[1] * x_TD.element_size()
-        self._ctx = local_dest
-        return x_RD, offs_L
+        return Flight(plan, backend, [local_dest, x_RD, offs_L])
 
-    def combine(
-        self, y_RD: torch.Tensor, plan: DispatchPlan, weights_TK: torch.Tensor, backend: str
-    ) -> torch.Tensor:
-        assert self._ctx is not None, "combine() without a matching dispatch()"
-        local_dest, self._ctx = self._ctx, None
+    def finish_dispatch(
+        self, flight: Flight, side: Callable[[], torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        _, x_RD, offs_L = flight.state
+        return x_RD, offs_L, side() if side is not None else None
+
+    def start_combine(self, flight: Flight, y_RD: torch.Tensor) -> None:
+        flight.state[1] = y_RD  # combined when the weights come (finish_combine)
+
+    def finish_combine(self, flight: Flight, weights_TK: torch.Tensor) -> torch.Tensor:
+        local_dest, y_RD, _ = flight.state
         weights_all = AllGatherFunction.apply(weights_TK, self.group)
-        partial = unpermute(y_RD, local_dest, weights_all, backend=backend)  # (P*T, D)
+        partial = unpermute(y_RD, local_dest, weights_all, backend=flight.backend)  # (P*T, D)
         out = ReduceScatterFunction.apply(partial, self.group)
         self.bytes_sent += (self.ep - 1) * out.shape[0] * out.shape[1] * out.element_size()
         return out

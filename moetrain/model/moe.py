@@ -31,6 +31,7 @@ from moetrain.kernels.common import bin_counts
 from moetrain.model.dispatch import (
     Dispatcher,
     DispatchPlan,
+    Flight,
     LocalDispatcher,
     plan_dispatch,
     plan_dispatch_sharded,
@@ -172,6 +173,25 @@ class Router(nn.Module):
         return r
 
 
+@dataclass
+class LayerPass:
+    """One forward of an MoE layer between its phases (``MoELayer.begin`` / ``exchange`` /
+    ``end``): what a phase hands the next."""
+
+    shape: tuple[int, int, int]
+    backend: str
+    r: RouteResult
+    plan: DispatchPlan
+    ids_all_TK: torch.Tensor | None
+    valid_T: torch.Tensor | None
+    valid_all_T: torch.Tensor | None
+    xc_TD: torch.Tensor
+    flight: Flight
+    shared_TD: torch.Tensor | None = None
+    received: torch.Tensor | None = None
+    """Rows this rank's experts received (the statistics' ``recv_rows``)."""
+
+
 class MoELayer(nn.Module):
     """An MoE feed-forward layer (module doc). ``context``: the step context it reads (a
     ``Transformer`` hands all its layers its one context; None: a context of its own, for a
@@ -239,8 +259,8 @@ class MoELayer(nn.Module):
     def install_dispatcher(self, dispatcher: Dispatcher, overlap_shared: bool = False) -> None:
         """The seam of expert parallelism (``moetrain.parallel.expert_parallel``): the
         dispatcher that moves token rows to the experts and back. ``overlap_shared``: compute
-        the shared experts while its all-to-all is in flight (``dispatch_overlapped``; the
-        same numbers)."""
+        the shared experts while its all-to-all is in flight (``exchange``; the same
+        numbers)."""
         self.dispatcher = dispatcher
         self.overlap_shared = overlap_shared and self.shared_experts is not None
 
@@ -297,7 +317,14 @@ class MoELayer(nn.Module):
         context parallelism): False marks tokens left out of the LM loss (padding, a
         document's separator under document masking), which are routed and computed like
         any other but left out of every balancing loss and router statistic. None: all
-        count."""
+        count. The three phases back to back; ``moetrain.model.transformer`` interleaves
+        two token sets' phases instead (``moe.overlap_halves``)."""
+        p = self.begin(x_BSD, valid_BS)
+        self.exchange(p)
+        return self.end(p)
+
+    def begin(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> LayerPass:
+        """Phase 1 of 3: route the tokens, plan the dispatch and issue the rows."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         # moe.kernels=auto on CUDA: each op on the implementation measured faster there.
@@ -317,30 +344,41 @@ class MoELayer(nn.Module):
         # before the dispatch, so that an expert-parallel all-to-all carries them in it and
         # the experts compute in it. The router above read the fp32 rows.
         xc_TD = as_compute(x_TD)
-        shared_TD = None
+        flight = self.dispatcher.start_dispatch(xc_TD, plan, backend)
+        return LayerPass((B, S, D), backend, r, plan, ids_all_TK, valid_T, valid_all_T, xc_TD,
+                         flight)  # fmt: skip
+
+    def exchange(self, p: LayerPass) -> None:
+        """Phase 2: receive the rows (the shared experts computed meanwhile when
+        ``overlap_shared``: the same numbers), run the experts, issue their outputs back."""
+        side = None
         if self.shared_experts is not None and self.overlap_shared:
-            # The shared experts run while the routed tokens travel (same numbers).
-            x_ND, offs_E, shared_TD = self.dispatcher.dispatch_overlapped(
-                xc_TD, plan, backend, lambda: self._shared(xc_TD))
-        else:
-            x_ND, offs_E = self.dispatcher.dispatch(xc_TD, plan, backend)
-        y_ND = self.experts(x_ND, offs_E, backend)
-        y_TD = self.dispatcher.combine(y_ND, plan, r.weights_TK, backend)
+            side = lambda: self._shared(p.xc_TD)  # noqa: E731
+        x_ND, offs_E, p.shared_TD = self.dispatcher.finish_dispatch(p.flight, side)
+        self.dispatcher.start_combine(p.flight, self.experts(x_ND, offs_E, p.backend))
+        p.received = offs_E[-1].float()
+
+    def end(self, p: LayerPass) -> torch.Tensor:
+        """Phase 3: the weighted sum of the returned rows, the output bias and the shared
+        experts; the balancing losses and statistics."""
+        B, S, D = p.shape
+        r, plan = p.r, p.plan
+        y_TD = self.dispatcher.finish_combine(p.flight, r.weights_TK)
         if self.experts.b2 is not None:  # after the combine: every expert's, whole, once
             bias_TD = self.experts.output_bias(r.ids_TK, r.weights_TK, plan.dest_TK)
             y_TD = y_TD + bias_TD.to(y_TD.dtype)
         if self.shared_experts is not None:
-            y_TD = y_TD + (shared_TD if shared_TD is not None else self._shared(xc_TD))
+            y_TD = y_TD + (p.shared_TD if p.shared_TD is not None else self._shared(p.xc_TD))
 
-        counts_E = self._counted(r.ids_TK, plan, valid_T)
+        counts_E = self._counted(r.ids_TK, plan, p.valid_T)
         if self.training:
             self.global_balance.count(counts_E)
-        if ctx.counting:  # the engine's counting pass: counted, nothing else recorded
+        if self.step_context.counting:  # the engine's counting pass: counted, nothing else
             with torch.no_grad():
                 self.stats.rows += B
             return y_TD.view(B, S, D)
-        y_TD = self._balance(y_TD, r, plan, B, ids_all_TK, counts_E, valid_T, valid_all_T,
-                             offs_E[-1].float())  # fmt: skip
+        y_TD = self._balance(y_TD, r, plan, B, p.ids_all_TK, counts_E, p.valid_T,
+                             p.valid_all_T, p.received)  # fmt: skip
         return y_TD.view(B, S, D)
 
     def _replayed(self, B: int, S: int) -> torch.Tensor:

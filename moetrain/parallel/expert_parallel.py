@@ -131,7 +131,7 @@ def apply_ep(
     optionally ``tp``) mesh attributes and ``dispatcher`` an object with ``ep_dispatcher``
     / ``expert_tp`` / ``overlap_shared_experts`` attributes (a ``ParallelConfig``); the last
     makes every MoE layer with shared experts compute them while its all-to-all carries the
-    routed tokens (``AllToAllDispatcher.dispatch_overlapped``).
+    routed tokens (``MoELayer.exchange``, ``AllToAllDispatcher.finish_dispatch``).
     """
     if hasattr(ep_mesh, "ep"):  # a Meshes-like bundle
         meshes, ep_mesh = ep_mesh, ep_mesh.ep
