@@ -206,6 +206,7 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
         "attend": type(attention.attend).__name__ if attention is not None else None,
         "moe_whole_sequences": bool(moe) and all(m.seq_shard is not None for m in moe),
         "shared_overlap": bool(moe) and getattr(moe[0].dispatcher, "overlapped", 0) > 0,
+        "ep_halves": any(getattr(b, "_checkpoint_wrapped_module", b).halves for b in blocks),
         "tp_placement": tp_placement,
         "fsdp_units": sum(isinstance(m, FSDPModule) for p in eng.parts for m in p.modules()),
         "zero1_sharded": bool(eng.grad_sync is not None and eng.grad_sync.shards),
@@ -408,8 +409,12 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         qk = vd = m.head_dim or m.dim // m.n_heads
         kv_heads = m.n_kv_heads or m.n_heads
     s = seq // cp
-    shapes = ((mbs, s, m.n_heads // tp, qk), (mbs, s, kv_heads // tp, qk),
-              (mbs, s, kv_heads // tp, vd))  # fmt: skip
+    # parallel.ep_overlap=halves: a block with an MoE layer (not an MTP module) attends to
+    # each half of the micro-batch on its own
+    halves = [i for i in moe_layers if i < m.n_layers] if p.ep_overlap == "halves" else []
+    b = mbs // 2 if layers and layers[0] in halves else mbs
+    shapes = ((b, s, m.n_heads // tp, qk), (b, s, kv_heads // tp, qk),
+              (b, s, kv_heads // tp, vd))  # fmt: skip
     zero = p.zero_stage if dp * cp > 1 else 0
     ep_split = ep > 1 and moe.num_experts > 0
     experts = dispatcher = None
@@ -434,6 +439,7 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         "attend": ("ContextParallelAttention" if cp > 1 else "function") if layers else None,
         "moe_whole_sequences": cp > 1 and bool(moe_layers),
         "shared_overlap": bool(p.overlap_shared_experts and moe_layers and moe.num_shared_experts),
+        "ep_halves": bool(halves),
         "tp_placement": "S(0)" if tp > 1 else None,
         # A unit per block and per chunk root; under bf16 each MoE router is one more (it is
         # gathered in fp32).

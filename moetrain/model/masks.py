@@ -130,6 +130,13 @@ class AttentionMask:
             )
         return replace(self, docs_BS=docs_BS, _cache={})
 
+    def sequences(self, start: int, stop: int) -> AttentionMask:
+        """The mask of sequences ``start .. stop - 1`` of the batch (the same mask when it
+        does not depend on the sequence)."""
+        if self.docs_BS is None:
+            return self
+        return replace(self, docs_BS=self.docs_BS[start:stop], _cache={})
+
     def with_window(self, window: int | None) -> AttentionMask:
         """Sliding window: each query sees its ``window`` latest positions (None: no
         change)."""

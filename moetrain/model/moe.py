@@ -187,6 +187,8 @@ class LayerPass:
     valid_all_T: torch.Tensor | None
     xc_TD: torch.Tensor
     flight: Flight
+    share: float = 1.0
+    """The fraction of the micro-batch this forward holds (``MoELayer.begin``)."""
     shared_TD: torch.Tensor | None = None
     received: torch.Tensor | None = None
     """Rows this rank's experts received (the statistics' ``recv_rows``)."""
@@ -323,8 +325,12 @@ class MoELayer(nn.Module):
         self.exchange(p)
         return self.end(p)
 
-    def begin(self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None) -> LayerPass:
-        """Phase 1 of 3: route the tokens, plan the dispatch and issue the rows."""
+    def begin(
+        self, x_BSD: torch.Tensor, valid_BS: torch.Tensor | None = None, share: float = 1.0
+    ) -> LayerPass:
+        """Phase 1 of 3: route the tokens, plan the dispatch and issue the rows. ``share``:
+        the fraction of the micro-batch these sequences are (their balancing losses count
+        that much of its), when a block cuts it into token sets."""
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         # moe.kernels=auto on CUDA: each op on the implementation measured faster there.
@@ -345,8 +351,11 @@ class MoELayer(nn.Module):
         # the experts compute in it. The router above read the fp32 rows.
         xc_TD = as_compute(x_TD)
         flight = self.dispatcher.start_dispatch(xc_TD, plan, backend)
+        if self.training or ctx.counting:  # the next token set's sequences start after these
+            with torch.no_grad():
+                self.stats.rows += B
         return LayerPass((B, S, D), backend, r, plan, ids_all_TK, valid_T, valid_all_T, xc_TD,
-                         flight)  # fmt: skip
+                         flight, share)  # fmt: skip
 
     def exchange(self, p: LayerPass) -> None:
         """Phase 2: receive the rows (the shared experts computed meanwhile when
@@ -374,11 +383,9 @@ class MoELayer(nn.Module):
         if self.training:
             self.global_balance.count(counts_E)
         if self.step_context.counting:  # the engine's counting pass: counted, nothing else
-            with torch.no_grad():
-                self.stats.rows += B
             return y_TD.view(B, S, D)
         y_TD = self._balance(y_TD, r, plan, B, p.ids_all_TK, counts_E, p.valid_T,
-                             p.valid_all_T, p.received)  # fmt: skip
+                             p.valid_all_T, p.received, p.share)  # fmt: skip
         return y_TD.view(B, S, D)
 
     def _replayed(self, B: int, S: int) -> torch.Tensor:
@@ -465,13 +472,14 @@ class MoELayer(nn.Module):
                  batch: int, ids_all_TK: torch.Tensor | None, counts_E: torch.Tensor,
                  valid_T: torch.Tensor | None = None,
                  valid_all_T: torch.Tensor | None = None,
-                 received: torch.Tensor | None = None) -> torch.Tensor:
+                 received: torch.Tensor | None = None, share: float = 1.0) -> torch.Tensor:
         """Compute the balancing losses, inject their gradient, record their values.
         ``ids_all_TK``: the choices of the whole sequences when this process holds part of
         each (context parallelism): the assignment fractions f count them. ``counts_E``:
         the choices of the tokens that count; ``valid_T`` / ``valid_all_T``: which tokens
         count (``_valid``; None: all); ``received``: the rows this rank's experts received
-        (the statistics' ``recv_rows``)."""
+        (the statistics' ``recv_rows``); ``share``: the fraction of the micro-batch these
+        tokens are (``begin``)."""
         cfg = self.cfg
         probs_TE = balance_probs(r.scores_TE, cfg.score_func)
         groups = self.token_groups(batch)
@@ -501,7 +509,7 @@ class MoELayer(nn.Module):
             term = self.global_balance.term(mean_probs_E, counts_E)
             total = term if total is None else total + term
         if total is not None:
-            y_TD = AuxLossInjector.apply(y_TD, total, self.step_context.aux_loss_scale)
+            y_TD = AuxLossInjector.apply(y_TD, total, self.step_context.aux_loss_scale * share)
         if self.training:
             with torch.no_grad():
                 scores_TE, dropped = r.scores_TE.detach(), plan.dropped
@@ -519,7 +527,7 @@ class MoELayer(nn.Module):
                     qb_hist_EB = required_bias_histogram(
                         r.scores_TE, self.router.expert_bias, cfg.top_k,
                         cfg.quantile_balancing_bins, valid_T)  # fmt: skip
-                self.stats.add(batch, stats, counts_E, counts, scores_TE, mean_probs_E,
+                self.stats.add(stats, counts_E, counts, scores_TE, mean_probs_E,
                                qb_hist_EB, received)  # fmt: skip
         return y_TD
 

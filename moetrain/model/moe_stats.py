@@ -4,7 +4,8 @@
 ``nn.Module`` of non-persistent buffers, so that it follows the layer to its device and
 stays out of checkpoints):
 
-    rows               sequences seen this step (where the next micro-batch starts: router
+    rows               sequences routed this step, counted when a forward routes them (where
+                       the next token set starts: router
                        jitter, routing replay and record are keyed by it)
     sums               the balancing losses' and the router entropy's values (``STAT_NAMES``)
     tokens_per_expert  assignments per expert of the tokens that count (before dropping)
@@ -71,7 +72,6 @@ class MoEStats(nn.Module):
     @torch.no_grad()
     def add(
         self,
-        sequences: int,
         values: list[torch.Tensor],
         tokens_per_expert_E: torch.Tensor,
         counts: torch.Tensor,
@@ -80,12 +80,11 @@ class MoEStats(nn.Module):
         qb_hist_EB: torch.Tensor | None = None,
         received: torch.Tensor | None = None,
     ) -> None:
-        """One training forward of ``sequences`` sequences: its ``STAT_NAMES`` values, the
+        """One training forward: its ``STAT_NAMES`` values, the
         assignments per expert of its counted tokens, its (calls, assignments, dropped),
         router scores (an excluded token's at -1, outside the histogram's range), under
         quantile balancing its counts of required biases, and the rows this rank's experts
         received (a device scalar: the last of their group offsets)."""
-        self.rows += sequences
         self.sums += torch.stack(values)
         self.tokens_per_expert += tokens_per_expert_E.float()
         self.counts += counts

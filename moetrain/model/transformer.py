@@ -74,6 +74,17 @@ class TransformerBlock(nn.Module):
             if self.moe_enabled
             else FeedForward(cfg.dim, cfg.ffn_dim)
         )
+        self.halves = False
+        """Run training forwards in two halves of the sequences (``schedule_halves``)."""
+
+    def schedule_halves(self) -> None:
+        """From now on a forward of an even number of sequences runs as two halves whose
+        phases interleave (``parallel.ep_overlap=halves``, installed by
+        ``moetrain.parallel.expert_parallel``): each half's expert-parallel all-to-alls
+        travel while the other half computes (``_forward_halves``)."""
+        if not isinstance(self.ffn, MoELayer):
+            raise ValueError(f"layer {self.layer_id}: the halves schedule needs an MoE layer")
+        self.halves = True
 
     def forward(
         self,
@@ -84,6 +95,8 @@ class TransformerBlock(nn.Module):
         mask: AttentionMask | None = None,
         valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if self.halves and cache is None and x_BSD.shape[0] % 2 == 0:
+            return self._forward_halves(x_BSD, cos, sin, mask, valid)
         x = self.attention_norm(x_BSD)
         # The cache only travels when generating and the mask by keyword: training calls keep
         # the 3-positional-argument form that the tensor-parallel input hooks expect.
@@ -95,6 +108,41 @@ class TransformerBlock(nn.Module):
         if valid is not None and self.moe_enabled:
             return h + self.ffn(self.ffn_norm(h), valid_BS=valid)
         return h + self.ffn(self.ffn_norm(h))
+
+    def _forward_halves(
+        self,
+        x_BSD: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: AttentionMask | None,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The block on two halves of the sequences, the MoE layer's phases interleaved:
+
+            attention 0, route 0, issue rows 0   | (rows 0 travel)
+            attention 1, route 1, issue rows 1   | rows 0 travel while half 1 attends
+            experts 0, issue outputs 0           | rows 1 travel while half 0's experts run
+            experts 1, issue outputs 1           | outputs 0 travel while half 1's run
+            combine 0, combine 1                 | outputs 1: exposed
+
+        Backward runs the autograd nodes in reverse order of creation, so it interleaves the
+        same way, each transfer between its issue and await nodes (``Transfer``). Every
+        token is computed by the same operations as in one forward, on half the rows; the
+        balancing losses of each half count half (``MoELayer.begin``'s share)."""
+        moe = self.ffn
+        assert isinstance(moe, MoELayer)
+        half = x_BSD.shape[0] // 2
+        hs, passes = [], []
+        for lo in (0, half):
+            x = x_BSD[lo : lo + half]
+            m = mask.sequences(lo, lo + half) if mask is not None else None
+            h = x + self.attention(self.attention_norm(x), cos, sin, mask=m)
+            v = valid[lo : lo + half] if valid is not None else None
+            hs.append(h)
+            passes.append(moe.begin(self.ffn_norm(h), v, share=0.5))
+        for p in passes:
+            moe.exchange(p)
+        return torch.cat([h + moe.end(p) for h, p in zip(hs, passes, strict=True)])
 
 
 class MTPBlock(TransformerBlock):

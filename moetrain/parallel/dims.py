@@ -282,6 +282,8 @@ class ParallelDims:
             from moetrain.parallel.expert_parallel import check_ep_layout
 
             check_ep_layout(cfg.moe.num_experts, self.ep, self.dp, self.cp)
+        if p.ep_overlap == "halves":
+            self._validate_halves(cfg, mbs)
         if p.overlap_shared_experts and not (moe.num_experts and moe.num_shared_experts):
             raise ConfigError(
                 "parallel.overlap_shared_experts: overlaps the shared experts with the "
@@ -290,6 +292,29 @@ class ParallelDims:
                 "nothing to overlap"
             )
         return self
+
+    def _validate_halves(self, cfg: JobConfig, mbs: int) -> None:
+        """``parallel.ep_overlap=halves`` cuts every micro-batch into two halves of its
+        sequences: they must exist, and hold whole token groups (capacity and the balancing
+        losses are taken per group, so a group cut in two would change the training)."""
+        key = "parallel.ep_overlap"
+        if mbs % 2:
+            raise ConfigError(
+                f"{key}: halves cuts each micro-batch into two halves of its sequences, but a "
+                f"micro-batch holds {mbs} (train.micro_batch_size, or the global batch over dp "
+                "and the pipeline's micro-batches): make it even")
+        groups = cfg.moe.token_group_seqs
+        if groups is None or (mbs // 2) % groups:
+            raise ConfigError(
+                f"moe.token_group_seqs: {groups}, but parallel.ep_overlap=halves routes each "
+                f"half of a {mbs}-sequence micro-batch on its own, and capacity and the "
+                "balancing losses are taken per token group: set moe.token_group_seqs to a "
+                f"divisor of {mbs // 2}")
+        if cfg.train.compile:
+            raise ConfigError(
+                f"{key}: halves keeps all-to-alls in flight across a block's operations, "
+                "which torch.compile of the block has not been shown to keep: not with "
+                "train.compile=true")
 
     def _validate_stages(self, cfg: JobConfig) -> None:
         """The layers split into ``pp * pp_virtual_stages`` stages: as ``parallel.

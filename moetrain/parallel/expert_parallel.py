@@ -41,6 +41,7 @@ from moetrain.model.ep_dispatch import (
 from moetrain.model.experts import EXPERT_FFN_DIMS
 from moetrain.model.init import fqn
 from moetrain.model.moe import MoELayer
+from moetrain.model.transformer import TransformerBlock
 from moetrain.parallel.data_parallel import grads_or_zeros
 
 DISPATCHERS = ("all_to_all", "all_gather")
@@ -129,17 +130,20 @@ def apply_ep(
 
     For the engine's convenience ``ep_mesh`` may also be an object with ``ep`` (and
     optionally ``tp``) mesh attributes and ``dispatcher`` an object with ``ep_dispatcher``
-    / ``expert_tp`` / ``overlap_shared_experts`` attributes (a ``ParallelConfig``); the last
-    makes every MoE layer with shared experts compute them while its all-to-all carries the
-    routed tokens (``MoELayer.exchange``, ``AllToAllDispatcher.finish_dispatch``).
+    / ``expert_tp`` / ``overlap_shared_experts`` / ``ep_overlap`` attributes (a
+    ``ParallelConfig``); ``ep_overlap=halves`` makes every block with an MoE layer run two
+    halves of its sequences interleaved (``TransformerBlock.schedule_halves``),
+    ``overlap_shared_experts`` every MoE layer with shared experts compute them while its
+    all-to-all carries the routed tokens (``MoELayer.exchange``).
     """
     if hasattr(ep_mesh, "ep"):  # a Meshes-like bundle
         meshes, ep_mesh = ep_mesh, ep_mesh.ep
         if not isinstance(dispatcher, str) and getattr(dispatcher, "expert_tp", False):
             etp_mesh = meshes.tp
-    overlap = False
+    overlap, halves = False, False
     if not isinstance(dispatcher, str):  # a ParallelConfig-like section
         overlap = bool(getattr(dispatcher, "overlap_shared_experts", False))
+        halves = getattr(dispatcher, "ep_overlap", "none") == "halves"
         dispatcher = getattr(dispatcher, "ep_dispatcher", "all_to_all")
     if overlap and dispatcher != "all_to_all":
         raise ConfigError(
@@ -195,6 +199,10 @@ def apply_ep(
             p = getattr(experts, name)
             p._moetrain_expert = True  # type: ignore[attr-defined]
             params.append(p)
+    if halves:  # parallel.ep_overlap=halves: each block's two halves hide each other's transfers
+        for block in model.modules():
+            if type(block) is TransformerBlock and block.moe_enabled:
+                block.schedule_halves()
     return params
 
 
