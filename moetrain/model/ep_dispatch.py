@@ -305,6 +305,9 @@ class _Route:
     def pack(self, x_ND: torch.Tensor) -> torch.Tensor:
         return x_ND[: self.sent]
 
+    def settle(self) -> None:
+        """Before the received rows are read: what the route still waits for (nothing)."""
+
     def unregroup(self, y_RD: torch.Tensor) -> torch.Tensor:
         """The experts' output rows back in arrival order (the inverse of ``index_R``)."""
         return y_RD.index_select(0, _inverse(self.index_R))
@@ -318,20 +321,40 @@ class _Route:
 class _SlotRoute(_Route):
     """Every expert's segment travels in C slots (``AllToAllDispatcher._capacity_route``):
     ``send_src`` / ``send_kept`` the sender's row and whether it holds one for each slot
-    (E C), ``recv_kept`` the same for each received slot, ``offs_E`` / ``kept_E`` the
-    sender's segments."""
+    (E C), ``offs_E`` / ``kept_E`` the sender's segments. The counts travel beside the rows
+    (``counts``, in flight until ``settle``); then ``recv_kept`` says which received slots
+    hold a row and ``index_R`` orders them."""
 
     send_src: torch.Tensor
     send_kept: torch.Tensor
-    recv_kept: torch.Tensor
     offs_E: torch.Tensor
     kept_E: torch.Tensor
     slots: int
+    counts: Transfer | None = None
+    recv_kept: torch.Tensor | None = None
 
     def pack(self, x_ND: torch.Tensor) -> torch.Tensor:
         return torch.where(self.send_kept[:, None], x_ND.index_select(0, self.send_src), 0)
 
+    def settle(self) -> None:
+        """The counts arrived: slot (p, l, i) holds a row when i < counts[p, l]; the kept
+        rows go first, expert-contiguous in (l, p, i) order (the dropless route's), the
+        empty slots after the last offset in arrival order."""
+        if self.counts is None:
+            return
+        self.counts.wait()
+        self.counts = None
+        counts_PL, C = self.counts_PL, self.slots
+        P, L = counts_PL.shape
+        slot_C = torch.arange(C, device=counts_PL.device)
+        self.recv_kept = (slot_C < counts_PL[..., None]).reshape(-1)
+        start_PL = _exclusive_cumsum(counts_PL.t().reshape(-1)).view(L, P).t()
+        kept_at = (start_PL[..., None] + slot_C).reshape(-1)
+        pad_at = counts_PL.sum() + _exclusive_cumsum((~self.recv_kept).long())
+        self.index_R = _inverse(torch.where(self.recv_kept, kept_at, pad_at))
+
     def unregroup(self, y_RD: torch.Tensor) -> torch.Tensor:
+        assert self.recv_kept is not None, "combine before the counts arrived"
         return torch.where(self.recv_kept[:, None], super().unregroup(y_RD), 0)
 
     def unpack(self, y_back: torch.Tensor) -> torch.Tensor:
@@ -400,6 +423,7 @@ class AllToAllDispatcher(_CommCounter, Phases):
             side_out = side()
             self.overlapped += 1
         x_recv = AwaitFunction.apply(f.rows, f.transfer)
+        f.route.settle()
         x_RD = x_recv.index_select(0, f.route.index_R)
         offs_L = torch.cumsum(f.route.counts_PL.sum(0), 0).to(torch.int32)
         return x_RD, offs_L, side_out
@@ -450,22 +474,18 @@ class AllToAllDispatcher(_CommCounter, Phases):
         assert C is not None
         offs_E = plan.offs_E.long()
         kept_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+        # The counts travel beside the rows: awaited when the rows are (``settle``).
         counts_PL = torch.empty_like(kept_E.view(P, L))
-        dist.all_to_all_single(counts_PL, kept_E.view(P, L), group=self.group)
+        counts = Transfer([L] * P, [L] * P, self.group)
+        counts.issue(counts_PL.view(-1), kept_E, counts.out_splits, counts.in_splits)
         slot_C = torch.arange(C, device=offs_E.device)
         # Sender: row i of expert e's segment goes to slot e * C + i.
-        send_valid = (slot_C < kept_E[:, None]).reshape(-1)
+        send_kept = (slot_C < kept_E[:, None]).reshape(-1)
         send_src = ((offs_E - kept_E)[:, None] + slot_C).reshape(-1).clamp(max=plan.num_rows - 1)
-        # Receiver: slot (p, l, i) holds a row when i < counts[p, l]; the kept rows in
-        # (l, p, i) order first, then the padding in arrival order.
-        recv_valid = (slot_C < counts_PL[..., None]).reshape(-1)
-        start_PL = _exclusive_cumsum(counts_PL.t().reshape(-1)).view(L, P).t()
-        kept_at = (start_PL[..., None] + slot_C).reshape(-1)
-        pad_at = counts_PL.sum() + _exclusive_cumsum((~recv_valid).long())
-        dest_R = torch.where(recv_valid, kept_at, pad_at)
         split = [L * C] * P
-        return _SlotRoute(split, split, counts_PL, _inverse(dest_R), L * C * P, plan.num_rows,
-                          send_src, send_valid, recv_valid, offs_E, kept_E, C)  # fmt: skip
+        return _SlotRoute(split, split, counts_PL, torch.empty(0, dtype=torch.long),
+                          L * C * P, plan.num_rows, send_src, send_kept, offs_E, kept_E, C,
+                          counts)  # fmt: skip
 
 # ----------------------------------------------------------------------------- all-gather
 

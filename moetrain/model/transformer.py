@@ -136,7 +136,8 @@ class TransformerBlock(nn.Module):
         for lo in (0, half):
             x = x_BSD[lo : lo + half]
             m = mask.sequences(lo, lo + half) if mask is not None else None
-            h = x + self.attention(self.attention_norm(x), cos, sin, mask=m)
+            c, s = (cos[lo : lo + half], sin[lo : lo + half]) if cos.dim() == 3 else (cos, sin)
+            h = x + self.attention(self.attention_norm(x), c, s, mask=m)
             v = valid[lo : lo + half] if valid is not None else None
             hs.append(h)
             passes.append(moe.begin(self.ffn_norm(h), v, share=0.5))
