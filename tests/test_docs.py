@@ -879,6 +879,15 @@ def _optim_prose() -> list[float]:
     ]  # fmt: skip
 
 
+def _ep_overlap_prose() -> list[float]:
+    """ep=2's rows the prose of docs/expert_parallel.md names: the latency it hides almost
+    all of, then two hidden shares with their latencies."""
+    rows = {r["latency_ms"]: r for r in json.loads((DATA / "ep_overlap.json").read_text())[
+        "rows"] if r["ep"] == 2}  # fmt: skip
+    return [2.0, round(100 * rows[5.0]["hidden"]), 5.0, round(100 * rows[10.0]["hidden"]),
+            10.0]
+
+
 @dataclass(frozen=True)
 class Quote:
     """A figure a page quotes and where it comes from. ``pattern`` finds the quote on the
@@ -965,6 +974,13 @@ QUOTES = [
           r"(?s)own whole experts\):\n\n(\| layout \| mode \|.*?\n\n[^\n]* steps\.\n)",
           lambda: _load_tool(REPO / "tools" / "bench_muon.py").table(
               json.loads((DATA / "muon_owners.json").read_text()))),
+    Quote("docs/expert_parallel.md", "docs/data/ep_overlap.json (tools/bench_ep_overlap.py)",
+          r"(?s)added\(plain\):\n\n(\| ep \| latency.*?\n\n[^\n]* steps, [^\n]*\n)",
+          lambda: _load_tool(REPO / "tools" / "bench_ep_overlap.py").table(
+              json.loads((DATA / "ep_overlap.json").read_text()))),
+    Quote("docs/expert_parallel.md", "docs/data/ep_overlap.json (tools/bench_ep_overlap.py)",
+          r"(?s)hide almost all of a (\S+) ms latency.*?\((\S+)% at (\S+) ms, (\S+)% at (\S+) ms\)",
+          lambda: _ep_overlap_prose()),
     Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
           r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",
           lambda: [round(_gpu_1b()[k], n) for k, n in (("total", 3), ("active", 3),

@@ -1,19 +1,19 @@
 """Expert-parallel overlap on CPU: a training step with and without ``parallel.ep_overlap=
 halves``, with a known latency added to every all-to-all, and the share of it hidden.
 
-    python tools/bench_ep_overlap.py                        # ep 2 and 4, 0 / 5 / 20 ms
+    python tools/bench_ep_overlap.py                        # ep 2 and 4, 0 to 10 ms
     python tools/bench_ep_overlap.py --ep 2 --latency-ms 0 10 --steps 4
 
 gloo runs collectives on threads of its own, so what a schedule overlaps really overlaps
 here. Each rank replaces ``torch.distributed.all_to_all_single`` (in this configuration only
 the expert-parallel dispatch issues it) with the real collective plus a delay: a transfer
-issued at time t completes no earlier than max(t, when this rank's link is free) + the
-latency -- one link per rank, transfers in the order they are issued, what a network with
-that latency per message does. The hook lives in this file: nothing in moetrain changes.
+issued at time t completes no earlier than t + the latency, however many others are in
+flight -- a network whose messages take that long to arrive (the bytes of tiny's layers
+take microseconds on any link). The hook lives in this file: nothing in moetrain changes.
 
 The model is configs/tiny.yaml's layers (dim 192, 4 MoE layers of 8 experts, top-2,
-capacity 1.5, 128 tokens a sequence) in micro-batches of 4 sequences, token groups of 2,
-one compute thread per rank. Per (ep, latency, schedule): the median wall time of
+capacity 1.5, 128 tokens a sequence), one micro-batch of 8 sequences a rank (halves of 4),
+token groups of 4, one compute thread per rank. Per (ep, latency, schedule): the median wall time of
 ``--steps`` training steps after a warm-up step. ``added`` is a schedule's step time minus
 its own at latency 0; ``hidden`` = 1 - added(halves) / added(plain): the share of the
 added communication time the halves schedule hides. Written to docs/data/ep_overlap.json
@@ -29,7 +29,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 OVERRIDES = [
-    "moe.token_group_seqs=2", "train.micro_batch_size=4", "train.global_batch_size=16",
+    "moe.token_group_seqs=4", "train.micro_batch_size=8",
     "train.eval_every=0", "train.checkpoint_every=0", "log.progress_bar=false",
     "log.tensorboard=false", "train.memory_check=false", "moe.jitter_eps=0.0",
 ]  # fmt: skip
@@ -65,20 +64,16 @@ class DelayedWork:
 
 
 def add_latency(seconds: float) -> None:
-    """Every later ``dist.all_to_all_single`` of this process completes ``seconds`` after
-    the link is free (module doc)."""
+    """Every later ``dist.all_to_all_single`` of this process completes no earlier than
+    ``seconds`` after it is issued (module doc)."""
     real = dist.all_to_all_single
-    lock = threading.Lock()
-    link = {"free_at": 0.0}
 
     def delayed(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                 async_op=False):  # fmt: skip
+        done_at = time.perf_counter() + seconds
         work = real(output, input, output_split_sizes, input_split_sizes, group=group,
                     async_op=True)  # fmt: skip
-        with lock:
-            start = max(time.perf_counter(), link["free_at"])
-            link["free_at"] = start + seconds
-        delayed_work = DelayedWork(work, link["free_at"])
+        delayed_work = DelayedWork(work, done_at)
         if async_op:
             return delayed_work
         delayed_work.wait()
@@ -87,7 +82,8 @@ def add_latency(seconds: float) -> None:
     dist.all_to_all_single = delayed
 
 
-def _rank(rank: int, world: int, port: int, cases: list, steps: int, queue) -> None:
+def _rank(rank: int, world: int, port: int, cases: list, steps: int, extra: list[str],
+          queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -103,7 +99,8 @@ def _rank(rank: int, world: int, port: int, cases: list, steps: int, queue) -> N
             add_latency(latency_ms / 1000)
         with tempfile.TemporaryDirectory() as tmp:
             cfg = load_config(REPO / "configs/tiny.yaml", [
-                *OVERRIDES, f"parallel.ep={world}", SCHEDULES[schedule],
+                *OVERRIDES, f"train.global_batch_size={8 * world}", *extra,
+                f"parallel.ep={world}", SCHEDULES[schedule],
                 f"train.output_dir={tmp}"])  # fmt: skip
             trainer = Trainer(cfg)
             trainer.train_step()  # warm-up
@@ -121,12 +118,12 @@ def _rank(rank: int, world: int, port: int, cases: list, steps: int, queue) -> N
         queue.put(out)
 
 
-def measure(ep: int, latencies: list[float], steps: int) -> list[dict]:
+def measure(ep: int, latencies: list[float], steps: int, extra: list[str]) -> list[dict]:
     cases = [(lat, s) for lat in latencies for s in SCHEDULES]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29500 + os.getpid() % 1000 + ep
-    procs = [ctx.Process(target=_rank, args=(r, ep, port, cases, steps, queue))
+    procs = [ctx.Process(target=_rank, args=(r, ep, port, cases, steps, extra, queue))
              for r in range(ep)]  # fmt: skip
     for p in procs:
         p.start()
@@ -144,31 +141,43 @@ def measure(ep: int, latencies: list[float], steps: int) -> list[dict]:
     return rows
 
 
+def table(record: dict) -> str:
+    """The record as the markdown table docs/expert_parallel.md quotes, with its source line."""
+    lines = ["| ep | latency per all-to-all | step, plain | step, halves | added, plain | "
+             "added, halves | hidden |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in record["rows"]:
+        hidden = f"{r['hidden']:.0%}" if r["hidden"] is not None else "-"
+        lines.append(f"| {r['ep']} | {r['latency_ms']:g} ms | {r['plain_s'] * 1e3:.0f} ms | "
+                     f"{r['halves_s'] * 1e3:.0f} ms | {r['added_plain_s'] * 1e3:+.0f} ms | "
+                     f"{r['added_halves_s'] * 1e3:+.0f} ms | {hidden} |")
+    lines += ["", f"Median of {record['steps']} steps, {record['machine']}, {record['when']}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ep", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 5.0, 20.0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--latency-ms", type=float, nargs="+", default=[0.0, 1.0, 2.0, 5.0, 10.0])
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default=str(REPO / "docs/data/ep_overlap.json"))
+    parser.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides, after the "
+                        "defaults above (e.g. train.micro_batch_size=8)")
     args = parser.parse_args(argv)
     if args.latency_ms[0] != 0:
         parser.error("--latency-ms: the first latency must be 0 (the baseline of 'added')")
-    rows = [row for ep in args.ep for row in measure(ep, args.latency_ms, args.steps)]
-    print(f"{'ep':>3} {'latency':>8} {'plain s':>8} {'halves s':>9} {'added plain':>12} "
-          f"{'added halves':>13} {'hidden':>7}")  # fmt: skip
-    for r in rows:
-        hidden = f"{r['hidden']:.0%}" if r["hidden"] is not None else "-"
-        print(f"{r['ep']:>3} {r['latency_ms']:>6g}ms {r['plain_s']:>8.3f} {r['halves_s']:>9.3f} "
-              f"{r['added_plain_s']:>12.3f} {r['added_halves_s']:>13.3f} {hidden:>7}")
+    rows = [row for ep in args.ep
+            for row in measure(ep, args.latency_ms, args.steps, args.overrides)]  # fmt: skip
     record = {
         "tool": "tools/bench_ep_overlap.py",
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                    f"torch {torch.__version__}",
         "steps": args.steps,
+        "overrides": [*OVERRIDES, *args.overrides],
         "rows": rows,
     }  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    print(table(record), end="")
     print(f"wrote {args.out}")
     return rows
 
