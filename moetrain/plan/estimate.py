@@ -190,6 +190,12 @@ def rank_times(
         hidden = ov.get(key, ov.get(a.name, 0.0))
         if a.name == "ep" and cfg.parallel.overlap_shared_experts:
             hidden = max(hidden, 0.5)
+        if a.name == "ep" and cfg.parallel.ep_overlap == "halves":
+            blocks = sum(len(c.layers) for c in state.chunks) * dims.microbatches(cfg)
+            moe = sum(1 for c in state.chunks for layer in c.layers if layer.moe)
+            transfers = 8 * moe * dims.microbatches(cfg)
+            hidden = max(hidden, halves_hidden(t, sum(parts.values()) / max(blocks, 1),
+                                               transfers))  # fmt: skip
         exposed[a.name] = t * (1 - hidden)
     optimizer_s = moved["optimizer"] / copy_bps
     if state.muon_flops:  # Muon's Newton-Schulz: matmuls at the dense rate of its dtype
@@ -212,6 +218,22 @@ def rank_times(
         rates=used,
     )
     return with_pipeline(e, e.busy_s, hw)
+
+
+def halves_hidden(comm_s: float, block_s: float, transfers: int) -> float:
+    """``parallel.ep_overlap=halves``: the share of a rank's expert all-to-all time hidden
+    behind the other half's computation (docs/expert_parallel.md). A block with an MoE layer
+    makes 8 transfers per micro-batch (rows and outputs of two halves, forward and
+    backward), of ``comm_s / transfers`` seconds each; 6 of them overlap one phase of the
+    other half -- in forward its attention, then each half's experts, each a quarter of the
+    forward (a third of the block's ``block_s``); in backward the same three, each a quarter
+    of the backward (two thirds) -- and hide as much of themselves as that phase lasts. The
+    last combine of the forward and the first wait of the backward hide nothing."""
+    if transfers <= 0 or comm_s <= 0:
+        return 0.0
+    tau = comm_s / transfers
+    per_block = 3 * min(tau, block_s / 12) + 3 * min(tau, block_s / 6)
+    return per_block / (8 * tau)
 
 
 def moe_shape(cfg: JobConfig, dims: ParallelDims) -> Any:

@@ -245,3 +245,33 @@ def test_start_up_counts_fsdp_repadding_an_uneven_shard() -> None:
         rp = plan_rank(cfg, dims, s, torch.float32, "cpu")
         plan = Plan(cfg, dims, "cpu", torch.float32, [rp])
         assert plan.start_up_of(rp) == s.params + s.buffers + max(s.init_block, s.repad)
+
+
+def test_the_halves_schedule_is_priced_by_what_each_phase_can_cover() -> None:
+    """``parallel.ep_overlap=halves``: of 8 transfers a block makes per micro-batch, 6 hide
+    behind a phase of the other half (3 forward phases of a twelfth of the block, 3 backward
+    of a sixth), as much of themselves as the phase lasts; the plan's exposed expert
+    all-to-all time is what is left. By hand: transfers short against the phases hide 6/8;
+    a transfer as long as a backward phase hides 3 twelfths + 3 sixths of the block."""
+    from moetrain.plan import hardware, planner
+    from moetrain.plan.estimate import halves_hidden
+    from moetrain.train.engine import build_optimizers
+
+    assert halves_hidden(1e-3, 1.0, 8) == pytest.approx(0.75)
+    assert halves_hidden(8.0, 6.0, 8) == pytest.approx((3 * 0.5 + 3 * 1.0) / 8)
+    assert halves_hidden(0.0, 1.0, 8) == 0.0
+    no_sp = ["parallel.sequence_parallel=false", "moe.token_group_seqs=1"]
+    exposed = {}
+    for overlap in ("none", "halves"):
+        cfg = load_config(REPO / "configs/tiny_ep.yaml", [*no_sp, f"parallel.ep_overlap={overlap}"])
+        plan = planner.plan(cfg, 8, build_optimizers, gpu=hardware.gpu("h100"))
+        rank = plan.ranks[0]
+        e = rank.estimate
+        exposed[overlap] = e.exposed_s["ep"]
+    dims = ParallelDims.from_config(cfg.parallel, 8).validate(cfg)
+    m = dims.microbatches(cfg)
+    blocks = sum(len(c.layers) for c in rank.state.chunks) * m
+    hidden = halves_hidden(e.comm_s["ep"], e.compute_s / blocks, 8 * 4 * m)
+    assert exposed["none"] == pytest.approx(e.comm_s["ep"])  # nothing hidden without it
+    assert exposed["halves"] == pytest.approx(e.comm_s["ep"] * (1 - hidden))
+    assert 0 < hidden <= 0.75
