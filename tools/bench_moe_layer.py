@@ -49,13 +49,14 @@ class RecordingDispatcher:
         self.plan = None
         self.offs_E: torch.Tensor | None = None
 
-    def dispatch(self, x_TD, plan, backend):
-        x_ND, offs_E = self.inner.dispatch(x_TD, plan, backend)
-        self.plan, self.offs_E = plan, offs_E
-        return x_ND, offs_E
+    def start_dispatch(self, x_TD, plan, backend):
+        self.plan = plan
+        return self.inner.start_dispatch(x_TD, plan, backend)
 
-    def combine(self, y_ND, plan, weights_TK, backend):
-        return self.inner.combine(y_ND, plan, weights_TK, backend)
+    def finish_dispatch(self, flight, side=None):
+        x_ND, offs_E, side_out = self.inner.finish_dispatch(flight, side)
+        self.offs_E = offs_E
+        return x_ND, offs_E, side_out
 
     def pop_comm_bytes(self) -> float:
         return self.inner.pop_comm_bytes()
