@@ -126,8 +126,7 @@ def test_scaled_mm_backend_runs_on_tensor_parallel_shards() -> None:
 PIPELINE_EP_TP = ("parallel.pp=2", "parallel.ep=2", "parallel.tp=2", "parallel.pp_virtual_stages=2")
 """Expert parallelism too: its all-to-all hands each rank as many rows as were routed to its
 experts (a local dispatcher keeps every row, dropped ones included, whatever the routing)."""
-ROWWISE_DROPPING = (*md.BASE, "train.fp8=rowwise", "moe.capacity_factor=1.0",
-                    "moe.drop_policy=position")  # fmt: skip
+ROWWISE_DROPLESS = (*md.BASE, "train.fp8=rowwise", "moe.capacity_factor=null")
 
 
 @pytest.mark.slow
@@ -138,11 +137,13 @@ def test_a_pipeline_infers_its_shapes_from_the_same_tokens_on_every_expert_tp_ra
     once, a later stage on uninitialised tensors (``torch.empty``). Under expert TP with FP8
     rowwise, each rank's per-row amax of the routed rows is all-reduced over the TP group, so
     two ranks routing different garbage disagree on its size and gloo aborts (found by the
-    equivalence matrix: pp2 x ep2 x tp2, FP8 rowwise, capacity 1). The engine's warm-up
+    equivalence matrix: pp2 x ep2 x tp2, FP8 rowwise, capacity 1, when a capacity factor
+    still sent only the kept rows; since every expert's segment travels in its capacity's
+    slots, the sizes follow the routing only dropless, as here). The engine's warm-up
     zeroes those inputs (``StepContext.zero_stage_input``): the run then equals one process;
     with the garbage handed on (``stage_inputs_uninitialised``, tests/faults.py) a rank dies."""
-    case = Case("pp2 x ep2 x tp2 interleaved, FP8 rowwise, capacity 1", PIPELINE_EP_TP,
-                ROWWISE_DROPPING)  # fmt: skip
+    case = Case("pp2 x ep2 x tp2 interleaved, FP8 rowwise, dropless", PIPELINE_EP_TP,
+                ROWWISE_DROPLESS)  # fmt: skip
     check_cases(8, [case], md.STEPS, timeout=400)
     planted = dataclasses.replace(case, fault=("plant", None, "stage_inputs_uninitialised"))
     with pytest.raises(RankFailure, match="died with exit code|mismatch|doesn't match"):

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_tool
 from multirank import micro_config, run_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,6 +83,9 @@ def test_the_busiest_ranks_rows_are_a_scalar_per_layer() -> None:
         assert len(curves) == 4, curves  # one per MoE layer
         for tag, values in curves.items():
             assert values == [1.0, 1.0], (tag, values)
+        # imported here: the ranks import this module, where ``conftest`` may be another one
+        from conftest import load_tool
+
         html = Path(out) / "report.html"
         load_tool("expert_report").main([out, "-o", str(html)])
         page = html.read_text()  # the summary table's column (the curves are images)
