@@ -118,8 +118,7 @@ class ParallelConfig:
     half's rows travel while the other half computes its attention or experts, forward and
     backward (docs/expert_parallel.md). The same operations on half the rows: equal to
     training without it up to rounding. Needs ep > 1, the all_to_all dispatcher, an even
-    micro-batch, moe.token_group_seqs dividing half of it; not with sequence_parallel or
-    train.compile."""
+    micro-batch, moe.token_group_seqs dividing half of it; not with train.compile."""
 
     def validate(self) -> None:
         for name in ("dp_replicate", "tp", "pp", "pp_virtual_stages", "ep", "pp_microbatches",
@@ -152,10 +151,6 @@ class ParallelConfig:
             _fail("parallel.ep_overlap", "hides the expert-parallel all-to-all behind "
                   "computation: needs parallel.ep > 1 and parallel.ep_dispatcher=all_to_all, got "
                   f"parallel.ep={self.ep}, parallel.ep_dispatcher={self.ep_dispatcher}")
-        if self.ep_overlap == "halves" and self.sequence_parallel:
-            _fail("parallel.ep_overlap", "halves runs the MoE layer's phases from its block, "
-                  "outside the module call on which sequence parallelism gathers the layer's "
-                  "input and cuts its output: not with parallel.sequence_parallel=true")
         if self.overlap_shared_experts and (self.ep == 1 or self.ep_dispatcher != "all_to_all"):
             _fail("parallel.overlap_shared_experts", "overlaps the shared experts with the "
                   "expert-parallel all-to-all: needs parallel.ep > 1 and parallel.ep_dispatcher="

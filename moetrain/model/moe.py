@@ -220,6 +220,11 @@ class MoELayer(nn.Module):
         self.shared_expert_gate: nn.Linear | None = (
             nn.Linear(dim, 1, bias=False) if cfg.shared_expert_gate else None
         )
+        # Where parallelism may transform the layer's input and output (sequence parallelism
+        # gathers the sequence and cuts it back: ``moetrain.parallel.tensor_parallel``): hooks
+        # on these run however the layer runs, whole (``forward``) or in phases.
+        self.input_seam = nn.Identity()
+        self.output_seam = nn.Identity()
         # The seam for expert parallelism (``install_dispatcher``).
         self.dispatcher: Dispatcher = LocalDispatcher()
         # Shared experts computed while the dispatcher's all-to-all is in flight.
@@ -331,6 +336,7 @@ class MoELayer(nn.Module):
         """Phase 1 of 3: route the tokens, plan the dispatch and issue the rows. ``share``:
         the fraction of the micro-batch these sequences are (their balancing losses count
         that much of its), when a block cuts it into token sets."""
+        x_BSD = self.input_seam(x_BSD)
         B, S, D = x_BSD.shape
         x_TD = x_BSD.reshape(B * S, D)
         # moe.kernels=auto on CUDA: each op on the implementation measured faster there.
@@ -382,11 +388,10 @@ class MoELayer(nn.Module):
         counts_E = self._counted(r.ids_TK, plan, p.valid_T)
         if self.training:
             self.global_balance.count(counts_E)
-        if self.step_context.counting:  # the engine's counting pass: counted, nothing else
-            return y_TD.view(B, S, D)
-        y_TD = self._balance(y_TD, r, plan, B, p.ids_all_TK, counts_E, p.valid_T,
-                             p.valid_all_T, p.received, p.share)  # fmt: skip
-        return y_TD.view(B, S, D)
+        if not self.step_context.counting:  # the engine's counting pass: counted, nothing else
+            y_TD = self._balance(y_TD, r, plan, B, p.ids_all_TK, counts_E, p.valid_T,
+                                 p.valid_all_T, p.received, p.share)  # fmt: skip
+        return self.output_seam(y_TD.view(B, S, D))
 
     def _replayed(self, B: int, S: int) -> torch.Tensor:
         """This forward's (T, K) rows of the step's replayed routing (``StepContext.replay``),

@@ -11,12 +11,14 @@ norms and the residual stream hold 1/tp of the sequence and every projection inp
 all-gathered first (``PrepareModuleInput(Shard(1) -> Replicate())``), every row-wise output
 reduce-scattered back (``RowwiseParallel(output_layouts=Shard(1))``).
 
-MoE layers: the layer input is gathered to the full sequence and every tp rank routes the
-same tokens identically (the router is replicated; its gradient comes out whole and equal on
-every rank, and the statistics are counted once: the engine reduces them over dp and pp
-only); the output is cut back to this rank's sequence shard. With ``parallel.expert_tp``
-(the default) each rank computes 1/tp of every expert: routed experts' FFN width split over
-tp (``_shard_experts``; under expert parallelism ``apply_ep`` slices them), partial outputs
+MoE layers: the layer input is gathered to the full sequence (on the layer's
+``input_seam``, so that it happens however the layer runs, whole or in the phases of
+``parallel.ep_overlap``) and every tp rank routes the same tokens identically (the router is
+replicated; its gradient comes out whole and equal on every rank, and the statistics are
+counted once: the engine reduces them over dp and pp only); the output is cut back to this
+rank's sequence shard (on its ``output_seam``). With ``parallel.expert_tp`` (the default)
+each rank computes 1/tp of every expert: routed experts' FFN width split over tp
+(``_shard_experts``; under expert parallelism ``apply_ep`` slices them), partial outputs
 summed once per layer (``ExpertTPDispatcher``), shared experts column/row-wise like the
 dense FFN. ``parallel.expert_tp=false`` keeps the experts whole on every rank: tp x the
 expert FLOPs, no expert communication.
@@ -89,8 +91,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
         if isinstance(block, MTPBlock):
             plan.update(_mtp_plan(act, sp))
         if isinstance(block.ffn, MoELayer):
-            if sp:
-                plan["ffn"] = PrepareModuleInput(
+            if sp:  # on the layer's input seam: it runs whole or in phases (ep_overlap)
+                plan["ffn.input_seam"] = PrepareModuleInput(
                     input_layouts=(act,),
                     desired_input_layouts=(Replicate(),),
                     use_local_output=True,
@@ -103,7 +105,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, cfg: ParallelConfig) -> None
             if sp:
                 # The replicated output, cut back to this rank's sequence shard.
                 parallelize_module(
-                    block.ffn,
+                    block.ffn.output_seam,
                     tp_mesh,
                     PrepareModuleOutput(
                         output_layouts=(Replicate(),),

@@ -43,15 +43,18 @@ def test_halves_train_like_one_process_on_two_ranks() -> None:
 @pytest.mark.timeout(600)
 def test_halves_compose_with_a_pipeline_and_expert_tp_on_four_ranks() -> None:
     """pp=2 x ep=2 under interleaved 1F1B (each stage's blocks run their halves inside the
-    schedule's micro-batches), and ep=2 x tp=2 with expert TP (the halves' tokens enter and
+    schedule's micro-batches); ep=2 x tp=2 with expert TP (the halves' tokens enter and
     leave the TP region one half at a time), with documents packed (per-token rotary rows
-    and masks cut with the halves)."""
+    and masks cut with the halves); and with sequence parallelism (each half's input
+    gathered and its output cut on the MoE layer's seams)."""
     cases = [
         Case("pp2 x ep2 interleaved v2, halves",
              (*HALVES, "parallel.pp=2", "parallel.pp_virtual_stages=2"), GROUPS),
         Case("ep2 x tp2 expert TP, halves, documents",
              (*HALVES, "parallel.tp=2"),
              (*GROUPS, "model.document_mask=true", "model.document_positions=true")),
+        Case("ep2 x tp2 SP, halves", (*HALVES, "parallel.tp=2",
+                                      "parallel.sequence_parallel=true"), GROUPS),
     ]  # fmt: skip
     check_cases(4, cases, 3, timeout=560)
 
