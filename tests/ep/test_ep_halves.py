@@ -6,7 +6,8 @@ statistics, every gradient of every step, AdamW's moments, the final parameters;
 tolerances), and really ran the halves (the ``ep_halves`` layout fact). The same layouts
 join the equivalence matrix (tests/parallel/matrix_design.py). Here, on 2 ranks: ep=2 with
 shared experts overlapped too, ZeRO-3 with full activation checkpointing (the recomputed
-block issues its transfers again inside backward) and capacity with drops.
+block issues its transfers again inside backward), dropless micro-batches of 4, and context
+parallelism with packed documents.
 
 The order of issue is checked without timing: in forward each half's rows are issued before
 the other half waits (``Transfer`` records the order of issue and wait), and backward
@@ -35,6 +36,9 @@ def test_halves_train_like_one_process_on_two_ranks() -> None:
         Case("ep2 halves, dropless, micro-batches of 4",
              HALVES, ("moe.capacity_factor=null", "train.micro_batch_size=4",
                       "moe.token_group_seqs=2")),
+        # EP over the cp ranks: each half gathers its whole sequences' routing over cp
+        Case("cp2 x ep2 halves, dropless, documents", (*HALVES, "parallel.cp=2"),
+             (*GROUPS, "moe.capacity_factor=null", "model.document_mask=true")),
     ]  # fmt: skip
     check_cases(2, cases, 3, timeout=560)
 
