@@ -214,7 +214,7 @@ def plan_kept(
 class Flight:
     """One dispatch of a layer's tokens between its phases: what a dispatcher carries from
     ``start_dispatch`` to ``finish_combine``. Each call has its own, so two token sets may be
-    in flight through one dispatcher at once (``moe.overlap_halves``)."""
+    in flight through one dispatcher at once (``parallel.ep_overlap=halves``)."""
 
     plan: DispatchPlan
     backend: str

@@ -17,7 +17,7 @@ keeps. That is what lets a single-process run reproduce drops, losses and gradie
     for by another (``Transfer``), forward and backward, so that work between the phases
     overlaps it: the shared experts (``parallel.overlap_shared_experts``: the side
     computation of ``finish_dispatch``) and the other half of the tokens
-    (``moe.overlap_halves``: ``moetrain.model.transformer``).
+    (``parallel.ep_overlap=halves``: ``moetrain.model.transformer``).
 ``AllGatherDispatcher`` all-gather tokens, combine weights and plans over the EP group;
     every rank runs its local experts on all the group's tokens; a reduce-scatter returns
     each rank's partial sums. More bytes, no count exchange: for small ``ep``.

@@ -325,7 +325,7 @@ class MoELayer(nn.Module):
         document's separator under document masking), which are routed and computed like
         any other but left out of every balancing loss and router statistic. None: all
         count. The three phases back to back; ``moetrain.model.transformer`` interleaves
-        two token sets' phases instead (``moe.overlap_halves``)."""
+        two token sets' phases instead (``parallel.ep_overlap=halves``)."""
         p = self.begin(x_BSD, valid_BS)
         self.exchange(p)
         return self.end(p)
