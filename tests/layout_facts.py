@@ -207,6 +207,8 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
         "moe_whole_sequences": bool(moe) and all(m.seq_shard is not None for m in moe),
         "shared_overlap": bool(moe) and getattr(moe[0].dispatcher, "overlapped", 0) > 0,
         "ep_halves": any(getattr(b, "_checkpoint_wrapped_module", b).halves for b in blocks),
+        "ep_dropless_slots": bool(moe) and _a2a_dispatcher(moe[0].dispatcher) is not None
+        and _a2a_dispatcher(moe[0].dispatcher).dropless_slots,
         "tp_placement": tp_placement,
         "fsdp_units": sum(isinstance(m, FSDPModule) for p in eng.parts for m in p.modules()),
         "zero1_sharded": bool(eng.grad_sync is not None and eng.grad_sync.shards),
@@ -222,6 +224,13 @@ def layout_facts(trainer: Any, records: list[Any] | None) -> dict[str, Any]:
                 groups.setdefault(_group_ranks(r.group), set()).add(r.kind)
         facts["traffic_groups"] = {g: tuple(sorted(k)) for g, k in sorted(groups.items())}
     return facts
+
+
+def _a2a_dispatcher(d: Any) -> Any:
+    """The all-to-all dispatcher inside ``d`` (expert TP wraps it), or None."""
+    while d is not None and not hasattr(d, "dropless_slots"):
+        d = getattr(d, "inner", None)
+    return d
 
 
 def _dispatcher_name(d: Any) -> str:
@@ -440,6 +449,7 @@ def expected_layout(overrides: list[str], world_size: int, rank: int) -> dict[st
         "moe_whole_sequences": cp > 1 and bool(moe_layers),
         "shared_overlap": bool(p.overlap_shared_experts and moe_layers and moe.num_shared_experts),
         "ep_halves": bool(halves),
+        "ep_dropless_slots": p.ep_dropless_transport == "slots" and bool(moe_layers),
         "tp_placement": "S(0)" if tp > 1 else None,
         # A unit per block and per chunk root; under bf16 each MoE router is one more (it is
         # gathered in fp32).

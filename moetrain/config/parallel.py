@@ -112,6 +112,13 @@ class ParallelConfig:
     tokens (an asynchronous all_to_all_single, waited for after the shared experts), instead
     of after the combine. The same numbers in another order; needs ep > 1, the all_to_all
     dispatcher and moe.num_shared_experts > 0."""
+    ep_dropless_transport: Literal["exact", "slots"] = "exact"
+    """How dropless routing's rows travel under the all_to_all dispatcher. exact: the rows
+    kept, with uneven split sizes the host reads once per MoE layer (a synchronisation on a
+    GPU). slots: every expert's segment in one slot per token (the most it can receive), so
+    the sizes are static and nothing waits on the host, for E / top_k times the bytes and
+    the receive buffer of exact's balanced routing (docs/expert_parallel.md). Only with
+    moe.capacity_factor=null (a capacity factor's segments already travel in slots)."""
     ep_overlap: Literal["none", "halves"] = "none"
     """Hide the expert-parallel all-to-alls behind computation. halves: every block cuts its
     micro-batch into two halves of its sequences and interleaves their phases, so that one
@@ -145,6 +152,14 @@ class ParallelConfig:
                   "(rank r holds stages r and 2 pp - 1 - r): set parallel.pp_virtual_stages=2")
         if self.pp_stage_layers is not None:
             self._validate_stage_layers(self.pp_stage_layers)
+        if self.ep_dropless_transport not in ("exact", "slots"):
+            _fail("parallel.ep_dropless_transport", "expected exact or slots, got "
+                  f"{self.ep_dropless_transport!r}")
+        if self.ep_dropless_transport == "slots" and (
+                self.ep == 1 or self.ep_dispatcher != "all_to_all"):
+            _fail("parallel.ep_dropless_transport", "slots shapes the expert-parallel "
+                  "all-to-all: needs parallel.ep > 1 and parallel.ep_dispatcher=all_to_all, got "
+                  f"parallel.ep={self.ep}, parallel.ep_dispatcher={self.ep_dispatcher}")
         if self.ep_overlap not in ("none", "halves"):
             _fail("parallel.ep_overlap", f"expected none or halves, got {self.ep_overlap!r}")
         if self.ep_overlap != "none" and (self.ep == 1 or self.ep_dispatcher != "all_to_all"):

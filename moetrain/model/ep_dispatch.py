@@ -319,7 +319,7 @@ class _Route:
 
 @dataclass
 class _SlotRoute(_Route):
-    """Every expert's segment travels in C slots (``AllToAllDispatcher._capacity_route``):
+    """Every expert's segment travels in C slots (``AllToAllDispatcher._slot_route``):
     ``send_src`` / ``send_kept`` the sender's row and whether it holds one for each slot
     (E C), ``offs_E`` / ``kept_E`` the sender's segments. The counts travel beside the rows
     (``counts``, in flight until ``settle``); then ``recv_kept`` says which received slots
@@ -382,10 +382,16 @@ class _AllToAllFlight:
 class AllToAllDispatcher(_CommCounter, Phases):
     """Tokens travel to the rank owning their expert and back with ``all_to_all_single``."""
 
-    def __init__(self, group, num_experts: int, padded: bool = False):
-        """``padded``: the layer plans with ``moe.pad_to_capacity`` (static split sizes)."""
+    def __init__(
+        self, group, num_experts: int, padded: bool = False, dropless_slots: bool = False
+    ):
+        """``padded``: the layer plans with ``moe.pad_to_capacity`` (static split sizes).
+        ``dropless_slots``: dropless plans travel like capacity plans, every expert's segment
+        in one slot per token (the most it can receive), so that nothing waits on the host
+        (``parallel.ep_dropless_transport=slots``)."""
         super().__init__()
         self.padded = padded
+        self.dropless_slots = dropless_slots
         self.group = group
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -403,7 +409,9 @@ class AllToAllDispatcher(_CommCounter, Phases):
         if self.padded:
             route = self._padded_route(plan, x_TD.device)
         elif plan.expert_rows is not None:
-            route = self._capacity_route(plan)
+            route = self._slot_route(plan, plan.expert_rows)
+        elif self.dropless_slots:  # one slot per token: an expert receives a token once
+            route = self._slot_route(plan, plan.dest_TK.shape[0])
         else:
             route = self._dropless_route(plan)
         out = Transfer(route.recv, route.send, self.group)
@@ -462,16 +470,16 @@ class AllToAllDispatcher(_CommCounter, Phases):
         index_R = regroup_index(counts_PL, sum(recv))
         return _Route(send, recv, counts_PL, index_R, sum(send), plan.num_rows)
 
-    def _capacity_route(self, plan: DispatchPlan) -> _Route:
-        """A capacity factor without padding: each expert's segment travels padded to the
-        most rows it can hold (``DispatchPlan.expert_rows``, C), so the split sizes are
-        static and the host reads nothing. The counts travel beside the rows (a device
-        all-to-all); the receiver moves the kept rows to the front, expert-contiguous in
-        the order the dropless route gives, and the padding rows behind the last offset,
-        where the grouped GEMM computes nothing. The price: C rows per expert on the wire
-        and in the receive buffer, as ``pad_to_capacity`` spends them, whatever was kept."""
-        P, L, C = self.ep, self.local_experts, plan.expert_rows
-        assert C is not None
+    def _slot_route(self, plan: DispatchPlan, C: int) -> _Route:
+        """Each expert's segment travels padded to ``C`` slots, the most rows it can hold
+        (a capacity factor: ``DispatchPlan.expert_rows``; dropless with ``dropless_slots``:
+        one per token), so the split sizes are static and the host reads nothing. The
+        counts travel beside the rows (a device all-to-all); the receiver moves the kept
+        rows to the front, expert-contiguous in the order the dropless route gives, and the
+        padding rows behind the last offset, where the grouped GEMM computes nothing. The
+        price: C rows per expert on the wire and in the receive buffer, as
+        ``pad_to_capacity`` spends them, whatever was kept."""
+        P, L = self.ep, self.local_experts
         offs_E = plan.offs_E.long()
         kept_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
         # The counts travel beside the rows: awaited when the rows are (``settle``).

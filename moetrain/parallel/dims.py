@@ -284,6 +284,11 @@ class ParallelDims:
             check_ep_layout(cfg.moe.num_experts, self.ep, self.dp, self.cp)
         if p.ep_overlap == "halves":
             self._validate_halves(cfg, mbs)
+        if p.ep_dropless_transport == "slots" and moe.capacity_factor is not None:
+            raise ConfigError(
+                "parallel.ep_dropless_transport: slots is for dropless routing, but "
+                f"moe.capacity_factor={moe.capacity_factor}: a capacity factor's segments "
+                "already travel in static slots; set it to exact or the capacity factor to null")
         if p.overlap_shared_experts and not (moe.num_experts and moe.num_shared_experts):
             raise ConfigError(
                 "parallel.overlap_shared_experts: overlaps the shared experts with the "

@@ -130,20 +130,23 @@ def apply_ep(
 
     For the engine's convenience ``ep_mesh`` may also be an object with ``ep`` (and
     optionally ``tp``) mesh attributes and ``dispatcher`` an object with ``ep_dispatcher``
-    / ``expert_tp`` / ``overlap_shared_experts`` / ``ep_overlap`` attributes (a
-    ``ParallelConfig``); ``ep_overlap=halves`` makes every block with an MoE layer run two
-    halves of its sequences interleaved (``TransformerBlock.schedule_halves``),
-    ``overlap_shared_experts`` every MoE layer with shared experts compute them while its
-    all-to-all carries the routed tokens (``MoELayer.exchange``).
+    / ``expert_tp`` / ``overlap_shared_experts`` / ``ep_overlap`` /
+    ``ep_dropless_transport`` attributes (a ``ParallelConfig``):
+    ``ep_dropless_transport=slots`` sends dropless rows in static slots
+    (``AllToAllDispatcher``); ``ep_overlap=halves`` makes every block with an MoE layer run
+    two halves of its sequences interleaved (``TransformerBlock.schedule_halves``);
+    ``overlap_shared_experts`` makes every MoE layer with shared experts compute them while
+    its all-to-all carries the routed tokens (``MoELayer.exchange``).
     """
     if hasattr(ep_mesh, "ep"):  # a Meshes-like bundle
         meshes, ep_mesh = ep_mesh, ep_mesh.ep
         if not isinstance(dispatcher, str) and getattr(dispatcher, "expert_tp", False):
             etp_mesh = meshes.tp
-    overlap, halves = False, False
+    overlap, halves, slots = False, False, False
     if not isinstance(dispatcher, str):  # a ParallelConfig-like section
         overlap = bool(getattr(dispatcher, "overlap_shared_experts", False))
         halves = getattr(dispatcher, "ep_overlap", "none") == "halves"
+        slots = getattr(dispatcher, "ep_dropless_transport", "exact") == "slots"
         dispatcher = getattr(dispatcher, "ep_dispatcher", "all_to_all")
     if overlap and dispatcher != "all_to_all":
         raise ConfigError(
@@ -188,8 +191,11 @@ def apply_ep(
             local = nn.Parameter(w.detach()[index].clone(), requires_grad=w.requires_grad)
             setattr(experts, name, local)
         experts.num_experts = L
-        cls = AllToAllDispatcher if dispatcher == "all_to_all" else AllGatherDispatcher
-        ep_dispatcher = cls(group, E, padded=layer.cfg.pad_to_capacity)
+        if dispatcher == "all_to_all":
+            ep_dispatcher = AllToAllDispatcher(group, E, padded=layer.cfg.pad_to_capacity,
+                                               dropless_slots=slots)  # fmt: skip
+        else:
+            ep_dispatcher = AllGatherDispatcher(group, E, padded=layer.cfg.pad_to_capacity)
         if etp_group is not None:
             ep_dispatcher = ExpertTPDispatcher(ep_dispatcher, etp_group)
             experts.amax_reduce = AmaxOverGroup(etp_group)

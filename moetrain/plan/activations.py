@@ -152,17 +152,20 @@ def rows(cfg: JobConfig, sh: Shapes) -> int:
     fewer when capacity is below 1, an expert's capacity each when padded to it. Under
     expert parallelism with a capacity factor every expert's segment travels in as many rows
     as it can hold -- its capacity in every token group, at most a row a token -- whatever
-    was kept (static split sizes: ``AllToAllDispatcher``), and is received so."""
-    mo = cfg.moe
+    was kept (static split sizes: ``AllToAllDispatcher``), and is received so; dropless with
+    ``parallel.ep_dropless_transport=slots``, one slot per token."""
+    mo, p = cfg.moe, cfg.parallel
     N = sh.T * mo.top_k
+    a2a = sh.ep > 1 and p.ep_dispatcher == "all_to_all"
     if mo.capacity_factor is None:
-        return N
+        # parallel.ep_dropless_transport=slots: one slot per token for every expert
+        return mo.num_experts * sh.T if a2a and p.ep_dropless_transport == "slots" else N
     groups = max(sh.b // (mo.token_group_seqs or sh.b), 1)
     per_group = sh.T // groups
     cap = int(-(-mo.capacity_factor * per_group * mo.top_k // mo.num_experts))
     if mo.pad_to_capacity:
         return groups * mo.num_experts * cap
-    if sh.ep > 1 and cfg.parallel.ep_dispatcher == "all_to_all":
+    if a2a:
         return mo.num_experts * min(groups * cap, sh.T)
     if mo.capacity_factor < 1:
         return groups * mo.num_experts * min(cap, per_group * mo.top_k // mo.num_experts)
@@ -183,9 +186,12 @@ def dropless_worst_rows(cfg: JobConfig, sh: Shapes) -> int:
     min(K, E / ep) times (a token picks K distinct experts, at most all of this rank's).
     Dropless all-to-all sizes its receive buffer by the routing, so this is what an
     unlucky step can ask for; balanced routing asks ``rows``. 0 when nothing bounds it
-    less (a capacity factor, one rank, the all-gather dispatcher's static buffers)."""
+    less (a capacity factor, one rank, the all-gather dispatcher's or the slots transport's
+    static buffers)."""
     mo, p = cfg.moe, cfg.parallel
     if mo.capacity_factor is not None or sh.ep == 1 or p.ep_dispatcher != "all_to_all":
+        return 0
+    if p.ep_dropless_transport == "slots":
         return 0
     return sh.ep * sh.T * min(mo.top_k, mo.num_experts // sh.ep)
 

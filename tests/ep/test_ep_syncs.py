@@ -9,12 +9,15 @@ of the micro MoE (4 MoE layers) through the real trainer's model and dispatcher:
   expert's segment travels in as many slots as it can hold): no host sync at all;
 - dropless, the split sizes are the routing's: the host reads them once per MoE layer in the
   forward (``AllToAllDispatcher._dropless_route``), none in the backward, which reuses them.
-  docs/expert_parallel.md says why, and what DeepEP and symmetric memory do instead.
+  docs/expert_parallel.md says why, and what DeepEP and symmetric memory do instead;
+- dropless with ``parallel.ep_dropless_transport=slots`` (every expert's segment in one
+  slot per token): none.
 
-With a capacity factor the bytes on the wire no longer follow the routing, so the plan's
-``ep`` traffic (``moetrain.plan.traffic``) equals what the dispatchers sent, exactly, on
-unbalanced routing too: the forward's dispatch and combine bytes, twice (the backward), per
-micro-batch. "capacity 4.0" is a capacity above one row a token: its slots are the tokens.
+With a capacity factor (or dropless slots) the bytes on the wire do not follow the routing,
+so the plan's ``ep`` traffic (``moetrain.plan.traffic``) equals what the dispatchers sent,
+exactly, on unbalanced routing too: the forward's dispatch and combine bytes, twice (the
+backward), per micro-batch. "capacity 4.0" is a capacity above one row a token: its slots
+are the tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ MODES = {
     "capacity 4.0": ("moe.capacity_factor=4.0",),
     "padded": ("moe.capacity_factor=1.0", "moe.pad_to_capacity=true"),
     "dropless": ("moe.capacity_factor=null",),
+    "dropless, slots": ("moe.capacity_factor=null", "parallel.ep_dropless_transport=slots"),
 }
 
 

@@ -70,6 +70,8 @@ LAYOUTS: list[Layout] = [
            ("parallel.ep=2", "parallel.overlap_shared_experts=true")),
     Layout("ep2, halves of each micro-batch interleaved (parallel.ep_overlap)", 2,
            ("parallel.ep=2", "parallel.ep_overlap=halves")),
+    Layout("ep2, dropless rows in static slots (parallel.ep_dropless_transport)", 2,
+           ("parallel.ep=2", "parallel.ep_dropless_transport=slots")),
     Layout("cp2", 2, ("parallel.cp=2",)),
     Layout("cp2 zero3, breadth-first passes of 2", 2,
            ("parallel.cp=2", "parallel.zero_stage=3", "parallel.breadth_first_micro_batches=2")),
