@@ -205,6 +205,12 @@ def regroup_index(counts_PL: torch.Tensor, total: int) -> torch.Tensor:
     return src_start_PL.t().reshape(-1)[block_R] + offset_R
 
 
+def _kept_per_expert(plan: DispatchPlan) -> torch.Tensor:
+    """int64 rows the plan keeps for each of the E experts (its group offsets' steps)."""
+    offs_E = plan.offs_E.long()
+    return torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+
+
 def _inverse(index: torch.Tensor) -> torch.Tensor:
     inv = torch.empty_like(index)
     inv[index] = torch.arange(index.numel(), device=index.device)
@@ -462,8 +468,7 @@ class AllToAllDispatcher(_CommCounter, Phases):
         """Dropless: the kept rows exactly. The split sizes depend on the routing, so the
         host reads them: one synchronisation per layer (``docs/expert_parallel.md``)."""
         P, L = self.ep, self.local_experts
-        kept_E = torch.diff(plan.offs_E.long(), prepend=plan.offs_E.new_zeros(1).long())
-        send_PL = kept_E.view(P, L)
+        send_PL = _kept_per_expert(plan).view(P, L)
         counts_PL = torch.empty_like(send_PL)
         dist.all_to_all_single(counts_PL, send_PL, group=self.group)  # [p, l]: p -> my l
         send, recv = torch.stack([send_PL.sum(1), counts_PL.sum(1)]).tolist()
@@ -480,8 +485,7 @@ class AllToAllDispatcher(_CommCounter, Phases):
         price: C rows per expert on the wire and in the receive buffer, as
         ``pad_to_capacity`` spends them, whatever was kept."""
         P, L = self.ep, self.local_experts
-        offs_E = plan.offs_E.long()
-        kept_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+        offs_E, kept_E = plan.offs_E.long(), _kept_per_expert(plan)
         # The counts travel beside the rows: awaited when the rows are (``settle``).
         counts_PL = torch.empty_like(kept_E.view(P, L))
         counts = Transfer([L] * P, [L] * P, self.group)
@@ -496,6 +500,16 @@ class AllToAllDispatcher(_CommCounter, Phases):
                           counts)  # fmt: skip
 
 # ----------------------------------------------------------------------------- all-gather
+
+
+@dataclass
+class _GatherFlight:
+    """An all-gather dispatch between its phases: where each gathered assignment's row lies
+    in this rank's buffer, the rows (gathered, then the experts' outputs) and the offsets."""
+
+    local_dest: torch.Tensor
+    rows: torch.Tensor
+    offs_L: torch.Tensor
 
 
 class AllGatherDispatcher(_CommCounter, Phases):
@@ -541,19 +555,19 @@ class AllGatherDispatcher(_CommCounter, Phases):
         x_RD = permute(x_all, local_dest, P * rows, backend=backend)
         offs_L = torch.cumsum(counts_PL.sum(0), 0).to(torch.int32)
         self.bytes_sent += (P - 1) * T * x_TD.shape[1] * x_TD.element_size()
-        return Flight(plan, backend, [local_dest, x_RD, offs_L])
+        return Flight(plan, backend, _GatherFlight(local_dest, x_RD, offs_L))
 
     def finish_dispatch(
         self, flight: Flight, side: Callable[[], torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        _, x_RD, offs_L = flight.state
-        return x_RD, offs_L, side() if side is not None else None
+        f: _GatherFlight = flight.state
+        return f.rows, f.offs_L, side() if side is not None else None
 
     def start_combine(self, flight: Flight, y_RD: torch.Tensor) -> None:
-        flight.state[1] = y_RD  # combined when the weights come (finish_combine)
+        flight.state.rows = y_RD  # combined when the weights come (finish_combine)
 
     def finish_combine(self, flight: Flight, weights_TK: torch.Tensor) -> torch.Tensor:
-        local_dest, y_RD, _ = flight.state
+        local_dest, y_RD = flight.state.local_dest, flight.state.rows
         weights_all = AllGatherFunction.apply(weights_TK, self.group)
         partial = unpermute(y_RD, local_dest, weights_all, backend=flight.backend)  # (P*T, D)
         out = ReduceScatterFunction.apply(partial, self.group)

@@ -20,6 +20,7 @@ N buffer rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -368,7 +369,7 @@ class MoELayer(nn.Module):
         ``overlap_shared``: the same numbers), run the experts, issue their outputs back."""
         side = None
         if self.shared_experts is not None and self.overlap_shared:
-            side = lambda: self._shared(p.xc_TD)  # noqa: E731
+            side = functools.partial(self._shared, p.xc_TD)
         x_ND, offs_E, p.shared_TD = self.dispatcher.finish_dispatch(p.flight, side)
         self.dispatcher.start_combine(p.flight, self.experts(x_ND, offs_E, p.backend))
         p.received = offs_E[-1].float()
