@@ -880,12 +880,39 @@ def _optim_prose() -> list[float]:
 
 
 def _ep_overlap_prose() -> list[float]:
-    """ep=2's rows the prose of docs/expert_parallel.md names: the latency it hides almost
-    all of, then two hidden shares with their latencies."""
-    rows = {r["latency_ms"]: r for r in json.loads((DATA / "ep_overlap.json").read_text())[
-        "rows"] if r["ep"] == 2}  # fmt: skip
-    return [2.0, round(100 * rows[5.0]["hidden"]), 5.0, round(100 * rows[10.0]["hidden"]),
-            10.0]
+    """The ep=2 figures the prose of docs/expert_parallel.md names: the bandwidth rows the
+    wire sets (their slowest-first bound, the least and most hidden), the latency rows'
+    hidden shares, the combine phase, the plan's worst error, the no-delay wait per
+    transfer and ep=4's no-delay waits."""
+    record = json.loads((DATA / "ep_overlap.json").read_text())
+    tool = _load_tool(REPO / "tools" / "bench_ep_overlap.py")
+    rows = {(r["ep"], r["wire"]): r for r in record["rows"]}
+    errors = tool.plan_errors(record)
+    checked = {wire for wire, _ in errors}
+    bandwidth = [r for r in record["rows"] if r["ep"] == 2 and r["mbps"] and r["wire"] in checked]
+    base = rows[(2, "no delay")]
+    own = base["exposed_plain_s"] / base["transfers_plain"] * 5 / 4
+    return [max(r["mbps"] for r in bandwidth), round(100 * min(r["hidden"] for r in bandwidth)),
+            round(100 * max(r["hidden"] for r in bandwidth)),
+            round(100 * rows[(2, "5 ms")]["hidden"]), round(100 * rows[(2, "10 ms")]["hidden"]),
+            round(base["phases"]["combine"] * 1e3, 1), round(100 * max(errors.values())),
+            round(own * 1e3, 1), round(rows[(4, "no delay")]["exposed_plain_s"] * 1e3)]
+
+
+def _plan_overlap_prose() -> list[float]:
+    """docs/plan.md's "Hiding the expert all-to-all": the share of each run's expert
+    all-to-all the halves hide, then the share of its step they save."""
+    import csv
+
+    with open(DATA / "plan_overlap.csv", newline="") as f:
+        rows = {(r["run"], r["schedule"]): r for r in csv.DictReader(f)}
+    runs = ["DeepSeek-V3 671B", "Qwen3-30B-A3B"]
+
+    def share(run: str, key: str) -> float:
+        return 1 - float(rows[(run, "halves")][key]) / float(rows[(run, "exposed")][key])
+
+    return [round(100 * share(r, "ep_exposed_s")) for r in runs] + [
+        round(100 * share(r, "step_s")) for r in runs]
 
 
 @dataclass(frozen=True)
@@ -974,12 +1001,18 @@ QUOTES = [
           r"(?s)own whole experts\):\n\n(\| layout \| mode \|.*?\n\n[^\n]* steps\.\n)",
           lambda: _load_tool(REPO / "tools" / "bench_muon.py").table(
               json.loads((DATA / "muon_owners.json").read_text()))),
+    Quote("docs/plan.md", "docs/data/plan_overlap.csv (tools/plan_overlap.py)",
+          r"(?s)the halves hide (\S+)% of DeepSeek-V3's expert all-to-all and (\S+)% of\s+"
+          r"Qwen3-30B-A3B's, worth (\S+)% and (\S+)% of their steps",
+          lambda: _plan_overlap_prose()),
     Quote("docs/expert_parallel.md", "docs/data/ep_overlap.json (tools/bench_ep_overlap.py)",
-          r"(?s)added\(plain\):\n\n(\| ep \| latency.*?\n\n[^\n]* steps, [^\n]*\n)",
+          r"(?s)step times' growth:\n\n(\| ep \| wire.*?\n\n[^\n]* steps, [^\n]*\n)",
           lambda: _load_tool(REPO / "tools" / "bench_ep_overlap.py").table(
               json.loads((DATA / "ep_overlap.json").read_text()))),
     Quote("docs/expert_parallel.md", "docs/data/ep_overlap.json (tools/bench_ep_overlap.py)",
-          r"(?s)hide almost all of a (\S+) ms latency.*?\((\S+)% at (\S+) ms, (\S+)% at (\S+) ms\)",
+          r"(?s)at ep=2, from (\S+) MB/s down, the halves hide (\S+)% to (\S+)% .*? hide (\S+)% "
+          r"at 5 ms and (\S+)% at\s+10 ms.*?combine \(about (\S+) ms here\).*?within (\S+)% of "
+          r"the measured.*?\(about (\S+) ms here:.*?waits alone are (\S+) ms",
           lambda: _ep_overlap_prose()),
     Quote("docs/gpu.md", "configs/gpu_1b.yaml (the model on the meta device)",
           r"\*\*(\S+)B parameters, (\S+)B active per token, (\S+) GFLOP per trained",

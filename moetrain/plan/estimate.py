@@ -165,7 +165,10 @@ def rank_times(
 ) -> Estimate:
     """A rank's compute and communication per step, without the pipeline's idle time
     (``step_s`` and ``mfu`` as if the schedule had no bubble: ``with_pipeline`` adds it)."""
+    from moetrain.model.precision import Precision
+
     ov = {**OVERLAP, **(overlap or {})}
+    compute = Precision.choose(cfg.train.dtype, device_type).dtype
     model_flops, flops, moved = rank_work(cfg, dims, state, mix, device_type)
     table = rates(hw, moe_shape(cfg, dims), cfg.moe.kernels)
     parts = dict.fromkeys(PARTS, 0.0)
@@ -190,12 +193,14 @@ def rank_times(
         hidden = ov.get(key, ov.get(a.name, 0.0))
         if a.name == "ep" and cfg.parallel.overlap_shared_experts:
             hidden = max(hidden, 0.5)
-        if a.name == "ep" and cfg.parallel.ep_overlap == "halves":
-            blocks = sum(len(c.layers) for c in state.chunks) * dims.microbatches(cfg)
-            moe = sum(1 for c in state.chunks for layer in c.layers if layer.moe)
-            transfers = 8 * moe * dims.microbatches(cfg)
-            hidden = max(hidden, halves_hidden(t, sum(parts.values()) / max(blocks, 1),
-                                               transfers))  # fmt: skip
+        if a.name == "ep" and cfg.parallel.ep_overlap == "halves" and t > 0:
+            micro = dims.microbatches(cfg)
+            blocks = sum(len(c.layers) for c in state.chunks) * micro
+            moe_blocks = sum(1 for c in state.chunks for layer in c.layers if layer.moe) * micro
+            phases = half_phases(cfg, dims, parts, blocks, moe_blocks, copy_bps,
+                                 compute.itemsize)  # fmt: skip
+            left = moe_blocks * halves_exposed(t / (8 * moe_blocks), phases)
+            hidden = max(hidden, 1 - left / t)
         exposed[a.name] = t * (1 - hidden)
     optimizer_s = moved["optimizer"] / copy_bps
     if state.muon_flops:  # Muon's Newton-Schulz: matmuls at the dense rate of its dtype
@@ -220,20 +225,72 @@ def rank_times(
     return with_pipeline(e, e.busy_s, hw)
 
 
-def halves_hidden(comm_s: float, block_s: float, transfers: int) -> float:
-    """``parallel.ep_overlap=halves``: the share of a rank's expert all-to-all time hidden
-    behind the other half's computation (docs/expert_parallel.md). A block with an MoE layer
-    makes 8 transfers per micro-batch (rows and outputs of two halves, forward and
-    backward), of ``comm_s / transfers`` seconds each; 6 of them overlap one phase of the
-    other half -- in forward its attention, then each half's experts, each a quarter of the
-    forward (a third of the block's ``block_s``); in backward the same three, each a quarter
-    of the backward (two thirds) -- and hide as much of themselves as that phase lasts. The
-    last combine of the forward and the first wait of the backward hide nothing."""
-    if transfers <= 0 or comm_s <= 0:
-        return 0.0
-    tau = comm_s / transfers
-    per_block = 3 * min(tau, block_s / 12) + 3 * min(tau, block_s / 6)
-    return per_block / (8 * tau)
+@dataclass(frozen=True)
+class HalfPhases:
+    """The forward seconds of one half of a micro-batch in a block with an MoE layer under
+    ``parallel.ep_overlap=halves`` (``TransformerBlock._forward_halves``), between the
+    points where its transfers are issued and awaited: ``attention`` up to its rows leaving
+    (norms, attention, router, permute), ``experts`` from the rows' arrival to the outputs
+    leaving, ``combine`` from the outputs' arrival to the block's end (the weighted sum of
+    the K rows per token and the residual)."""
+
+    attention: float
+    experts: float
+    combine: float
+
+    def schedule(self) -> tuple[tuple[str, float, str | None, str | None], ...]:
+        """The block's phases in the order they run, each (name, seconds, the transfer it
+        waits for first, the transfer it issues last). Forward: each half's attention
+        issues its rows; each half's experts wait for its rows and issue its outputs; each
+        combine waits for them. Backward runs the autograd nodes in reverse: the combines
+        issue the outputs' gradients, the experts wait for them and issue the rows', the
+        attentions wait for those. A matmul phase's backward takes twice its forward; a
+        combine's backward moves the same rows again (once)."""
+        a, x, c = self.attention, self.experts, self.combine
+        return (
+            ("attention 0", a, None, "rows 0"), ("attention 1", a, None, "rows 1"),
+            ("experts 0", x, "rows 0", "outputs 0"), ("experts 1", x, "rows 1", "outputs 1"),
+            ("combine 0", c, "outputs 0", None), ("combine 1", c, "outputs 1", None),
+            ("combine 1'", c, None, "outputs 1'"), ("combine 0'", c, None, "outputs 0'"),
+            ("experts 1'", 2 * x, "outputs 1'", "rows 1'"),
+            ("experts 0'", 2 * x, "outputs 0'", "rows 0'"),
+            ("attention 1'", 2 * a, "rows 1'", None), ("attention 0'", 2 * a, "rows 0'", None),
+        )  # fmt: skip
+
+
+def halves_exposed(transfer_s: float, phases: HalfPhases) -> float:
+    """Seconds of expert all-to-all left exposed per block and micro-batch under
+    ``parallel.ep_overlap=halves``: ``HalfPhases.schedule`` run on a timeline, each of its
+    8 transfers arriving ``transfer_s`` after its issue and each phase starting when the
+    previous one ended and its transfer arrived; what is left is the timeline's length
+    less the phases' own. A wait that is exposed also delays the phases after it, which
+    gives the transfers already in flight that much longer. Without the schedule the
+    block's 4 transfers (twice the bytes each) are all exposed."""
+    t = busy = 0.0
+    arrival: dict[str, float] = {}
+    for _, seconds, waits, issues in phases.schedule():
+        if waits is not None:
+            t = max(t, arrival[waits])
+        t += seconds
+        busy += seconds
+        if issues is not None:
+            arrival[issues] = t + transfer_s
+    return t - busy
+
+
+def half_phases(cfg: JobConfig, dims: ParallelDims, parts: dict[str, float], blocks: int,
+                moe_blocks: int, copy_bps: float, element_bytes: int) -> HalfPhases:
+    """The plan's ``HalfPhases`` from its compute parts: a block's forward is a third of
+    its share of the compute (``blocks`` per step), a half's is half that; its experts
+    phase is that share of the expert GEMMs (``moe_blocks`` per step); its combine reads K
+    rows and the residual and writes one row per token at the copy bandwidth; its attention
+    phase is the rest."""
+    half_fwd = sum(parts.values()) / max(blocks, 1) / 6
+    experts = parts["expert GEMMs"] / max(moe_blocks, 1) / 6
+    shape = moe_shape(cfg, dims)
+    tokens = shape.tokens // 2 if shape is not None else 0
+    combine = tokens * cfg.model.dim * (cfg.moe.top_k + 2) * element_bytes / copy_bps
+    return HalfPhases(max(half_fwd - experts - combine, 0.0), experts, combine)
 
 
 def moe_shape(cfg: JobConfig, dims: ParallelDims) -> Any:

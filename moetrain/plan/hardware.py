@@ -97,7 +97,7 @@ all-gathers and reduce-scatters on a side stream (most of it hidden); tensor and
 parallelism and the expert all-to-all sit between the layers' matmuls (nothing hidden;
 ``parallel.overlap_shared_experts`` hides the all-to-all behind the shared experts and
 ``parallel.ep_overlap=halves`` behind the other half of the micro-batch, counted where they
-apply: ``estimate.halves_hidden``); pipeline sends and receives overlap the next
+apply: ``estimate.halves_exposed``); pipeline sends and receives overlap the next
 micro-batch."""
 
 

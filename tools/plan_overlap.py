@@ -1,0 +1,172 @@
+"""``moetrain plan`` of two published MoE runs with and without hiding the expert all-to-all:
+writes docs/data/plan_overlap.csv, the table of docs/plan.md ("Hiding the expert
+all-to-all"; tests/plan/test_plan.py checks the page against the file).
+
+    python tools/plan_overlap.py                  # plans every row, rewrites the CSV
+    python tools/plan_overlap.py --print          # and prints the markdown table
+
+Each run is planned in one layout of ours (its micro-batches of 2 or more sequences, which
+``parallel.ep_overlap=halves`` needs) three ways: the all-to-all exposed
+(``parallel.ep_overlap=none``), the shared experts computed while it travels
+(``parallel.overlap_shared_experts``, where the model has them) and the other half of the
+micro-batch computed while it travels (``parallel.ep_overlap=halves``). Each row: the
+plan's step time, its expert all-to-all time and how much of it is exposed, and the model
+TFLOP/s per GPU beside the published figure for the same model and cluster. AdamW's moments
+are bf16 (``optim.moments_dtype``) so that each layout's step fits the H100's 80 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+REPO = Path(__file__).resolve().parent.parent
+CSV = REPO / "docs" / "data" / "plan_overlap.csv"
+FIELDS = [
+    "run", "gpus", "gpu", "schedule", "step_s", "ep_s", "ep_exposed_s", "tflops_per_gpu",
+    "published", "layout", "step_peak_gb", "memory_gb", "source", "overrides",
+]  # fmt: skip
+
+SCHEDULES = {
+    "exposed": ["parallel.ep_overlap=none", "parallel.overlap_shared_experts=false"],
+    "shared experts": ["parallel.ep_overlap=none", "parallel.overlap_shared_experts=true"],
+    "halves": ["parallel.ep_overlap=halves", "parallel.overlap_shared_experts=false"],
+}
+"""The schedules compared, as overrides."""
+
+
+@dataclass
+class Run:
+    name: str
+    config: str
+    world: int
+    gpu: str
+    published: float
+    """Model TFLOP/s per GPU."""
+    source: str
+    layout: list[str]
+    """The layout planned, as moetrain overrides."""
+
+
+DEEPSEEK_V3_STAGES = "[" + ",".join(["3"] + ["4"] * 14 + ["2"]) + "]"
+"""DeepSeek-V3's 61 layers in PP8's 16 interleaved stages: the first (with the embedding)
+and the last (with the output head) lighter."""
+
+RUNS = [
+    Run(
+        "DeepSeek-V3 671B",
+        "configs/deepseek_v3.yaml",
+        256,
+        "h100",
+        250.0,
+        "NeMo AutoModel performance summary (H100, BF16, DeepEP, a forced-balanced gate): "
+        "DeepSeek-V3 on 256 GPUs, 250 model TFLOP/s per GPU; the layout planned is ours",
+        ["parallel.pp=8", "parallel.pp_schedule=interleaved_1f1b",
+         "parallel.pp_virtual_stages=2", f"parallel.pp_stage_layers={DEEPSEEK_V3_STAGES}",
+         "parallel.ep=32",
+         "parallel.zero_stage=1", "parallel.tp=1", "parallel.sequence_parallel=false",
+         "parallel.activation_checkpointing=full", "model.mtp_depth=0",
+         "moe.token_group_seqs=1", "optim.moments_dtype=bf16", "train.global_batch_size=1024",
+         "train.micro_batch_size=2"],
+    ),
+    Run(
+        "Qwen3-30B-A3B",
+        "configs/qwen3_30b_a3b.yaml",
+        8,
+        "h100",
+        277.0,
+        "NeMo AutoModel performance summary (DGX-H100, BF16): Qwen3 MoE 30B, 8 GPUs, EP8, "
+        "FSDP8, GBS 512, MBS 4, 277 model TFLOP/s per GPU; planned in that layout",
+        ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.ep=8",
+         "parallel.zero_stage=3", "parallel.activation_checkpointing=full",
+         "moe.token_group_seqs=1", "optim.moments_dtype=bf16", "train.global_batch_size=512",
+         "train.micro_batch_size=4"],
+    ),
+]  # fmt: skip
+
+
+def plan_rows(run: Run) -> list[dict[str, str]]:
+    """The run planned under each schedule that applies to it (``SCHEDULES``)."""
+    from moetrain.config import load_config
+    from moetrain.plan import hardware, planner
+    from moetrain.plan.report import layout_line
+    from moetrain.train.engine import build_optimizers
+
+    gpu = hardware.gpu(run.gpu)
+    rows = []
+    for schedule, overrides in SCHEDULES.items():
+        cfg = load_config(REPO / run.config, [*run.layout, *overrides])
+        if schedule == "shared experts" and not cfg.moe.num_shared_experts:
+            continue
+        plan = planner.plan(cfg, run.world, build_optimizers, gpu=gpu)
+        slowest = max(plan.ranks, key=lambda r: r.estimate.step_s).estimate
+        rows.append({
+            "run": run.name,
+            "gpus": str(run.world),
+            "gpu": run.gpu.upper(),
+            "schedule": schedule,
+            "step_s": f"{plan.step_s:.3f}",
+            "ep_s": f"{slowest.comm_s.get('ep', 0.0):.3f}",
+            "ep_exposed_s": f"{slowest.exposed_s.get('ep', 0.0):.3f}",
+            "tflops_per_gpu": f"{plan.tflops_per_gpu:.0f}",
+            "published": f"{run.published:g}",
+            "layout": layout_line(plan),
+            "step_peak_gb": f"{plan.step_peak() / 1e9:.1f}",
+            "memory_gb": f"{gpu.memory_gb:g}",
+            "source": run.source,
+            "overrides": " ".join([*run.layout, *overrides]),
+        })  # fmt: skip
+    return rows
+
+
+def render(rows: list[dict[str, str]]) -> str:
+    """The markdown table of docs/plan.md, then each run's layout."""
+    lines = [
+        "| run | GPUs | schedule | step (s) | expert all-to-all (s) | of it exposed | "
+        "model TFLOP/s per GPU | published |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ep, exposed = float(r["ep_s"]), float(r["ep_exposed_s"])
+        share = f"{exposed:.3f} s ({exposed / ep:.0%})" if ep else "-"
+        lines.append(
+            f"| {r['run']} | {r['gpus']} {r['gpu']} | {r['schedule']} | {float(r['step_s']):.2f} "
+            f"| {ep:.3f} | {share} | {r['tflops_per_gpu']} | {float(r['published']):,.0f} |"
+        )
+    lines.append("")
+    seen = set()
+    for r in rows:
+        if r["run"] not in seen:
+            seen.add(r["run"])
+            lines.append(f"- {r['run']}: {r['layout']}; step peak {r['step_peak_gb']} of "
+                         f"{r['memory_gb']} GB. Published: {r['source']}.")  # fmt: skip
+    return "\n".join(lines)
+
+
+def read_rows(path: Path = CSV) -> list[dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--print", action="store_true", help="print the markdown table")
+    parser.add_argument("--csv", default=str(CSV), help="where to write the rows")
+    args = parser.parse_args(argv)
+    rows = [row for run in RUNS for row in plan_rows(run)]
+    with open(args.csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    if args.print:
+        print(render(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
