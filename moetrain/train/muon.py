@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from moetrain.config import OptimConfig
 from moetrain.model.experts import GroupedExperts
 from moetrain.model.moe import MoELayer, Router
-from moetrain.train.adamw import AdamW, BF16MomentsAdamW
+from moetrain.train.adamw import AdamW, BF16MomentsAdamW, torch_kwargs
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 """The quintic of the reference implementation (Keller Jordan's; torch.optim.Muon's)."""
@@ -346,9 +346,7 @@ def build_muon(
          "ns_dtype": cfg.muon_ns_dtype, "update_rms": cfg.muon_update_rms},
     ]  # fmt: skip
     cls = Muon if cfg.moments_dtype == "fp32" else BF16MomentsMuon
-    opt = cls(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
+    opt = cls(groups, **torch_kwargs(cfg, [*decay, *no_decay, *matrices], cfg.moments_dtype))
     opt.whole = whole_matrices if whole_matrices is not None else WholeMatrices()
     return opt
 

@@ -278,3 +278,82 @@ def test_bf16_moments_refuse_betas_whose_decay_rounds_away() -> None:
     v = torch.tensor([1.0, 1.5, 1.99], dtype=torch.bfloat16)
     assert torch.equal((v.float() * 0.999).bfloat16(), v)
     assert not torch.equal((v.float() * 0.99).bfloat16(), v)
+
+
+# ----------------------------------------------------------------------------- fused AdamW
+
+
+def test_the_fused_step_is_chosen_where_every_tensor_is_on_a_cuda_device() -> None:
+    """``fused_applies``: CUDA tensors only (the meta device ``moetrain plan`` builds on and
+    the CPU keep torch's default foreach step); fp32 moments only (the bf16 variant has a
+    batched step of its own)."""
+    from types import SimpleNamespace
+
+    from moetrain.train.adamw import fused_applies, torch_kwargs
+
+    def on(kind: str, floating: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device(kind), dtype=torch.float32,
+                               is_floating_point=lambda: floating)
+
+    assert fused_applies([on("cuda"), on("cuda")])
+    assert not fused_applies([on("cuda"), on("cpu")])
+    assert not fused_applies([on("cuda", floating=False)])
+    assert not fused_applies([torch.zeros(2), torch.zeros(2, device="meta")])
+    mixed = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32,
+                            is_floating_point=lambda: True,
+                            device_mesh=object())  # a DTensor-like beside plain tensors
+    assert not fused_applies([on("cuda"), mixed])
+    assert not fused_applies([])
+    cfg = OptimConfig()
+    assert torch_kwargs(cfg, [on("cuda")], "fp32")["fused"] is True
+    assert "fused" not in torch_kwargs(cfg, [on("cuda")], "bf16")
+    assert "fused" not in torch_kwargs(cfg, [torch.zeros(2)], "fp32")
+    assert "fused" not in build_optimizer(TinyMoE(), cfg).defaults or not build_optimizer(
+        TinyMoE(), cfg).defaults["fused"]
+
+
+def _fused_on_shards(rank: int, world: int) -> dict:
+    """torch's fused AdamW step (its CPU kernel: the same ``_fused_adamw_`` operator the CUDA
+    path runs) against the default foreach step, over what moetrain hands it: DTensor shards
+    (FSDP2, TP) and a flat slice of several parameters (ZeRO-1), three steps with weight
+    decay: the largest difference of each parameter and moment, relative to its size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    gen = torch.Generator().manual_seed(7)
+    full = [torch.randn(8, 6, generator=gen), torch.randn(6, generator=gen),
+            torch.randn(4, 4, generator=gen)]  # fmt: skip
+    grads = [[torch.randn(t.shape, generator=gen) for t in full] for _ in range(3)]
+    placements = [[Shard(0)], [Replicate()], [Shard(1)]]
+    out = {}
+    for fused in (False, True):
+        params = [nn.Parameter(distribute_tensor(t.clone(), mesh, pl))
+                  for t, pl in zip(full, placements, strict=True)]  # fmt: skip
+        flat = nn.Parameter(torch.cat([t.reshape(-1) for t in full])[rank::world].clone())
+        opt = torch.optim.AdamW([{"params": params, "weight_decay": 0.1},
+                                 {"params": [flat], "weight_decay": 0.0}],
+                                lr=1e-2, betas=(0.9, 0.95), fused=fused or None)  # fmt: skip
+        for step in grads:
+            for p, g, pl in zip(params, step, placements, strict=True):
+                p.grad = distribute_tensor(g, mesh, pl)
+            flat.grad = torch.cat([g.reshape(-1) for g in step])[rank::world].clone()
+            opt.step()
+        out[fused] = [p.to_local() for p in params] + [flat.detach()] + [
+            s["exp_avg_sq"].to_local() if hasattr(s["exp_avg_sq"], "to_local")
+            else s["exp_avg_sq"] for s in opt.state.values()]  # fmt: skip
+    return {"diff": [((a - b).abs().max() / b.abs().max()).item()
+                     for a, b in zip(out[False], out[True], strict=True)],
+            "moved": not torch.equal(out[True][0], full[0].chunk(world)[rank])}  # fmt: skip
+
+
+@pytest.mark.multirank
+def test_the_fused_step_equals_the_foreach_step_on_shards_and_flat_slices() -> None:
+    """The contract the CUDA path relies on, checked where CI runs: torch's fused AdamW
+    accepts moetrain's DTensor parameters and ZeRO-1 slices and computes what its default
+    step computes, parameters and moments, up to fp32 rounding (its kernel fuses the
+    moments' multiply-adds: a last-bit difference seen in a second moment on this CPU)."""
+    from harness import run_ranks
+
+    for r in run_ranks(_fused_on_shards, 2):
+        assert r["moved"] and max(r["diff"]) < 1e-6, r["diff"]
