@@ -66,9 +66,10 @@ python tools/compare_kernel_paths.py          # tiny config: triton vs torch los
 python tools/bench_muon.py --out docs/data/muon_owners.json  # Muon's Newton-Schulz per rank,
                                               # one owner vs every holder (CPU ranks, gloo;
                                               # the table: docs/optim.md#under-every-layout)
-python tools/bench_ep_overlap.py              # ep_overlap=halves vs plain with an added
-                                              # all-to-all latency (CPU ranks, gloo; the table:
-                                              # docs/expert_parallel.md)
+python tools/bench_ep_overlap.py              # ep_overlap=halves vs plain, each all-to-all
+                                              # slowed by a latency or a bandwidth, and the
+                                              # plan's predicted exposure (CPU ranks, gloo;
+                                              # the table: docs/expert_parallel.md)
 python tools/bench_report.py                  # regenerates this page and docs/img/benchmarks.png
 
 # Smoke test on CPU (tiny shapes; Triton runs under the interpreter; no CSV rows):

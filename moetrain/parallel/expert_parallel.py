@@ -126,7 +126,7 @@ def apply_ep(
     Call it on a model whose experts were initialised identically on every rank (same
     seed, as the trainer does), before FSDP/ZeRO wrapping. Returns the expert parameters,
     which are then reduced over the expert-data-parallel group (``reduce_expert_grads``),
-    never over dp or tp. Each is marked ``param._moetrain_expert = True``.
+    never over dp or tp: the same ones ``ep_expert_params`` finds in the model afterwards.
 
     For the engine's convenience ``ep_mesh`` may also be an object with ``ep`` (and
     optionally ``tp``) mesh attributes and ``dispatcher`` an object with ``ep_dispatcher``
@@ -201,10 +201,7 @@ def apply_ep(
             experts.amax_reduce = AmaxOverGroup(etp_group)
         # Shared experts computed while the all-to-all is in flight (same numbers).
         layer.install_dispatcher(ep_dispatcher, overlap_shared=overlap)
-        for name in names:
-            p = getattr(experts, name)
-            p._moetrain_expert = True  # type: ignore[attr-defined]
-            params.append(p)
+        params += [getattr(experts, name) for name in names]
     if halves:  # parallel.ep_overlap=halves: each block's two halves hide each other's transfers
         for block in model.modules():
             if type(block) is TransformerBlock and block.moe_enabled:
@@ -212,8 +209,15 @@ def apply_ep(
     return params
 
 
-def is_expert_param(p: torch.Tensor) -> bool:
-    return bool(getattr(p, "_moetrain_expert", False))
+def ep_expert_params(model: nn.Module) -> list[nn.Parameter]:
+    """The per-expert parameters of every MoE layer of ``model`` (``GroupedExperts.ffn_dims``:
+    the weights and the per-expert biases). Under expert parallelism these are this rank's
+    experts (what ``apply_ep`` kept and returned): the engine hands that list to whatever
+    treats them apart (the optimizers, the gradient reduction, the checkpoint views); the
+    checkpoint layouts and gathers below, which run only under expert parallelism, read them
+    off the model."""
+    return [getattr(layer.experts, name) for layer in moe_layers(model)
+            for name in layer.experts.ffn_dims()]  # fmt: skip
 
 
 def expert_layouts(
@@ -231,8 +235,9 @@ def expert_layouts(
         return out
     expert_tp = cfg.expert_tp and meshes.tp.size() > 1
     for part in parts:
+        experts = {id(p) for p in ep_expert_params(part)}
         for name, p in part.named_parameters():
-            if not is_expert_param(p):
+            if id(p) not in experts:
                 continue
             if expert_tp:
                 ffn_dim = EXPERT_FFN_DIMS[name.rsplit(".", 1)[-1]]
@@ -278,7 +283,8 @@ def gather_experts(model: nn.Module, ep_mesh, etp_mesh=None) -> dict[str, torch.
     """Full (E, ...) expert weights of every MoE layer, gathered over the EP group (and the
     FFN width over ``etp_mesh``), keyed by parameter name: for checks and for exporting a
     layout-independent state dict."""
-    local = {name: p.detach() for name, p in model.named_parameters() if is_expert_param(p)}
+    experts = {id(p) for p in ep_expert_params(model)}
+    local = {name: p.detach() for name, p in model.named_parameters() if id(p) in experts}
     return gather_expert_tensors(local, ep_mesh, etp_mesh)
 
 

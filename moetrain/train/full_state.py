@@ -21,7 +21,6 @@ from moetrain.parallel.data_parallel import GradientSync
 from moetrain.parallel.expert_parallel import (
     gather_expert_tensors,
     gather_experts,
-    is_expert_param,
 )
 from moetrain.train.step_groups import StepGroups
 from moetrain.train.tensors import MOMENTS, fqn, full_cpu, like_param, local
@@ -83,10 +82,11 @@ class FullStateGather:
                 pieces = shard.gather_flat(mine_flat, self.zero1.shard_group)
                 for p, piece in zip(shard.params, pieces, strict=True):
                     zero1[id(p)] = piece.view_as(local(p))
+        expert_ids = {id(p) for p in self.expert_params}
         for part in self.parts:
             experts: dict[str, torch.Tensor] = {}
             for name, p in part.named_parameters():
-                if is_expert_param(p):
+                if id(p) in expert_ids:
                     experts[name] = p.grad if p.grad is not None else torch.zeros_like(p)
                     continue
                 g = zero1.get(id(p), p.grad)

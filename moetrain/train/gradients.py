@@ -22,7 +22,6 @@ from moetrain.parallel.data_parallel import GradientSync, grads_or_zeros
 from moetrain.parallel.dims import Meshes
 from moetrain.parallel.expert_parallel import (
     expert_grad_sq_norm,
-    is_expert_param,
     reduce_expert_grads,
     sum_of_squares,
 )
@@ -87,9 +86,10 @@ class Gradients:
                     dims.add("dp_shard_cp" if self.layout.cp > 1 else "dp_shard")
                 out.append((local(grad), frozenset(dims)))
             return out
+        experts = {id(p) for p in self.expert_params}
         for part in self.parts:
             for p in part.parameters():
-                if p.grad is not None and not is_expert_param(p) and id(p) not in copies:
+                if p.grad is not None and id(p) not in experts and id(p) not in copies:
                     out.append((local(p.grad), frozenset(shard_dims(p.grad))))
         return out
 

@@ -11,7 +11,6 @@ from torch import nn
 from moetrain.config import JobConfig
 from moetrain.parallel.data_parallel import GradientSync
 from moetrain.parallel.dims import Meshes, ParallelDims
-from moetrain.parallel.expert_parallel import is_expert_param
 from moetrain.train.muon_owners import expert_matrices
 from moetrain.train.optim import build_optimizer, optimizer_groups
 from moetrain.train.tensors import process_group
@@ -36,13 +35,14 @@ def build_optimizers(
     # optimizer_groups of every chunk, merged by index, experts apart (reduced over edp)
     groups: list[list[nn.Parameter]] = []
     expert_groups: list[list[nn.Parameter]] = []
+    experts = {id(p) for p in expert_params}
     for part in parts:
         for i, group in enumerate(optimizer_groups(part, cfg.optim)):
             if i == len(groups):
                 groups.append([])
                 expert_groups.append([])
-            groups[i] += [p for p in group if not is_expert_param(p)]
-            expert_groups[i] += [p for p in group if is_expert_param(p)]
+            groups[i] += [p for p in group if id(p) not in experts]
+            expert_groups[i] += [p for p in group if id(p) in experts]
     if zero_stage <= 1 and meshes is not None:
         grad_sync = GradientSync(
             groups,

@@ -21,7 +21,6 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config import OptimConfig
 from moetrain.parallel.data_parallel import GradientSync
-from moetrain.parallel.expert_parallel import is_expert_param
 from moetrain.train.muon import gather_costs, newton_schulz, ns_flops, whole
 from moetrain.train.optim import build_from_groups, build_optimizer
 from moetrain.train.tensors import ADAM_MOMENTS, MUON_MOMENTS, local
@@ -162,13 +161,14 @@ def zero1_restore(
     owner = {id(p): sh for sh in shadows for g in sh.param_groups for p in g["params"]}
     for group, loaded in zip(sharded.param_groups, shadows[0].param_groups, strict=True):
         group.update({k: v for k, v in loaded.items() if k != "params"})
-    if len(optimizers) > 1:
+    if len(optimizers) > 1:  # the experts' own optimizer: its parameters are the experts
         experts = optimizers[1]
+        expert_ids = {id(p) for g in experts.param_groups for p in g["params"]}
         for group, loaded in zip(experts.param_groups, shadows[0].param_groups, strict=True):
             group.update({k: v for k, v in loaded.items() if k != "params"})
         for shadow in shadows:
             for p, st in shadow.state.items():
-                if is_expert_param(p):
+                if id(p) in expert_ids:
                     experts.state[p] = {k: v.clone() for k, v in st.items()}
     for index, shard in enumerate(grad_sync.shards):
         keys = _state_keys(sharded, index)

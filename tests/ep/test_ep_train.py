@@ -33,9 +33,9 @@ from moetrain.model import build_model
 from moetrain.parallel.expert_parallel import (
     apply_ep,
     build_ep_meshes,
+    ep_expert_params,
     expert_grad_sq_norm,
     gather_experts,
-    is_expert_param,
     reduce_expert_grads,
 )
 
@@ -89,8 +89,8 @@ def _train(model, seqs: slice, dp: int, ep_mesh=None, edp_mesh=None) -> dict:
     tokens = _tokens()[:, seqs]
     n_mb = tokens.shape[1] // MB_SEQS
     model.step_context.aux_loss_scale = 1.0 / n_mb
-    experts = [p for p in model.parameters() if is_expert_param(p)]
-    others = [p for p in model.parameters() if not is_expert_param(p)]
+    experts = ep_expert_params(model) if ep_mesh is not None else []
+    others = [p for p in model.parameters() if all(p is not e for e in experts)]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     out: dict = {"loss": [], "grad_norm": [], "stats": []}
 
