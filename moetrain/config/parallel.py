@@ -109,9 +109,11 @@ class ParallelConfig:
     moe.expert_ffn_dim (and the shared experts' width) must divide by tp."""
     overlap_shared_experts: bool = False
     """Compute the shared experts while the expert-parallel all-to-all carries the routed
-    tokens (an asynchronous all_to_all_single, waited for after the shared experts), instead
-    of after the combine. The same numbers in another order; needs ep > 1, the all_to_all
-    dispatcher and moe.num_shared_experts > 0."""
+    tokens to their experts (an asynchronous all_to_all_single, waited for after the shared
+    experts), instead of while it brings the experts' outputs back (their place otherwise).
+    The same numbers in another order; needs ep > 1, the all_to_all dispatcher and
+    moe.num_shared_experts > 0. Under parallel.ep_overlap=halves leave it off: the return
+    trip of a block's second half is the transfer nothing else covers."""
     ep_dropless_transport: Literal["exact", "slots"] = "exact"
     """How dropless routing's rows travel under the all_to_all dispatcher. exact: the rows
     kept, with uneven split sizes the host reads once per MoE layer (a synchronisation on a

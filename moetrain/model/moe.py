@@ -375,20 +375,28 @@ class MoELayer(nn.Module):
         p.received = offs_E[-1].float()
 
     def end(self, p: LayerPass) -> torch.Tensor:
-        """Phase 3: the weighted sum of the returned rows, the output bias and the shared
-        experts; the balancing losses and statistics."""
+        """Phase 3: first what does not need the returned rows (the output bias, the shared
+        experts unless ``exchange`` computed them, the counts), while the rows travel back;
+        then the weighted sum of the returned rows plus those; the balancing losses and
+        statistics. Under ``parallel.ep_overlap=halves`` the second half's return is the one
+        transfer of a block's forward that nothing else covers, and this work is created
+        before its await node, so it runs before its wait in backward too."""
         B, S, D = p.shape
         r, plan = p.r, p.plan
-        y_TD = self.dispatcher.finish_combine(p.flight, r.weights_TK)
-        if self.experts.b2 is not None:  # after the combine: every expert's, whole, once
+        bias_TD = shared_TD = None
+        if self.experts.b2 is not None:  # every expert's, whole, once
             bias_TD = self.experts.output_bias(r.ids_TK, r.weights_TK, plan.dest_TK)
-            y_TD = y_TD + bias_TD.to(y_TD.dtype)
         if self.shared_experts is not None:
-            y_TD = y_TD + (p.shared_TD if p.shared_TD is not None else self._shared(p.xc_TD))
-
+            shared_TD = p.shared_TD if p.shared_TD is not None else self._shared(p.xc_TD)
         counts_E = self._counted(r.ids_TK, plan, p.valid_T)
         if self.training:
             self.global_balance.count(counts_E)
+
+        y_TD = self.dispatcher.finish_combine(p.flight, r.weights_TK)
+        if bias_TD is not None:
+            y_TD = y_TD + bias_TD.to(y_TD.dtype)
+        if shared_TD is not None:
+            y_TD = y_TD + shared_TD
         if not self.step_context.counting:  # the engine's counting pass: counted, nothing else
             y_TD = self._balance(y_TD, r, plan, B, p.ids_all_TK, counts_E, p.valid_T,
                                  p.valid_all_T, p.received, p.share)  # fmt: skip

@@ -191,8 +191,9 @@ def rank_times(
         comm[a.name] = t
         key = "dp_fsdp" if a.name == "dp" and cfg.parallel.zero_stage >= 2 else a.name
         hidden = ov.get(key, ov.get(a.name, 0.0))
-        if a.name == "ep" and cfg.parallel.overlap_shared_experts:
-            hidden = max(hidden, 0.5)
+        if a.name == "ep" and cfg.moe.num_shared_experts:  # the shared experts run during
+            hidden = max(hidden, 0.5)  # the dispatch's trip (overlap_shared_experts) or the
+            # combine's (MoELayer.end): one of the two, forward and backward
         if a.name == "ep" and cfg.parallel.ep_overlap == "halves" and t > 0:
             micro = dims.microbatches(cfg)
             blocks = sum(len(c.layers) for c in state.chunks) * micro

@@ -95,10 +95,10 @@ OVERLAP = {"dp": 0.0, "dp_fsdp": 0.8, "tp": 0.0, "cp": 0.0, "ep": 0.0, "pp": 0.9
 ZeRO-0/1 reduce after backward (``GradientSync``: nothing hidden); FSDP2 prefetches its
 all-gathers and reduce-scatters on a side stream (most of it hidden); tensor and context
 parallelism and the expert all-to-all sit between the layers' matmuls (nothing hidden;
-``parallel.overlap_shared_experts`` hides the all-to-all behind the shared experts and
-``parallel.ep_overlap=halves`` behind the other half of the micro-batch, counted where they
-apply: ``estimate.halves_exposed``); pipeline sends and receives overlap the next
-micro-batch."""
+shared experts hide half the all-to-all, computed during the combine's trip or, with
+``parallel.overlap_shared_experts``, the dispatch's; ``parallel.ep_overlap=halves`` hides it
+behind the other half of the micro-batch, counted where it applies:
+``estimate.halves_exposed``); pipeline sends and receives overlap the next micro-batch."""
 
 
 def gpu(name: str, overrides: dict[str, float] | None = None) -> GPU:

@@ -63,9 +63,9 @@ def test_halves_compose_with_a_pipeline_and_expert_tp_on_four_ranks() -> None:
     check_cases(4, cases, 3, timeout=560)
 
 
-def _order(rank: int, world: int) -> list[str]:
+def _order(rank: int, world: int, shared: int = 0) -> list[str]:
     """The transfers of one forward and backward of one block, in the order they are issued
-    and waited for."""
+    and waited for; with ``shared`` experts, where their forward and backward run."""
     import torch
 
     from moetrain.config import ModelConfig, MoEConfig
@@ -92,8 +92,12 @@ def _order(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     cfg = ModelConfig(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, max_seq_len=8)
     moe = MoEConfig(num_experts=4, top_k=2, expert_ffn_dim=16, capacity_factor=None,
-                    every_n_layers=1)  # fmt: skip
+                    every_n_layers=1, num_shared_experts=shared)  # fmt: skip
     block = TransformerBlock(0, cfg, moe)
+    if shared:
+        experts = block.ffn.shared_experts
+        experts.register_forward_hook(lambda *_: events.append("shared"))
+        experts.register_full_backward_hook(lambda *_: events.append("shared'"))
     par = type("P", (), {"ep_dispatcher": "all_to_all", "ep_overlap": "halves"})()
     apply_ep(block, torch.distributed.group.WORLD, par)
     cos, sin = rope_tables(cfg)
@@ -114,3 +118,17 @@ def test_each_half_travels_while_the_other_computes() -> None:
         # is awaited, each half's rows' gradients issued before the other half's wait
         assert events[8:] == ["issue t3", "issue t2", "wait t3", "issue t1", "wait t2",
                               "issue t0", "wait t1", "wait t0"], events  # fmt: skip
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_the_shared_experts_cover_the_transfer_nothing_else_does() -> None:
+    """The one transfer of a block's forward that only the other half's combine covers is
+    the second half's return (t3): its shared experts run before it is awaited, and in
+    backward between the issue of its gradients and their wait."""
+    for events in run_ranks(_order, 2, 1):
+        forward = events[: events.index("wait t3") + 1]
+        assert forward[forward.index("issue t3"):].count("shared") == 2, events  # both halves'
+        backward = events[len(forward):]
+        window = backward[backward.index("issue t3"): backward.index("wait t3")]
+        assert "shared'" in window, events
