@@ -891,7 +891,7 @@ def _ep_overlap_prose() -> list[float]:
     checked = {wire for wire, _ in errors}
     bandwidth = [r for r in record["rows"] if r["ep"] == 2 and r["mbps"] and r["wire"] in checked]
     base = rows[(2, "no delay")]
-    own = base["exposed_plain_s"] / base["transfers_plain"] * 5 / 4
+    own = tool.own_wait(record)
     return [max(r["mbps"] for r in bandwidth), round(100 * min(r["hidden"] for r in bandwidth)),
             round(100 * max(r["hidden"] for r in bandwidth)),
             round(100 * rows[(2, "5 ms")]["hidden"]), round(100 * rows[(2, "10 ms")]["hidden"]),

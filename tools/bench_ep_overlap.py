@@ -321,14 +321,20 @@ def table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def own_wait(record: dict, ep: int = 2) -> float:
+    """Seconds a row transfer of the plain schedule waits with no delay (gloo's own time and
+    the ranks' skew, which the plan does not price): the no-delay waits over its row
+    transfers, 4 of every 5 all-to-alls (the fifth carries the counts beside them)."""
+    base = next(r for r in record["rows"] if r["ep"] == ep and r["wire"] == "no delay")
+    return base["exposed_plain_s"] / base["transfers_plain"] * 5 / 4
+
+
 def plan_errors(record: dict, ep: int = 2) -> dict[tuple[str, str], float]:
     """|plan - measured| / measured exposed time, per (wire, schedule) of ``ep``'s rows
-    whose plain transfer takes at least twice what a transfer waits with no delay (gloo's
-    own time and the ranks' skew, which the plan does not price): where the wire sets the
-    transfers' time, as on a GPU's network."""
+    whose plain transfer takes at least twice what a transfer waits with no delay
+    (``own_wait``): where the wire sets the transfers' time, as on a GPU's network."""
     rows = [r for r in record["rows"] if r["ep"] == ep]
-    base = next(r for r in rows if r["wire"] == "no delay")
-    own = base["exposed_plain_s"] / base["transfers_plain"] * 5 / 4  # rows: 4 of every 5
+    own = own_wait(record, ep)
     return {(r["wire"], s): abs(r[f"predicted_{s}_s"] - r[f"exposed_{s}_s"]) / r[f"exposed_{s}_s"]
             for r in rows if r["transfer_plain_s"] >= 2 * own for s in SCHEDULES}  # fmt: skip
 

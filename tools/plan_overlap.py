@@ -17,13 +17,13 @@ are bf16 (``optim.moments_dtype``) so that each layout's step fits the H100's 80
 
 from __future__ import annotations
 
-import argparse
-import csv
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plan_published  # noqa: E402  (the table tools' command line and CSV reading)
 
 REPO = Path(__file__).resolve().parent.parent
 CSV = REPO / "docs" / "data" / "plan_overlap.csv"
@@ -146,23 +146,13 @@ def render(rows: list[dict[str, str]]) -> str:
 
 
 def read_rows(path: Path = CSV) -> list[dict[str, str]]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    return plan_published.read_rows(path)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--print", action="store_true", help="print the markdown table")
-    parser.add_argument("--csv", default=str(CSV), help="where to write the rows")
-    args = parser.parse_args(argv)
-    rows = [row for run in RUNS for row in plan_rows(run)]
-    with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    if args.print:
-        print(render(rows))
-    return 0
+    return plan_published.table_main(
+        argv, __doc__, CSV, FIELDS, lambda: [row for run in RUNS for row in plan_rows(run)],
+        render)  # fmt: skip
 
 
 if __name__ == "__main__":

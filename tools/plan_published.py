@@ -20,6 +20,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,19 +230,28 @@ def read_rows(path: Path = CSV) -> list[dict[str, str]]:
         return list(csv.DictReader(f))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def table_main(argv: list[str] | None, doc: str, csv_path: Path, fields: list[str],
+               plan_rows: Callable[[], list[dict[str, str]]],
+               render_rows: Callable[[list[dict[str, str]]], str]) -> int:
+    """The command line of a tool that plans rows into a CSV a docs page renders (this one,
+    ``plan_overlap.py``): ``--csv`` where to write them, ``--print`` the markdown too."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--print", action="store_true", help="print the markdown table")
-    parser.add_argument("--csv", default=str(CSV), help="where to write the rows")
+    parser.add_argument("--csv", default=str(csv_path), help="where to write the rows")
     args = parser.parse_args(argv)
-    rows = [plan_row(run) for run in RUNS]
+    rows = plan_rows()
     with open(args.csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
     if args.print:
-        print(render(rows))
+        print(render_rows(rows))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return table_main(argv, __doc__, CSV, FIELDS, lambda: [plan_row(run) for run in RUNS],
+                      render)  # fmt: skip
 
 
 if __name__ == "__main__":

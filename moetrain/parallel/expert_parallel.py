@@ -164,7 +164,6 @@ def apply_ep(
         etp_group = None
     tp = dist.get_world_size(etp_group) if etp_group is not None else 1
     tp_rank = dist.get_rank(etp_group) if etp_group is not None else 0
-    params: list[nn.Parameter] = []
     for layer in moe_layers(model):
         E = layer.num_experts
         if E % ep:
@@ -201,12 +200,11 @@ def apply_ep(
             experts.amax_reduce = AmaxOverGroup(etp_group)
         # Shared experts computed while the all-to-all is in flight (same numbers).
         layer.install_dispatcher(ep_dispatcher, overlap_shared=overlap)
-        params += [getattr(experts, name) for name in names]
     if halves:  # parallel.ep_overlap=halves: each block's two halves hide each other's transfers
         for block in model.modules():
             if type(block) is TransformerBlock and block.moe_enabled:
                 block.schedule_halves()
-    return params
+    return ep_expert_params(model)
 
 
 def ep_expert_params(model: nn.Module) -> list[nn.Parameter]:

@@ -90,7 +90,8 @@ def _train(model, seqs: slice, dp: int, ep_mesh=None, edp_mesh=None) -> dict:
     n_mb = tokens.shape[1] // MB_SEQS
     model.step_context.aux_loss_scale = 1.0 / n_mb
     experts = ep_expert_params(model) if ep_mesh is not None else []
-    others = [p for p in model.parameters() if all(p is not e for e in experts)]
+    expert_ids = {id(e) for e in experts}
+    others = [p for p in model.parameters() if id(p) not in expert_ids]
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     out: dict = {"loss": [], "grad_norm": [], "stats": []}
 
